@@ -1,0 +1,520 @@
+"""Typed configuration of vsa2_rl: OmegaConf structured schemas and the loader.
+
+Precedence is schema defaults <- YAML file <- command-line dotlist overrides
+(``train.num_steps=2 out_dir=runs/x``), the OmegaConf recipe that trl and FastVideo users know.
+Every field documents itself through ``metadata["help"]`` (printed by ``vsa2-rl train --help``).
+Unknown keys, wrong types and contradictory settings raise :class:`ConfigError` naming the key
+and the fix before any work starts; ``load_config`` returns plain dataclass instances, so
+``__post_init__`` checks run on the merged result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "default.yaml")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the fix."""
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    """A dataclass field with its help text (kept in ``metadata`` for ``--help``)."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _check_choice(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, f"got {value!r}, expected one of {', '.join(choices)}")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the transformer (peft). Disabled = full fine-tuning."""
+
+    enabled: bool = _doc("Train LoRA adapters instead of all weights.", default=False)
+    rank: int = _doc("LoRA rank r.", default=16)
+    alpha: float = _doc("LoRA scaling alpha (effective scale alpha / rank).", default=16.0)
+    target_modules: list[str] = _doc(
+        "Module names to adapt (peft target_modules).",
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 1, "model.lora.rank", f"must be >= 1, got {self.rank}")
+        _check(bool(self.target_modules), "model.lora.target_modules", "must not be empty")
+
+
+@dataclass
+class ModelConfig:
+    """The video DiT to fine-tune."""
+
+    kind: str = _doc(
+        "'toy' = the library's small Wan-architecture model (pixel latents, built-in text "
+        "encoder; no download), 'wan' = a local diffusers Wan2.1 directory at model.path.",
+        default="toy",
+    )
+    path: str | None = _doc(
+        "Local directory of the model. kind=wan: a diffusers Wan2.1 folder such as "
+        "/data/Wan2.1-T2V-1.3B-Diffusers (transformer/, text_encoder/, tokenizer/, vae/). "
+        "kind=toy: optional checkpoint folder; empty = the shipped toy model.",
+        default=None,
+    )
+    dtype: str = _doc(
+        "Weights/compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.",
+        default="auto",
+    )
+    num_frames: int = _doc("Frames per generated video (pixel space).", default=8)
+    height: int = _doc("Video height in pixels.", default=32)
+    width: int = _doc("Video width in pixels.", default=32)
+    text_cache_dir: str | None = _doc(
+        "Folder for cached prompt embeddings (one file per prompt); empty = out_dir/text_cache.",
+        default=None,
+    )
+    gradient_checkpointing: bool = _doc(
+        "Recompute transformer blocks in the backward pass to save memory.", default=False
+    )
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice(self.kind, "model.kind", ("toy", "wan"))
+        _check_choice(self.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
+        for key in ("num_frames", "height", "width"):
+            value = getattr(self, key)
+            _check(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+        if self.kind == "wan":
+            _check(
+                bool(self.path),
+                "model.path",
+                "model.kind=wan needs a local diffusers Wan2.1 directory, "
+                "e.g. model.path=/data/Wan2.1-T2V-1.3B-Diffusers",
+            )
+
+
+@dataclass
+class AttentionConfig:
+    """VSA2 sparse attention (DESIGN.md, "VSA2 attention")."""
+
+    enabled: bool = _doc("Use VSA2 in self-attention; false = dense attention.", default=True)
+    q_tile: int = _doc("Query tile size in tokens (one 4x4x4 cube).", default=64)
+    kv_block: int = _doc("Key segment size chosen by the router: 16, 32 or 64.", default=16)
+    mode: str = _doc(
+        "Router selection: 'topp' (variable count: smallest set with router mass >= top_p) or "
+        "'topk' (fixed count, VSA-compatible).",
+        default="topp",
+    )
+    top_p: float = _doc("Router mass each query tile must cover in topp mode.", default=0.9)
+    min_kv: int = _doc("Fewest key segments per query tile.", default=1)
+    dense_threshold: float = _doc(
+        "While the scheduled density (1 - sparsity) is >= this, the fine stage is exact dense "
+        "attention (sparse rebasing warm-up).",
+        default=0.99,
+    )
+    backend: str = _doc(
+        "Kernel backend: auto (Triton on CUDA, torch reference on CPU), triton, torch.",
+        default="auto",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.q_tile == 64, "attention.q_tile", f"only 64 is supported, got {self.q_tile}")
+        _check(
+            self.kv_block in (16, 32, 64),
+            "attention.kv_block",
+            f"must be 16, 32 or 64, got {self.kv_block}",
+        )
+        _check_choice(self.mode, "attention.mode", ("topp", "topk"))
+        _check(0.0 < self.top_p <= 1.0, "attention.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.min_kv >= 1, "attention.min_kv", f"must be >= 1, got {self.min_kv}")
+        _check(
+            0.0 < self.dense_threshold <= 1.0,
+            "attention.dense_threshold",
+            f"must be in (0, 1], got {self.dense_threshold}",
+        )
+        _check_choice(self.backend, "attention.backend", ("auto", "triton", "torch"))
+
+
+# The kernels and models take the attention settings under this name (docs/CONTRACTS.md).
+VSA2Config = AttentionConfig
+
+
+@dataclass
+class SparsityConfig:
+    """Hard-to-easy sparsity schedule: rollout and training share one value, evaluation is lower."""
+
+    train: float = _doc("Sparsity of rollouts and training forwards (after warm-up).", default=0.9)
+    train_end: float | None = _doc(
+        "If set, the train/rollout sparsity moves linearly from `train` to this value over the "
+        "run (a curriculum); empty = constant.",
+        default=None,
+    )
+    eval: float = _doc("Sparsity used for evaluation (lower = easier).", default=0.75)
+    warmup_steps: int = _doc(
+        "Sparse-rebasing warm-up: density anneals from dense to the target over these steps.",
+        default=0,
+    )
+    warmup_shape: str = _doc("Warm-up curve: linear or cosine.", default="cosine")
+
+    def __post_init__(self) -> None:
+        for key in ("train", "eval"):
+            value = getattr(self, key)
+            _check(0.0 <= value < 1.0, f"sparsity.{key}", f"must be in [0, 1), got {value}")
+        if self.train_end is not None:
+            _check(
+                0.0 <= self.train_end < 1.0,
+                "sparsity.train_end",
+                f"must be in [0, 1), got {self.train_end}",
+            )
+        _check(
+            self.warmup_steps >= 0,
+            "sparsity.warmup_steps",
+            f"must be >= 0, got {self.warmup_steps}",
+        )
+        _check_choice(self.warmup_shape, "sparsity.warmup_shape", ("linear", "cosine"))
+
+
+@dataclass
+class SamplerConfig:
+    """Flow-matching sampler for rollouts (SDE) and evaluation (deterministic ODE)."""
+
+    kind: str = _doc("Rollout sampler: 'sde' (Flow-GRPO) or 'cps' (coefficient-preserving).", default="sde")
+    num_steps: int = _doc("Denoising steps per rollout.", default=10)
+    eval_num_steps: int = _doc("ODE steps for evaluation and sample videos.", default=10)
+    shift: float = _doc("Timestep shift of the sigma schedule (Wan uses 3-5 at 480p/720p).", default=1.0)
+    noise_level: float = _doc("SDE noise level a (0 = ODE).", default=0.7)
+    guidance_scale: float = _doc("Classifier-free guidance scale; 1 = no guidance.", default=1.0)
+    sde_window: list[int] | None = _doc(
+        "[start, end) step indices that are stochastic and trained; empty = all steps.",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice(self.kind, "sampler.kind", ("sde", "cps"))
+        _check(self.num_steps >= 1, "sampler.num_steps", f"must be >= 1, got {self.num_steps}")
+        _check(
+            self.eval_num_steps >= 1,
+            "sampler.eval_num_steps",
+            f"must be >= 1, got {self.eval_num_steps}",
+        )
+        _check(self.shift > 0, "sampler.shift", f"must be > 0, got {self.shift}")
+        _check(self.noise_level >= 0, "sampler.noise_level", f"must be >= 0, got {self.noise_level}")
+        _check(
+            self.guidance_scale >= 1.0,
+            "sampler.guidance_scale",
+            f"must be >= 1 (1 disables guidance), got {self.guidance_scale}",
+        )
+        if self.sde_window is not None:
+            _check(
+                len(self.sde_window) == 2
+                and 0 <= self.sde_window[0] < self.sde_window[1] <= self.num_steps,
+                "sampler.sde_window",
+                f"must be [start, end) with 0 <= start < end <= sampler.num_steps "
+                f"({self.num_steps}), got {list(self.sde_window)}",
+            )
+
+
+@dataclass
+class GRPOConfig:
+    """Group-relative policy optimisation on SDE rollouts (Flow-GRPO)."""
+
+    group_size: int = _doc("K: samples per prompt; advantages are relative within a group.", default=4)
+    prompts_per_step: int = _doc("Prompts per RL iteration (global, across ranks).", default=4)
+    scale_rewards: str = _doc(
+        "Advantage normalisation (trl naming): 'group' std, 'batch' std, or 'none'.",
+        default="group",
+    )
+    adv_clip: float = _doc("Clip advantages to [-adv_clip, adv_clip].", default=5.0)
+    loss_type: str = _doc(
+        "Policy loss: 'ppo_clip' (clipped ratio per timestep) or 'reinforce'.", default="ppo_clip"
+    )
+    clip_range: float = _doc("PPO ratio clip range epsilon.", default=0.2)
+    kl_beta: float = _doc("Weight of the latent-space KL to the reference policy; 0 = off.", default=0.0)
+    timestep_fraction: float = _doc(
+        "Fraction of the stochastic steps trained per rollout (random subset).", default=1.0
+    )
+    num_inner_epochs: int = _doc("Passes over each rollout batch.", default=1)
+    train_batch_size: int = _doc("Samples per training forward (gradient accumulation unit).", default=8)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.group_size >= 2,
+            "grpo.group_size",
+            f"must be >= 2 (advantages are relative within a group), got {self.group_size}",
+        )
+        _check(
+            self.prompts_per_step >= 1,
+            "grpo.prompts_per_step",
+            f"must be >= 1, got {self.prompts_per_step}",
+        )
+        _check_choice(self.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
+        _check_choice(self.loss_type, "grpo.loss_type", ("ppo_clip", "reinforce"))
+        _check(self.adv_clip > 0, "grpo.adv_clip", f"must be > 0, got {self.adv_clip}")
+        _check(self.clip_range > 0, "grpo.clip_range", f"must be > 0, got {self.clip_range}")
+        _check(self.kl_beta >= 0, "grpo.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        _check(
+            0 < self.timestep_fraction <= 1,
+            "grpo.timestep_fraction",
+            f"must be in (0, 1], got {self.timestep_fraction}",
+        )
+        _check(
+            self.num_inner_epochs >= 1,
+            "grpo.num_inner_epochs",
+            f"must be >= 1, got {self.num_inner_epochs}",
+        )
+        _check(
+            self.train_batch_size >= 1,
+            "grpo.train_batch_size",
+            f"must be >= 1, got {self.train_batch_size}",
+        )
+
+
+@dataclass
+class RewardEntry:
+    """One reward function and its weight."""
+
+    name: str = _doc("Registered reward name or 'package.module:callable'.", default="???")
+    weight: float = _doc("Weight in the combination.", default=1.0)
+    kwargs: dict[str, Any] = _doc(
+        "Keyword arguments of the reward factory (e.g. local weight paths).", default_factory=dict
+    )
+
+
+@dataclass
+class RewardsConfig:
+    """Reward functions (vsa2_rl.rewards) and how they are combined."""
+
+    functions: list[RewardEntry] = _doc(
+        "Rewards to compute, each {name, weight, kwargs}.",
+        default_factory=lambda: [RewardEntry(name="motion_quality", weight=1.0)],
+    )
+    aggregation: str = _doc(
+        "'reward' = weighted sum of rewards, then advantages; 'advantage' = advantages per "
+        "reward, then weighted sum.",
+        default="reward",
+    )
+    on_error: str = _doc(
+        "A reward that raises or returns NaN/inf/wrong shape: 'skip' the step, 'stop' the run, "
+        "or 'drop_sample' (drop the affected samples).",
+        default="skip",
+    )
+    num_workers: int = _doc("Threads computing rewards concurrently.", default=2)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.functions), "rewards.functions", "needs at least one reward")
+        for index, entry in enumerate(self.functions):
+            _check(
+                entry.name not in ("", "???"),
+                f"rewards.functions[{index}].name",
+                "is missing: give a registered reward name or 'package.module:callable'",
+            )
+        _check_choice(self.aggregation, "rewards.aggregation", ("reward", "advantage"))
+        _check_choice(self.on_error, "rewards.on_error", ("skip", "stop", "drop_sample"))
+        _check(self.num_workers >= 1, "rewards.num_workers", f"must be >= 1, got {self.num_workers}")
+
+
+@dataclass
+class PromptsConfig:
+    """Prompt set for training and evaluation."""
+
+    file: str | None = _doc(
+        "Text file with one prompt per line; empty = the built-in toy motion prompts.", default=None
+    )
+    eval_file: str | None = _doc("Prompt file for evaluation; empty = prompts.file.", default=None)
+
+    def __post_init__(self) -> None:
+        for key in ("file", "eval_file"):
+            path = getattr(self, key)
+            if path:
+                _check(os.path.isfile(path), f"prompts.{key}", f"file not found: {path}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping of the RL run."""
+
+    num_steps: int = _doc("RL iterations (rollout + update).", default=20)
+    learning_rate: float = _doc("AdamW learning rate.", default=1e-4)
+    weight_decay: float = _doc("AdamW weight decay.", default=0.0)
+    warmup_steps: int = _doc("Linear learning-rate warm-up steps.", default=0)
+    max_grad_norm: float = _doc("Gradient-norm clip; 0 = off.", default=1.0)
+    ema_decay: float = _doc("EMA of trainable weights (used for eval); 0 = off.", default=0.0)
+    checkpoint_every: int = _doc("Save a full checkpoint every N steps; 0 = only at the end.", default=10)
+    keep_last: int = _doc("Checkpoints kept on disk.", default=2)
+    sample_every: int = _doc("Save sample videos every N steps; 0 = never.", default=10)
+    resume: str = _doc(
+        "'auto' = continue from the newest complete checkpoint in out_dir if any, 'none', or a "
+        "checkpoint folder.",
+        default="auto",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.num_steps >= 1, "train.num_steps", f"must be >= 1, got {self.num_steps}")
+        _check(
+            self.learning_rate > 0,
+            "train.learning_rate",
+            f"must be > 0, got {self.learning_rate}",
+        )
+        _check(0 <= self.ema_decay < 1, "train.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        _check(self.keep_last >= 1, "train.keep_last", f"must be >= 1, got {self.keep_last}")
+        if self.resume not in ("auto", "none"):
+            _check(
+                os.path.isdir(self.resume),
+                "train.resume",
+                f"checkpoint folder not found: {self.resume} (use auto, none or a folder)",
+            )
+
+
+@dataclass
+class EvalConfig:
+    """Sparsity-sweep evaluation (vsa2-rl eval)."""
+
+    sparsities: list[float] = _doc(
+        "Inference sparsities to evaluate (0.0 = dense attention).",
+        default_factory=lambda: [0.0, 0.5, 0.75, 0.9],
+    )
+    num_prompts: int = _doc("Prompts evaluated (first N of the eval prompt set).", default=8)
+    seed: int = _doc("Seed of the evaluation noise (the same for every sparsity and run).", default=1234)
+    every: int = _doc("During training: evaluate every N steps; 0 = never.", default=0)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.sparsities), "eval.sparsities", "needs at least one value")
+        for value in self.sparsities:
+            _check(0.0 <= value < 1.0, "eval.sparsities", f"each must be in [0, 1), got {value}")
+        _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides out_dir/metrics.jsonl."""
+
+    report_to: list[str] = _doc(
+        "Trackers: any of wandb, tensorboard; empty = metrics.jsonl only.", default_factory=list
+    )
+    wandb_mode: str = _doc("wandb mode: offline (default, no network) or online.", default="offline")
+    project: str = _doc("wandb project / tensorboard run group.", default="vsa2_rl")
+    progress: bool = _doc("Show progress bars.", default=True)
+
+    def __post_init__(self) -> None:
+        for tracker in self.report_to:
+            _check_choice(tracker, "logging.report_to", ("wandb", "tensorboard"))
+        _check_choice(self.wandb_mode, "logging.wandb_mode", ("offline", "online", "disabled"))
+
+
+@dataclass
+class RunConfig:
+    """A whole vsa2_rl run (training or evaluation)."""
+
+    out_dir: str = _doc("Run directory: metrics, checkpoints, samples, plots.", default="runs/default")
+    seed: int = _doc("Global seed.", default=0)
+    device: str = _doc("auto (CUDA if available), cpu or cuda[:N].", default="auto")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dirs: list[str] = _doc(
+        "vsa2-rl eval: training run folders to evaluate (newest checkpoint of each).",
+        default_factory=list,
+    )
+    run_dir: str | None = _doc("vsa2-rl eval: one training run folder (same as run_dirs=[DIR]).", default=None)
+    checkpoint: str | None = _doc("vsa2-rl eval: one checkpoint folder to evaluate.", default=None)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.out_dir), "out_dir", "must not be empty")
+        _check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            f"got {self.device!r}, expected auto, cpu or cuda[:N]",
+        )
+        if self.model.kind == "wan" and self.model.path:
+            _check(
+                os.path.isdir(self.model.path),
+                "model.path",
+                f"directory not found: {self.model.path} (put a local diffusers Wan2.1 folder "
+                "there, e.g. Wan2.1-T2V-1.3B-Diffusers)",
+            )
+        if self.model.kind == "toy" and self.model.path:
+            _check(
+                os.path.isdir(self.model.path),
+                "model.path",
+                f"directory not found: {self.model.path} (leave empty for the shipped toy model)",
+            )
+
+
+def _all_keys(schema: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(schema):
+        name = prefix + f.name
+        keys.append(name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys.extend(_all_keys(default, name + "."))
+    return keys
+
+
+def _friendly(error: OmegaConfBaseException) -> ConfigError:
+    """Turns an OmegaConf error into one line naming the key and the fix."""
+    key = getattr(error, "full_key", None) or ""
+    message = str(error).splitlines()[0]
+    if "not in struct" in message or "Key '" in message and "not" in message:
+        close = difflib.get_close_matches(key, _all_keys(RunConfig), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return ConfigError(f"{key}: unknown config key{hint}; see `vsa2-rl train --help`")
+    return ConfigError(f"{key or 'config'}: {message}")
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Merges schema <- YAML ``path`` <- dotlist ``overrides`` and validates the result.
+
+    ``path=None`` uses ``configs/default.yaml`` (the embedded toy run). Raises
+    :class:`ConfigError` for a missing file, an unknown key, a wrong type or a contradiction.
+    """
+    path = path or DEFAULT_CONFIG
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        schema = OmegaConf.structured(RunConfig)
+        merged = OmegaConf.merge(
+            schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or []))
+        )
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise _friendly(error) from None
+    assert isinstance(config, RunConfig)
+    return config
+
+
+def to_yaml(config: RunConfig) -> str:
+    """The resolved configuration as YAML (saved as out_dir/config.yaml)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def help_lines(schema: Any = RunConfig, prefix: str = "") -> list[str]:
+    """One line per key: ``key = default  help``; used by the CLI's ``--help``."""
+    lines = []
+    for f in dataclasses.fields(schema):
+        name = prefix + f.name
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            lines.extend(help_lines(type(default), name + "."))
+            continue
+        if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
+            default = [dataclasses.asdict(item) for item in default]
+        lines.append(f"  {name} = {default!r}\n      {f.metadata.get('help', '')}")
+    return lines
