@@ -1,0 +1,38 @@
+"""Rewards for vsa2_rl: the reward registry, built-in video rewards and their mixing.
+
+``get_reward(spec, **kwargs)`` builds a registered reward, an installed plug-in (entry point
+group ``vsa2_rl.rewards``) or ``"package.module:callable"``; ``RewardMixer`` computes several
+rewards concurrently and combines them at the reward or the advantage level. Importing this
+package registers the built-ins: ``dynamic_degree``, ``motion_smoothness``, ``temporal_flicker``,
+``motion_quality`` (optical flow), ``aesthetic`` (LAION predictor on open_clip, local weights)
+and ``image_quality`` (weight-free sharpness, colourfulness, exposure).
+"""
+
+from . import aesthetic, image_quality, motion  # noqa: F401  (register the built-ins)
+from .mixing import RewardMixer, RewardOutput, combine_advantages
+from .registry import (
+    ENTRY_POINT_GROUP,
+    Reward,
+    RewardError,
+    RewardFn,
+    RewardSkip,
+    check_videos,
+    get_reward,
+    list_rewards,
+    register_reward,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Reward",
+    "RewardError",
+    "RewardFn",
+    "RewardMixer",
+    "RewardOutput",
+    "RewardSkip",
+    "check_videos",
+    "combine_advantages",
+    "get_reward",
+    "list_rewards",
+    "register_reward",
+]

@@ -1,0 +1,228 @@
+"""Computing several rewards at once and combining them with weights.
+
+``RewardMixer`` builds every reward of a list of ``(spec, weight, kwargs)`` entries and computes
+them concurrently in a thread pool, so CPU rewards (OpenCV flow, image statistics) overlap with
+GPU rewards (CLIP, RAFT); OpenCV and torch release the GIL in their kernels.
+
+Two aggregation levels (``aggregation``), as in multi-reward Flow-GRPO / DanceGRPO recipes:
+
+- ``"reward"``: the trainer computes advantages of ``output.total``, the weighted sum of the raw
+  rewards: ``adv = advantage_fn(output.total)``.
+- ``"advantage"``: the trainer computes advantages of each reward separately and combines them,
+  so rewards on different scales count by their weights only:
+  ``adv = mixer.combine_advantages({n: advantage_fn(r) for n, r in output.rewards.items()})``.
+
+Failure policy (``on_error``): a reward that raises, returns the wrong shape/dtype or non-finite
+values is reported by name through :class:`RewardError`.
+
+- ``"stop"``: the first failing reward's ``RewardError`` propagates (the run stops).
+- ``"skip"``: a :class:`RewardSkip` (a ``RewardError``) is raised; the trainer catches it and
+  skips the step.
+- ``"drop_sample"``: non-finite values are kept as they are (never zeroed) and the samples are
+  marked invalid in ``output.valid``; ``output.total`` is NaN there. The trainer computes
+  advantages on the valid samples only. Failures that concern the whole batch (the reward
+  raised, wrong shape or dtype) cannot be attributed to samples and propagate as with "stop".
+
+Per-reward means are logged as ``reward/<name>`` (see :meth:`RewardOutput.metrics`); a name
+used twice gets a suffix ``_2``, ``_3``, ...
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .registry import Reward, RewardError, RewardSkip, check_videos, get_reward
+
+logger = logging.getLogger(__name__)
+
+AGGREGATIONS = ("reward", "advantage")
+ON_ERROR = ("skip", "stop", "drop_sample")
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """Rewards of one batch.
+
+    rewards: name -> float32 [B] raw values (non-finite where a sample was dropped).
+    total: float32 [B] weighted sum of the rewards; NaN where ``valid`` is False.
+    valid: bool [B]; False only for samples dropped under ``on_error="drop_sample"``.
+    dropped: name -> indices of the samples where that reward was non-finite.
+    """
+
+    rewards: dict[str, torch.Tensor]
+    total: torch.Tensor
+    valid: torch.Tensor
+    dropped: dict[str, list[int]]
+
+    def metrics(self) -> dict[str, float]:
+        """``reward/<name>`` and ``reward/total`` means over valid samples, plus the valid share."""
+        out: dict[str, float] = {}
+        count = int(self.valid.sum())
+        for name, values in [*self.rewards.items(), ("total", self.total)]:
+            out[f"reward/{name}"] = float(values[self.valid].mean()) if count else math.nan
+        out["reward/valid_fraction"] = count / self.valid.numel()
+        return out
+
+
+def combine_advantages(
+    per_reward_adv: Mapping[str, torch.Tensor], weights: Mapping[str, float]
+) -> torch.Tensor:
+    """Advantage-level aggregation: ``sum_name weights[name] * per_reward_adv[name]``.
+
+    Both mappings must name the same rewards; all advantage tensors must share one shape.
+    """
+    if set(per_reward_adv) != set(weights):
+        raise ValueError(
+            f"combine_advantages: advantages given for {sorted(per_reward_adv)} but weights for "
+            f"{sorted(weights)}; pass one advantage tensor per weighted reward"
+        )
+    if not per_reward_adv:
+        raise ValueError("combine_advantages: needs at least one reward")
+    shapes = {name: tuple(adv.shape) for name, adv in per_reward_adv.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"combine_advantages: advantage shapes differ: {shapes}")
+    return sum(weights[name] * adv for name, adv in per_reward_adv.items())
+
+
+def _parse_entry(index: int, entry: Any) -> tuple[Any, float, dict]:
+    """(spec, weight, kwargs) from a tuple, a mapping or a config object (RewardEntry)."""
+    if isinstance(entry, (tuple, list)) and 1 <= len(entry) <= 3:
+        spec = entry[0]
+        weight = entry[1] if len(entry) > 1 else 1.0
+        kwargs = entry[2] if len(entry) > 2 else {}
+    elif isinstance(entry, Mapping):
+        spec = entry.get("name", entry.get("spec"))
+        weight, kwargs = entry.get("weight", 1.0), entry.get("kwargs") or {}
+    elif hasattr(entry, "name") and hasattr(entry, "weight"):
+        spec, weight, kwargs = entry.name, entry.weight, getattr(entry, "kwargs", None) or {}
+    else:
+        raise ValueError(
+            f"rewards.functions[{index}]: expected (spec, weight, kwargs), a mapping "
+            f"{{name, weight, kwargs}} or a RewardEntry, got {entry!r}"
+        )
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not math.isfinite(weight)
+    ):
+        raise ValueError(
+            f"rewards.functions[{index}].weight: must be a finite number, got {weight!r}"
+        )
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"rewards.functions[{index}].kwargs: must be a mapping, got {kwargs!r}")
+    return spec, float(weight), dict(kwargs)
+
+
+class RewardMixer:
+    """Computes weighted rewards concurrently; see the module docstring for the policies."""
+
+    def __init__(
+        self,
+        entries: Iterable[Any],
+        *,
+        aggregation: str = "reward",
+        on_error: str = "stop",
+        num_workers: int = 2,
+    ) -> None:
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"rewards.aggregation: got {aggregation!r}, expected one of {AGGREGATIONS}"
+            )
+        if on_error not in ON_ERROR:
+            raise ValueError(f"rewards.on_error: got {on_error!r}, expected one of {ON_ERROR}")
+        if num_workers < 1:
+            raise ValueError(f"rewards.num_workers: must be >= 1, got {num_workers}")
+        self.aggregation = aggregation
+        self.on_error = on_error
+        self.num_workers = num_workers
+        self.rewards: dict[str, Reward] = {}
+        self.weights: dict[str, float] = {}
+        for index, entry in enumerate(entries):
+            spec, weight, kwargs = _parse_entry(index, entry)
+            try:
+                reward = get_reward(spec, **kwargs)
+            except Exception as exc:
+                raise ValueError(f"rewards.functions[{index}] ({spec}): {exc}") from exc
+            name, suffix = reward.name, 2
+            while name in self.rewards:
+                name, suffix = f"{reward.name}_{suffix}", suffix + 1
+            self.rewards[name] = reward if name == reward.name else Reward(name, reward.fn)
+            self.weights[name] = weight
+        if not self.rewards:
+            raise ValueError("rewards.functions: needs at least one reward")
+
+    @classmethod
+    def from_config(cls, config: Any) -> RewardMixer:
+        """From a ``RewardsConfig`` (fields functions, aggregation, on_error, num_workers)."""
+        return cls(
+            config.functions,
+            aggregation=config.aggregation,
+            on_error=config.on_error,
+            num_workers=config.num_workers,
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.rewards)
+
+    def combine_advantages(self, per_reward_adv: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """:func:`combine_advantages` with this mixer's weights."""
+        return combine_advantages(per_reward_adv, self.weights)
+
+    def _run_all(
+        self, run: Callable[[Reward], torch.Tensor]
+    ) -> dict[str, torch.Tensor | RewardError]:
+        def guarded(reward: Reward) -> torch.Tensor | RewardError:
+            try:
+                return run(reward)
+            except RewardError as exc:
+                return exc
+
+        if self.num_workers == 1 or len(self.rewards) == 1:
+            return {name: guarded(reward) for name, reward in self.rewards.items()}
+        with ThreadPoolExecutor(min(self.num_workers, len(self.rewards))) as pool:
+            futures = {name: pool.submit(guarded, reward) for name, reward in self.rewards.items()}
+            return {name: future.result() for name, future in futures.items()}
+
+    def __call__(
+        self,
+        videos: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[dict] | None = None,
+    ) -> RewardOutput:
+        batch = check_videos(videos, prompts, metadata)
+        if metadata is None:
+            metadata = [{} for _ in range(batch)]
+        allow_nonfinite = self.on_error == "drop_sample"
+        results = self._run_all(
+            lambda reward: reward.evaluate(
+                videos, prompts, metadata, allow_nonfinite=allow_nonfinite, checked_input=True
+            )
+        )
+        failures = [result for result in results.values() if isinstance(result, RewardError)]
+        if failures:
+            for extra in failures[1:]:
+                logger.error("%s", extra)
+            first = failures[0]
+            if self.on_error == "skip":
+                raise RewardSkip(first.name, f"step skipped: {first.detail}") from first
+            raise first
+        rewards = {name: value.to(videos.device) for name, value in results.items()}
+        valid = torch.ones(batch, dtype=torch.bool, device=videos.device)
+        dropped: dict[str, list[int]] = {}
+        for name, values in rewards.items():
+            finite = torch.isfinite(values)
+            if not bool(finite.all()):
+                dropped[name] = (~finite).nonzero().flatten().tolist()
+                logger.warning("reward %r: non-finite at samples %s; dropped", name, dropped[name])
+                valid &= finite
+        total = sum(self.weights[name] * values for name, values in rewards.items())
+        total = torch.where(valid, total, torch.full_like(total, math.nan))
+        return RewardOutput(rewards=rewards, total=total, valid=valid, dropped=dropped)

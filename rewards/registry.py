@@ -1,0 +1,273 @@
+"""Reward registry: the reward-function contract, name/plug-in resolution and output checks.
+
+A reward function is ``fn(videos, prompts, metadata) -> Tensor[B]`` with ``videos`` a float
+tensor [B, T, C, H, W] in [0, 1], ``prompts`` a list of B strings and ``metadata`` a list of B
+dicts; higher is better. Rewards are *built* by factories, so that weights are loaded once:
+
+- ``register_reward(name)`` registers a factory ``factory(**kwargs) -> reward function``.
+- ``get_reward(spec, **kwargs)`` resolves ``spec`` in this order: a registered name; an entry
+  point of group ``vsa2_rl.rewards`` with that name (installed plug-ins; the entry point names a
+  factory); ``"package.module:callable"``. It returns a :class:`Reward` that checks its input
+  and its output.
+
+A ``"module:callable"`` target (or a callable passed directly) is treated as a **factory** when
+it is a class, was decorated with ``register_reward``, kwargs are given, or it cannot be called
+with the three positional arguments ``(videos, prompts, metadata)`` (e.g. a zero-argument
+factory); otherwise it is the reward function itself.
+
+Output contract (enforced by :class:`Reward`): a float32 tensor of shape [B] with finite values.
+A reward that raises or breaks the contract raises :class:`RewardError` (a ``ValueError``)
+whose message names the reward. Bad *input* (videos of the wrong rank, fewer than 2 frames,
+values outside [0, 1]) raises a plain ``ValueError`` before any reward runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
+RewardFactory = Callable[..., RewardFn]
+
+ENTRY_POINT_GROUP = "vsa2_rl.rewards"
+
+_REGISTRY: dict[str, RewardFactory] = {}
+_FACTORY_MARK = "__vsa2_reward_factory__"
+
+
+class RewardError(ValueError):
+    """A reward raised, or returned a value that breaks the contract; ``name`` says which."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"reward {name!r}: {message}")
+        self.name = name
+        self.detail = message
+
+
+class RewardSkip(RewardError):
+    """Raised by the mixer with ``on_error='skip'``: the trainer catches it and skips the step."""
+
+
+def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFactory], Any]:
+    """Decorator registering ``factory(**kwargs) -> reward function`` under ``name``.
+
+    Re-registering a name raises unless ``overwrite=True`` (so two plug-ins cannot silently
+    shadow each other); re-registering the same factory object is a no-op (module reloads).
+    """
+    if not name or ":" in name or name != name.strip():
+        raise ValueError(
+            f"register_reward: name must be non-empty without ':' or surrounding spaces, "
+            f"got {name!r}"
+        )
+
+    def decorator(factory: RewardFactory) -> RewardFactory:
+        if not callable(factory):
+            raise ValueError(f"register_reward({name!r}): expected a callable, got {factory!r}")
+        current = _REGISTRY.get(name)
+        if current is not None and current is not factory and not overwrite:
+            raise ValueError(
+                f"register_reward: {name!r} is already registered to "
+                f"{current.__module__}.{current.__qualname__}; pick another name or pass "
+                f"overwrite=True"
+            )
+        _REGISTRY[name] = factory
+        setattr(factory, _FACTORY_MARK, True)
+        return factory
+
+    return decorator
+
+
+def list_rewards() -> list[str]:
+    """Registered reward names (built-ins and those registered by imported modules)."""
+    return sorted(_REGISTRY)
+
+
+def check_videos(
+    videos: Any, prompts: Sequence[str] | None = None, metadata: Sequence[dict] | None = None
+) -> int:
+    """Validate reward input; returns the batch size B. Raises ValueError naming the problem."""
+    if not isinstance(videos, torch.Tensor):
+        raise ValueError(f"videos: expected a torch.Tensor [B, T, C, H, W], got {type(videos)}")
+    if videos.dim() != 5:
+        raise ValueError(
+            f"videos: expected rank 5 [B, T, C, H, W], got shape {tuple(videos.shape)}; "
+            f"add a batch dimension with videos[None] for a single video"
+        )
+    if not videos.dtype.is_floating_point:
+        raise ValueError(
+            f"videos: expected a float tensor in [0, 1], got dtype {videos.dtype}; "
+            f"convert uint8 frames with videos.float() / 255"
+        )
+    batch, frames = videos.shape[:2]
+    if batch < 1 or frames < 2:
+        raise ValueError(
+            f"videos: need B >= 1 videos of at least 2 frames, got shape {tuple(videos.shape)}"
+        )
+    if not bool(((videos >= 0) & (videos <= 1)).all()):
+        finite = videos[torch.isfinite(videos)]
+        span = (
+            f"[{finite.min().item():.4g}, {finite.max().item():.4g}]" if finite.numel() else "n/a"
+        )
+        has_nan = bool(torch.isnan(videos).any())
+        raise ValueError(
+            f"videos: values must lie in [0, 1], got finite range {span}"
+            f"{' and NaN values' if has_nan else ''}; map decoder output from [-1, 1] with "
+            f"(x + 1) / 2 and clamp to [0, 1]"
+        )
+    if prompts is not None and len(prompts) != batch:
+        raise ValueError(f"prompts: expected {batch} prompts (one per video), got {len(prompts)}")
+    if metadata is not None and len(metadata) != batch:
+        raise ValueError(f"metadata: expected {batch} dicts (one per video), got {len(metadata)}")
+    return batch
+
+
+class Reward:
+    """A reward function wrapped with input and output checks; call as ``reward(v, p, m)``."""
+
+    def __init__(self, name: str, fn: RewardFn) -> None:
+        self.name = name
+        self.fn = fn
+
+    def __repr__(self) -> str:
+        return f"Reward({self.name!r}, {self.fn!r})"
+
+    def __call__(
+        self,
+        videos: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[dict] | None = None,
+    ) -> torch.Tensor:
+        return self.evaluate(videos, prompts, metadata)
+
+    def evaluate(
+        self,
+        videos: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[dict] | None = None,
+        *,
+        allow_nonfinite: bool = False,
+        checked_input: bool = False,
+    ) -> torch.Tensor:
+        """Run the reward and check its output.
+
+        ``allow_nonfinite=True`` returns NaN/inf values instead of raising (the mixer's
+        ``drop_sample`` policy masks them); ``checked_input=True`` skips the input check when the
+        caller already ran :func:`check_videos` on the same batch.
+        """
+        batch = len(videos) if checked_input else check_videos(videos, prompts, metadata)
+        if metadata is None:
+            metadata = [{} for _ in range(batch)]
+        try:
+            out = self.fn(videos, list(prompts), list(metadata))
+        except Exception as exc:  # any failure inside a reward is reported with its name
+            raise RewardError(self.name, f"raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(out, torch.Tensor):
+            raise RewardError(self.name, f"must return a torch.Tensor [B], got {type(out)}")
+        if tuple(out.shape) != (batch,):
+            raise RewardError(
+                self.name,
+                f"must return shape [{batch}] (one value per video), got {tuple(out.shape)}",
+            )
+        if out.dtype != torch.float32:
+            raise RewardError(
+                self.name, f"must return float32, got {out.dtype}; return `values.float()`"
+            )
+        if not allow_nonfinite:
+            bad = ~torch.isfinite(out)
+            if bool(bad.any()):
+                index = bad.nonzero().flatten().tolist()
+                raise RewardError(
+                    self.name,
+                    f"returned non-finite values {out[bad].tolist()} at samples {index}",
+                )
+        return out
+
+
+def _import_target(spec: str) -> Any:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(
+            f"reward spec {spec!r}: expected 'package.module:callable' with both parts non-empty"
+        )
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"reward spec {spec!r}: cannot import module {module_name!r}: {exc}"
+        ) from exc
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            raise ValueError(
+                f"reward spec {spec!r}: {module_name!r} has no attribute {attr_path!r}"
+            )
+        target = getattr(target, part)
+    return target
+
+
+def _entry_point(name: str) -> Any | None:
+    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    return matches[0].load() if matches else None
+
+
+def _is_factory(target: Any, kwargs: dict) -> bool:
+    if inspect.isclass(target) or getattr(target, _FACTORY_MARK, False) or kwargs:
+        return True
+    try:
+        inspect.signature(target).bind(None, None, None)
+    except TypeError:
+        return True
+    except ValueError:  # no signature (some builtins): assume a reward function
+        return False
+    return False
+
+
+def _build(name: str, factory: Any, kwargs: dict) -> RewardFn:
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"reward {name!r}: bad kwargs {sorted(kwargs)}: {exc}") from exc
+    except ValueError:  # no introspectable signature: let the call decide
+        pass
+    fn = factory(**kwargs)
+    if not callable(fn):
+        raise ValueError(
+            f"reward {name!r}: the factory returned {type(fn)}, expected a callable "
+            f"fn(videos, prompts, metadata) -> Tensor[B]"
+        )
+    return fn
+
+
+def get_reward(spec: str | Callable, **kwargs: Any) -> Reward:
+    """Build the reward ``spec`` (registered name, entry point, ``'module:callable'`` or a
+    callable) with factory ``kwargs`` and wrap it in a checking :class:`Reward`."""
+    if isinstance(spec, Reward) and not kwargs:
+        return spec
+    if callable(spec) and not isinstance(spec, str):
+        name = getattr(spec, "__name__", type(spec).__name__)
+        target = spec
+    elif isinstance(spec, str) and spec:
+        if spec in _REGISTRY:
+            return Reward(spec, _build(spec, _REGISTRY[spec], kwargs))
+        plugin = _entry_point(spec) if ":" not in spec else None
+        if plugin is not None:
+            return Reward(spec, _build(spec, plugin, kwargs))
+        if ":" not in spec:
+            raise ValueError(
+                f"unknown reward {spec!r}: not registered (known: {', '.join(list_rewards())}), "
+                f"not an entry point of group {ENTRY_POINT_GROUP!r}, and not "
+                f"'package.module:callable'"
+            )
+        target = _import_target(spec)
+        name = spec.rpartition(":")[2]
+    else:
+        raise ValueError(f"reward spec: expected a non-empty string or a callable, got {spec!r}")
+    if _is_factory(target, kwargs):
+        return Reward(name, _build(name, target, kwargs))
+    if not callable(target):
+        raise ValueError(f"reward {name!r}: {target!r} is not callable")
+    return Reward(name, target)

@@ -1,0 +1,160 @@
+"""Aesthetic (open_clip + LAION MLP) and weight-free image-quality rewards."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vsa2_rl.rewards import get_reward
+from vsa2_rl.rewards.aesthetic import AestheticMLP, load_aesthetic_mlp
+from vsa2_rl.rewards.image_quality import colorfulness, exposure, sharpness
+
+# A tiny open_clip architecture (random weights): 32x32 images, 16-d embeddings.
+TINY_CLIP = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+}
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@pytest.fixture
+def tiny_clip_files(tmp_path):
+    """(config json, open_clip checkpoint, predictor state dict) of random tiny models."""
+    import open_clip
+
+    config = tmp_path / "tiny-vsa2-test-clip.json"
+    config.write_text(json.dumps(TINY_CLIP))
+    open_clip.add_model_config(str(config))
+    model = open_clip.create_model("tiny-vsa2-test-clip").eval()
+    clip_path = tmp_path / "clip.pt"
+    torch.save(model.state_dict(), clip_path)
+    mlp = AestheticMLP(16)
+    for layer in mlp.layers:  # non-trivial weights so that every layer matters
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.normal_(layer.weight, std=0.5)
+            torch.nn.init.normal_(layer.bias, std=0.5)
+    predictor_path = tmp_path / "mlp.pt"
+    torch.save(mlp.state_dict(), predictor_path)
+    return str(config), str(clip_path), str(predictor_path), model
+
+
+def _mlp_float64(state, x):
+    """The aesthetic head from its state dict in float64: five affine maps, no activations."""
+    for index in (0, 2, 4, 6, 7):
+        x = x @ state[f"layers.{index}.weight"].double().T + state[f"layers.{index}.bias"].double()
+    return x.squeeze(-1)
+
+
+def test_aesthetic_matches_reference(tiny_clip_files):
+    config, clip_path, predictor_path, model = tiny_clip_files
+    reward = get_reward(
+        "aesthetic",
+        clip_path=clip_path,
+        predictor_path=predictor_path,
+        clip_model=config,
+        num_frames=2,
+    )
+    videos = torch.rand(2, 3, 3, 32, 32)  # already at the model's size: no resize
+    values = reward(videos, ["a", "b"])
+    # Reference: open_clip's own encode_image on frames 0 and 2 (2 evenly spaced of 3).
+    frames = videos[:, [0, 2]].flatten(0, 1)
+    mean, std = (
+        torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1),
+        torch.tensor(OPENAI_STD).view(1, 3, 1, 1),
+    )
+    with torch.no_grad():
+        embeddings = model.encode_image((frames - mean) / std, normalize=True)
+    state = torch.load(predictor_path, weights_only=True)
+    expected = _mlp_float64(state, embeddings.double()).view(2, 2).mean(dim=1)
+    assert values.dtype == torch.float32
+    torch.testing.assert_close(values.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_aesthetic_resizes_other_resolutions(tiny_clip_files):
+    config, clip_path, predictor_path, _ = tiny_clip_files
+    reward = get_reward(
+        "aesthetic", clip_path=clip_path, predictor_path=predictor_path, clip_model=config
+    )
+    values = reward(torch.rand(2, 5, 1, 40, 56), ["a", "b"])  # grey, non-square
+    assert values.shape == (2,) and torch.isfinite(values).all()
+
+
+def test_aesthetic_mlp_loads_from_state_dict(tmp_path):
+    mlp = AestheticMLP(24)
+    path = tmp_path / "mlp.pt"
+    torch.save(mlp.state_dict(), path)
+    loaded = load_aesthetic_mlp(str(path))
+    assert loaded.input_dim == 24 and not loaded.training
+    for key, value in mlp.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+    torch.save({"weight": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"predictor_path: .* is not an aesthetic-predictor"):
+        load_aesthetic_mlp(str(tmp_path / "other.pt"))
+
+
+def test_aesthetic_missing_files_fail_at_construction(tiny_clip_files, tmp_path):
+    config, clip_path, predictor_path, _ = tiny_clip_files
+    missing = str(tmp_path / "missing.pth")
+    with pytest.raises(
+        ValueError, match=r"rewards.aesthetic.predictor_path: file not found: .*missing"
+    ):
+        get_reward("aesthetic", clip_path=clip_path, predictor_path=missing, clip_model=config)
+    with pytest.raises(ValueError, match=r"rewards.aesthetic.clip_path: file not found: .*missing"):
+        get_reward("aesthetic", clip_path=missing, predictor_path=predictor_path, clip_model=config)
+    with pytest.raises(ValueError, match=r"rewards.aesthetic.clip_path: required"):
+        get_reward("aesthetic", predictor_path=predictor_path)
+    with pytest.raises(ValueError, match=r"rewards.aesthetic.clip_model: unknown open_clip config"):
+        get_reward(
+            "aesthetic", clip_path=clip_path, predictor_path=predictor_path, clip_model="ViT-Q-99"
+        )
+    wide = tmp_path / "wide.pt"
+    torch.save(AestheticMLP(32).state_dict(), wide)
+    with pytest.raises(ValueError, match=r"predictor expects 32-d embeddings .* gives 16-d"):
+        get_reward("aesthetic", clip_path=clip_path, predictor_path=str(wide), clip_model=config)
+
+
+def test_colorfulness_hand_computed():
+    # Left half pure red (255, 0, 0), right half pure green (0, 255, 0).
+    frame = torch.zeros(1, 3, 4, 4)
+    frame[0, 0, :, :2] = 1.0
+    frame[0, 1, :, 2:] = 1.0
+    # rg = +-255 (mean 0, std 255); yb = 127.5 everywhere (mean 127.5, std 0).
+    expected = (255.0 + 0.3 * 127.5) / 109.0
+    assert colorfulness(frame).item() == pytest.approx(min(expected, 1.0))
+    half = frame * 0.2  # rg = +-51, yb = 25.5
+    assert colorfulness(half).item() == pytest.approx((51.0 + 0.3 * 25.5) / 109.0, rel=1e-5)
+    assert colorfulness(torch.full((1, 3, 4, 4), 0.5)).item() == 0.0
+
+
+def test_exposure_and_sharpness_terms():
+    grey = torch.full((1, 3, 8, 8), 0.5)
+    assert exposure(grey).item() == pytest.approx(1.0)
+    assert exposure(torch.zeros(1, 3, 8, 8)).item() == 0.0
+    assert exposure(torch.full((1, 3, 8, 8), 0.75)).item() == pytest.approx(0.5)
+    assert sharpness(grey).item() == 0.0
+    checker = (torch.arange(16).view(1, 16) + torch.arange(16).view(16, 1)) % 2
+    checker = checker.float().view(1, 1, 16, 16).expand(1, 3, 16, 16)
+    # Laplacian of a 0/1 checkerboard is +-4 everywhere: variance 16.
+    assert sharpness(checker).item() == pytest.approx(16.0 / (16.0 + 100.0 / 255.0**2))
+    blurred = F.avg_pool2d(checker, 3, 1, 1, count_include_pad=False)
+    assert sharpness(blurred) < sharpness(checker)
+
+
+def test_image_quality_is_weighted_mean_of_terms():
+    videos = torch.rand(2, 3, 3, 16, 16)
+    reward = get_reward(
+        "image_quality",
+        num_frames=8,
+        sharpness_weight=1.0,
+        colorfulness_weight=2.0,
+        exposure_weight=0.0,
+    )
+    values = reward(videos, ["a", "b"])
+    flat = videos.flatten(0, 1)
+    per_frame = (sharpness(flat) + 2.0 * colorfulness(flat)) / 3.0
+    torch.testing.assert_close(values, per_frame.view(2, 3).mean(dim=1))
+    with pytest.raises(ValueError, match=r"rewards.image_quality.num_frames: must be >= 1"):
+        get_reward("image_quality", num_frames=0)
