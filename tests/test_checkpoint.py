@@ -1,0 +1,218 @@
+"""Atomic checkpoints (incl. a SIGKILL mid-save), RNG capture, and the EMA of parameters."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from vsa2_rl.rl.checkpoint import (
+    capture_rng_state,
+    checkpoint_step,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from vsa2_rl.rl.ema import EMA
+
+
+def _draws():
+    return (
+        random.random(),
+        np.random.rand(3).tolist(),
+        np.random.randn(),  # exercises numpy's cached-gaussian state
+        torch.rand(4).tolist(),
+    )
+
+
+def test_roundtrip_tensors_optimizer_scheduler_rng(tmp_path):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    data = torch.randn(5, 4)
+    model(data).square().sum().backward()
+    opt.step()
+    sched.step()
+    shared = torch.arange(6.0)
+    tensors = {
+        **model.state_dict(),
+        "tied_a": shared,
+        "tied_b": shared,  # same storage: safetensors would refuse it as is
+        "half": torch.randn(3, dtype=torch.bfloat16),
+    }
+    np.random.randn()  # leave a cached gaussian in numpy's state
+    rng = capture_rng_state()
+    expected_draws = _draws()
+    path = save_checkpoint(
+        tmp_path,
+        7,
+        {
+            "model": tensors,
+            "optimizer": opt.state_dict(),
+            "lr_schedule": sched.state_dict(),
+            "rng": rng,
+            "meta_info": {"step": 7, "note": "x", "values": [1.5, None]},
+        },
+    )
+    assert path == tmp_path / "step_7" and (path / "model.safetensors").is_file()
+    assert checkpoint_step(path) == 7
+
+    state = load_checkpoint(path)  # weights_only=True loads all of this
+    for key, value in tensors.items():
+        assert state["model"][key].dtype == value.dtype
+        assert torch.equal(state["model"][key], value)
+    assert state["meta_info"] == {"step": 7, "note": "x", "values": [1.5, None]}
+
+    # a fresh model/optimizer/scheduler restored from the checkpoint takes the identical next step
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    fresh.load_state_dict({k: v for k, v in state["model"].items() if k[0].isdigit()})
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt.load_state_dict(state["optimizer"])
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    fresh_sched.load_state_dict(state["lr_schedule"])
+    for m, o, s in ((model, opt, sched), (fresh, fresh_opt, fresh_sched)):
+        o.zero_grad()
+        m(data).square().sum().backward()
+        o.step()
+        s.step()
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert fresh_sched.get_last_lr() == sched.get_last_lr()
+
+    _draws()  # move every generator on
+    restore_rng_state(state["rng"])
+    assert _draws() == expected_draws
+
+
+def test_find_latest_ignores_temp_and_incomplete_dirs(tmp_path):
+    assert find_latest(tmp_path / "missing") is None
+    save_checkpoint(tmp_path, 3, {"model": {"w": torch.zeros(2)}})
+    # a crashed save: a temp dir holding every file, even a marker, is never a checkpoint
+    crashed = tmp_path / ".tmp-step_9-abc123"
+    crashed.mkdir()
+    (crashed / "COMPLETE").write_text("step 9\n")
+    # a step dir without the marker (e.g. copied by hand, interrupted) is ignored too
+    (tmp_path / "step_8").mkdir()
+    (tmp_path / "step_8" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "notes").mkdir()
+    assert find_latest(tmp_path) == tmp_path / "step_3"
+    with pytest.raises(ValueError, match="COMPLETE"):
+        load_checkpoint(tmp_path / "step_8")
+    # the next save removes crashed temp dirs, leaves foreign dirs alone
+    save_checkpoint(tmp_path, 4, {"model": {"w": torch.ones(2)}})
+    assert not crashed.exists() and (tmp_path / "step_8").exists()
+    assert find_latest(tmp_path) == tmp_path / "step_4"
+
+
+def test_keep_last_pruning_and_resave_same_step(tmp_path):
+    for step in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, step, {"step": step}, keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+    save_checkpoint(tmp_path, 40, {"step": 41})
+    assert load_checkpoint(tmp_path / "step_40")["step"] == 41
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_30", "step_40"]
+
+
+def test_save_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="entry name"):
+        save_checkpoint(tmp_path, 1, {"../evil": 1})
+    with pytest.raises(ValueError, match="step"):
+        save_checkpoint(tmp_path, -1, {"a": 1})
+    with pytest.raises(ValueError, match="keep_last"):
+        save_checkpoint(tmp_path, 1, {"a": 1}, keep_last=0)
+    with pytest.raises(ValueError, match="state"):
+        save_checkpoint(tmp_path, 1, {})
+
+
+_KILLED_SAVE = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from vsa2_rl.rl.checkpoint import save_checkpoint
+
+    class Stall:
+        # pickled after model.safetensors is already in the temp dir
+        def __reduce__(self):
+            print("saving", flush=True)
+            time.sleep(120)
+            return (int, (0,))
+
+    save_checkpoint(sys.argv[1], 1, {"model": {"w": torch.ones(3)}, "step": 1})
+    save_checkpoint(sys.argv[1], 2, {"model": {"w": torch.full((3,), 2.0)}, "extra": Stall()})
+    """
+)
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "saving"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    temps = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-step_2")]
+    assert len(temps) == 1 and (temps[0] / "model.safetensors").is_file()  # killed mid-save
+    latest = find_latest(tmp_path)
+    assert latest == tmp_path / "step_1"
+    state = load_checkpoint(latest)
+    assert torch.equal(state["model"]["w"], torch.ones(3)) and state["step"] == 1
+
+
+def test_ema_update_every_swap_and_state(tmp_path):
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    model.bias.requires_grad_(False)  # frozen parameters are not tracked
+    ema = EMA(model, decay=0.9, update_every=2)
+    assert list(ema.shadow) == ["weight"]
+    start = model.weight.detach().float().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert ema.update() is False  # first call: not an update step
+    assert torch.equal(ema.shadow["weight"], start)
+    assert ema.update() is True
+    expected = 0.9 * start + 0.1 * model.weight.float()
+    torch.testing.assert_close(ema.shadow["weight"], expected)
+    assert ema.shadow["weight"].dtype == torch.float32
+
+    trained = model.weight.detach().clone()
+    with ema.swapped():
+        torch.testing.assert_close(model.weight, expected.to(torch.bfloat16))
+    assert torch.equal(model.weight, trained)
+
+    path = save_checkpoint(tmp_path, 1, {"ema": ema.state_dict()})
+    other = EMA(model, decay=0.5)
+    other.load_state_dict(load_checkpoint(path)["ema"])
+    assert (other.decay, other.update_every, other.num_calls) == (0.9, 2, 2)
+    assert torch.equal(other.shadow["weight"], ema.shadow["weight"])
+    with pytest.raises(ValueError, match="missing"):
+        EMA(torch.nn.Linear(3, 2)).load_state_dict(ema.state_dict())
+
+
+def test_ema_of_parameter_list_and_bad_arguments():
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.ones(1))]
+    ema = EMA(params, decay=0.5)
+    with torch.no_grad():
+        params[0].fill_(4.0)
+    ema.update()
+    assert ema.shadow["0"].tolist() == [2.0, 2.0] and ema.shadow["1"].tolist() == [1.0]
+    with pytest.raises(ValueError, match="decay"):
+        EMA(params, decay=1.0)
+    with pytest.raises(ValueError, match="update_every"):
+        EMA(params, update_every=0)
+    with pytest.raises(ValueError, match="trainable"):
+        EMA([torch.nn.Parameter(torch.zeros(1), requires_grad=False)])

@@ -1,0 +1,127 @@
+"""Hard-to-easy sparsity schedule: values at given steps, validation, state, plot."""
+
+import math
+
+import pytest
+
+from vsa2_rl.rl.schedule import SparsitySchedule, plot_schedule
+
+
+def test_constant_schedule_rollout_equals_train_eval_lower():
+    schedule = SparsitySchedule(train_sparsity=0.9, eval_sparsity=0.75)
+    for step in (0, 1, 1000):
+        levels = schedule(step)
+        assert levels.rollout == levels.train == 0.9
+        assert levels.eval == 0.75
+
+
+def test_linear_warmup_from_dense():
+    schedule = SparsitySchedule(train_sparsity=0.9, eval_sparsity=0.5, warmup_steps=10)
+    assert schedule(0).train == 0.0  # dense
+    assert schedule(5).train == pytest.approx(0.45)
+    assert schedule(9).train == pytest.approx(0.81)
+    assert schedule(10).train == schedule(50).train == 0.9
+    assert schedule(3).eval == 0.5
+
+
+def test_cosine_warmup_anneals_density():
+    schedule = SparsitySchedule(
+        train_sparsity=0.8, eval_sparsity=0.5, warmup_steps=8, warmup_shape="cosine"
+    )
+    for step in (0, 2, 4, 6):
+        density = 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * step / 8))
+        assert schedule(step).train == pytest.approx(1 - density)
+        assert schedule(step).rollout == schedule(step).train
+    assert schedule(8).train == 0.8
+
+
+def test_curriculum_after_warmup_hard_to_easy():
+    schedule = SparsitySchedule(
+        train_sparsity=0.95,
+        train_sparsity_end=0.85,
+        curriculum_steps=10,
+        warmup_steps=4,
+        eval_sparsity=0.75,
+    )
+    assert schedule(2).train == pytest.approx(0.95 / 2)  # warm-up towards the start value
+    assert schedule(4).train == pytest.approx(0.95)
+    assert schedule(9).train == pytest.approx(0.90)
+    assert schedule(14).train == pytest.approx(0.85)
+    assert schedule(100).train == pytest.approx(0.85)
+    cosine = SparsitySchedule(
+        train_sparsity=0.95,
+        train_sparsity_end=0.85,
+        curriculum_steps=10,
+        curriculum_shape="cosine",
+        eval_sparsity=0.75,
+    )
+    assert cosine(5).train == pytest.approx(0.90)  # half way either shape
+    assert cosine(2).train == pytest.approx(0.95 - 0.1 * 0.5 * (1 - math.cos(0.2 * math.pi)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"train_sparsity": 1.0}, "train_sparsity"),
+        ({"eval_sparsity": -0.1}, "eval_sparsity"),
+        ({"train_sparsity": 0.7, "eval_sparsity": 0.8}, "eval_sparsity"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_shape": "step"}, "warmup_shape"),
+        ({"train_sparsity_end": 0.8}, "train_sparsity_end"),
+        ({"curriculum_steps": 5}, "curriculum_steps"),
+        (
+            {"train_sparsity_end": 0.6, "curriculum_steps": 5, "eval_sparsity": 0.7},
+            "eval_sparsity",
+        ),
+        ({"train_sparsity_end": 1.2, "curriculum_steps": 5}, "train_sparsity_end"),
+    ],
+)
+def test_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SparsitySchedule(**kwargs)
+
+
+def test_eval_above_train_when_allowed():
+    schedule = SparsitySchedule(train_sparsity=0.5, eval_sparsity=0.9, allow_eval_above_train=True)
+    assert schedule(0) == (0.5, 0.5, 0.9)
+    with pytest.raises(ValueError, match="step"):
+        schedule(-1)
+
+
+def test_state_dict_roundtrip_and_rejected_state_keeps_settings():
+    source = SparsitySchedule(
+        train_sparsity=0.95,
+        train_sparsity_end=0.9,
+        curriculum_steps=20,
+        warmup_steps=5,
+        warmup_shape="cosine",
+        eval_sparsity=0.8,
+    )
+    target = SparsitySchedule()
+    target.load_state_dict(source.state_dict())
+    assert [target(s) for s in range(40)] == [source(s) for s in range(40)]
+    before = target.state_dict()
+    with pytest.raises(ValueError, match="eval_sparsity"):
+        target.load_state_dict({**before, "eval_sparsity": 0.99})
+    assert target.state_dict() == before
+    with pytest.raises(ValueError, match="unknown"):
+        target.load_state_dict({"sparsity": 0.5})
+
+
+def test_from_run_config():
+    from vsa2_rl.config import SparsityConfig
+
+    config = SparsityConfig(train=0.9, train_end=0.8, eval=0.7, warmup_steps=10)
+    schedule = SparsitySchedule.from_config(config, num_steps=30)
+    assert schedule(0).train == 0.0
+    assert schedule(10).train == pytest.approx(0.9)
+    assert schedule(20).train == pytest.approx(0.85)
+    assert schedule(30).train == pytest.approx(0.8)
+    assert schedule(30).eval == 0.7
+
+
+def test_plot_schedule_writes_png(tmp_path):
+    schedule = SparsitySchedule(train_sparsity=0.9, eval_sparsity=0.75, warmup_steps=5)
+    path = tmp_path / "schedule.png"
+    plot_schedule(schedule, 20, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

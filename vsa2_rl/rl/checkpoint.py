@@ -1,0 +1,266 @@
+"""Atomic full-state checkpoints and RNG capture, for exact ``resume: auto``.
+
+Layout under a checkpoints directory::
+
+    step_120/
+        model.safetensors      # an entry that is a flat {name: tensor} dict (weights, LoRA)
+        optimizer.pt           # any other entry (optimizer / LR scheduler states, RNG, python)
+        meta.json              # step and the file format of every entry
+        COMPLETE               # written last: a directory without it is not a checkpoint
+    .tmp-step_130-x1y2/        # a save in progress (or killed mid-way): ignored, then removed
+
+A save writes everything into a temporary directory next to the final one, fsyncs every file and
+the directory, and then renames it to ``step_N`` (``rename`` within one filesystem is atomic on
+POSIX), so a crash at any point leaves the previous checkpoints untouched and at worst a temporary
+directory that :func:`find_latest` ignores. One writer per checkpoints directory is assumed (the
+main process); every rank may read.
+
+Weights go to safetensors (no pickle, mmap-able); other states go through ``torch.save`` and are
+loaded with ``weights_only=True`` by default, which covers tensors, numbers, strings and
+containers of them: optimizer and LR-scheduler ``state_dict()``s and :func:`capture_rng_state`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+COMPLETE_MARKER = "COMPLETE"
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+_ENTRY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_TEMP_PREFIXES = (".tmp-", ".trash-")
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory so its contents/entries survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_tensor_dict(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and len(value) > 0
+        and all(isinstance(k, str) for k in value)
+        and all(isinstance(v, torch.Tensor) for v in value.values())
+    )
+
+
+def _safetensors_ready(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, no shared storage (safetensors refuses aliases such as tied weights)."""
+    out = {}
+    seen: set[int] = set()
+    for key, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel() > 0:
+            t = t.clone()
+        seen.add(ptr)
+        out[key] = t
+    return out
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a directory, renaming it first so a crash mid-delete leaves no step_N lookalike."""
+    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def list_checkpoints(checkpoints_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``checkpoints_dir`` as ``(step, path)``, oldest first."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and (entry / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def find_latest(checkpoints_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step, or None (temp and unmarked dirs ignored)."""
+    found = list_checkpoints(checkpoints_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(
+    checkpoints_dir: str | os.PathLike,
+    step: int,
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+) -> Path:
+    """Atomically write ``state`` as ``checkpoints_dir/step_{step}`` and return its path.
+
+    ``state`` maps entry names (file-name safe: letters, digits, ``_.-``) to values: a flat
+    ``{str: Tensor}`` dict goes to ``<name>.safetensors``, anything else to ``<name>.pt``.
+    An existing ``step_{step}`` is replaced. Leftovers of crashed saves are removed first.
+    ``keep_last=N`` then deletes all but the N highest-step complete checkpoints (the one just
+    written is always kept).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    if not isinstance(state, dict) or not state:
+        raise ValueError("state must be a non-empty dict of entry name -> value")
+    for name in state:
+        if not isinstance(name, str) or not _ENTRY_NAME.fullmatch(name) or name == "meta":
+            raise ValueError(
+                f"state entry name {name!r} must match {_ENTRY_NAME.pattern} (used as a file "
+                "name) and not be 'meta'"
+            )
+    root = Path(checkpoints_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith(_TEMP_PREFIXES):
+            shutil.rmtree(entry, ignore_errors=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; checkpoints are shared read-only
+    formats = {}
+    for name, value in state.items():
+        if _is_tensor_dict(value):
+            path = tmp / f"{name}.safetensors"
+            save_file(_safetensors_ready(value), str(path), metadata={"format": "pt"})
+            formats[name] = "safetensors"
+        else:
+            path = tmp / f"{name}.pt"
+            with open(path, "wb") as f:
+                torch.save(value, f)
+            formats[name] = "torch"
+        _fsync_path(path)
+    for file_name, text in (
+        (META_FILE, json.dumps({"step": step, "entries": formats}, indent=1)),
+        (COMPLETE_MARKER, f"step {step}\n"),
+    ):
+        with open(tmp / file_name, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_path(tmp)
+
+    final = root / f"step_{step}"
+    if final.exists():
+        _remove_dir(final)
+    os.rename(tmp, final)
+    _fsync_path(root)
+
+    if keep_last is not None:
+        others = [path for _, path in list_checkpoints(root) if path != final]
+        for path in others[: max(0, len(others) - (keep_last - 1))]:
+            _remove_dir(path)
+    return final
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    map_location: str | torch.device = "cpu",
+    weights_only: bool = True,
+) -> dict[str, Any]:
+    """Read the ``state`` dict given to :func:`save_checkpoint` (see :func:`checkpoint_step`).
+
+    ``weights_only=False`` allows arbitrary pickled python objects in ``.pt`` entries (only for
+    checkpoints you wrote yourself: unpickling runs code).
+    """
+    path = Path(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise ValueError(
+            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker); use "
+            "find_latest() to pick one"
+        )
+    meta = json.loads((path / META_FILE).read_text())
+    state: dict[str, Any] = {}
+    for name, fmt in meta["entries"].items():
+        if fmt == "safetensors":
+            state[name] = load_file(path / f"{name}.safetensors", device=str(map_location))
+        else:
+            state[name] = torch.load(
+                path / f"{name}.pt", map_location=map_location, weights_only=weights_only
+            )
+    return state
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step a checkpoint directory was saved at (from its ``meta.json``)."""
+    return int(json.loads((Path(path) / META_FILE).read_text())["step"])
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states: python, numpy (global), torch CPU and every visible CUDA device.
+
+    Stored as tensors / python scalars so it loads with ``weights_only=True``. In distributed runs
+    each rank has its own state: save one entry per rank (e.g. ``rng_rank3``).
+    """
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    missing = {"python", "numpy", "torch"} - set(state)
+    if missing:
+        raise ValueError(f"RNG state lacks {sorted(missing)}; expect capture_rng_state() output")
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    cuda_states = state.get("cuda")
+    if cuda_states is None:
+        return
+    if not torch.cuda.is_available():
+        warnings.warn(
+            "checkpoint has CUDA RNG states but CUDA is unavailable; they are not restored",
+            stacklevel=2,
+        )
+        return
+    if len(cuda_states) != torch.cuda.device_count():
+        warnings.warn(
+            f"checkpoint has {len(cuda_states)} CUDA RNG states, this process sees "
+            f"{torch.cuda.device_count()} devices; restoring the first "
+            f"{min(len(cuda_states), torch.cuda.device_count())}",
+            stacklevel=2,
+        )
+    for device, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(cuda_state.cpu(), device)

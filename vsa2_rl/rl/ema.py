@@ -1,0 +1,111 @@
+"""Exponential moving average of trainable parameters, swapped in for evaluation.
+
+``shadow <- decay * shadow + (1 - decay) * param`` every ``update_every`` optimizer steps, as
+flow_grpo keeps an EMA of its LoRA weights for evaluation. Only parameters with
+``requires_grad`` are tracked (LoRA adapters, VSA2 router/gate parameters), so the EMA of a LoRA
+run costs a few MB. The shadow is float32 whatever the parameter dtype: with bf16 parameters and
+decay 0.999 the update ``(1 - decay) * (param - shadow)`` would round to zero.
+
+With updates every k steps the averaging horizon is about ``k / (1 - decay)`` optimizer steps.
+Parameters sharded by DeepSpeed ZeRO-3 must be gathered by the caller before :meth:`EMA.update`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class EMA:
+    """EMA of trainable parameters, captured at construction.
+
+    ``parameters`` is a module (its ``named_parameters()`` with ``requires_grad``; the names key
+    the state dict) or an iterable of parameters (keyed by position, so the same list order is
+    needed to load a state dict).
+    """
+
+    def __init__(
+        self,
+        parameters: nn.Module | Iterable[nn.Parameter],
+        decay: float = 0.999,
+        update_every: int = 1,
+    ):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+            raise ValueError(f"update_every must be a positive int, got {update_every!r}")
+        self.decay = decay
+        self.update_every = update_every
+        if isinstance(parameters, nn.Module):
+            named = parameters.named_parameters()
+        else:
+            named = ((str(i), p) for i, p in enumerate(parameters))
+        self.params = {n: p for n, p in named if p.requires_grad}
+        if not self.params:
+            raise ValueError("parameters holds no trainable (requires_grad=True) parameter")
+        self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self.num_calls = 0
+
+    @torch.no_grad()
+    def update(self) -> bool:
+        """Call once per optimizer step; averages on every ``update_every``-th call.
+
+        Returns whether the shadow changed.
+        """
+        self.num_calls += 1
+        if self.num_calls % self.update_every:
+            return False
+        for name, param in self.params.items():
+            self.shadow[name].lerp_(param.detach().float(), 1.0 - self.decay)
+        return True
+
+    @torch.no_grad()
+    def copy_to_params(self) -> None:
+        """Overwrite the live parameters with the EMA (e.g. before exporting final weights)."""
+        for name, param in self.params.items():
+            param.copy_(self.shadow[name])
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Run the block with EMA weights in the module; the trained weights come back after."""
+        backup = {n: p.detach().clone() for n, p in self.params.items()}
+        self.copy_to_params()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in self.params.items():
+                    param.copy_(backup[name])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "decay": self.decay,
+            "update_every": self.update_every,
+            "num_calls": self.num_calls,
+            "shadow": dict(self.shadow),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; the tracked parameter names must match."""
+        shadow = state["shadow"]
+        if set(shadow) != set(self.params):
+            missing = sorted(set(self.params) - set(shadow))
+            extra = sorted(set(shadow) - set(self.params))
+            raise ValueError(
+                f"EMA state does not match the trainable parameters: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}"
+            )
+        for name, value in shadow.items():
+            if value.shape != self.shadow[name].shape:
+                raise ValueError(
+                    f"EMA shadow {name!r} has shape {tuple(value.shape)}, parameter has "
+                    f"{tuple(self.shadow[name].shape)}"
+                )
+            self.shadow[name].copy_(value)
+        self.decay = float(state["decay"])
+        self.update_every = int(state["update_every"])
+        self.num_calls = int(state["num_calls"])
