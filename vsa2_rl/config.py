@@ -177,6 +177,12 @@ class SparsityConfig:
                 f"must be in [0, 1), got {self.train_end}",
             )
         _check(
+            self.eval <= self.train,
+            "sparsity.eval",
+            f"hard-to-easy: evaluation sparsity ({self.eval}) must not exceed the train "
+            f"sparsity ({self.train}); lower sparsity.eval or raise sparsity.train",
+        )
+        _check(
             self.warmup_steps >= 0,
             "sparsity.warmup_steps",
             f"must be >= 0, got {self.warmup_steps}",
@@ -188,10 +194,14 @@ class SparsityConfig:
 class SamplerConfig:
     """Flow-matching sampler for rollouts (SDE) and evaluation (deterministic ODE)."""
 
-    kind: str = _doc("Rollout sampler: 'sde' (Flow-GRPO) or 'cps' (coefficient-preserving).", default="sde")
+    kind: str = _doc(
+        "Rollout sampler: 'sde' (Flow-GRPO) or 'cps' (coefficient-preserving).", default="sde"
+    )
     num_steps: int = _doc("Denoising steps per rollout.", default=10)
     eval_num_steps: int = _doc("ODE steps for evaluation and sample videos.", default=10)
-    shift: float = _doc("Timestep shift of the sigma schedule (Wan uses 3-5 at 480p/720p).", default=1.0)
+    shift: float = _doc(
+        "Timestep shift of the sigma schedule (Wan uses 3-5 at 480p/720p).", default=1.0
+    )
     noise_level: float = _doc("SDE noise level a (0 = ODE).", default=0.7)
     guidance_scale: float = _doc("Classifier-free guidance scale; 1 = no guidance.", default=1.0)
     sde_window: list[int] | None = _doc(
@@ -208,7 +218,9 @@ class SamplerConfig:
             f"must be >= 1, got {self.eval_num_steps}",
         )
         _check(self.shift > 0, "sampler.shift", f"must be > 0, got {self.shift}")
-        _check(self.noise_level >= 0, "sampler.noise_level", f"must be >= 0, got {self.noise_level}")
+        _check(
+            self.noise_level >= 0, "sampler.noise_level", f"must be >= 0, got {self.noise_level}"
+        )
         _check(
             self.guidance_scale >= 1.0,
             "sampler.guidance_scale",
@@ -228,7 +240,9 @@ class SamplerConfig:
 class GRPOConfig:
     """Group-relative policy optimisation on SDE rollouts (Flow-GRPO)."""
 
-    group_size: int = _doc("K: samples per prompt; advantages are relative within a group.", default=4)
+    group_size: int = _doc(
+        "K: samples per prompt; advantages are relative within a group.", default=4
+    )
     prompts_per_step: int = _doc("Prompts per RL iteration (global, across ranks).", default=4)
     scale_rewards: str = _doc(
         "Advantage normalisation (trl naming): 'group' std, 'batch' std, or 'none'.",
@@ -239,12 +253,16 @@ class GRPOConfig:
         "Policy loss: 'ppo_clip' (clipped ratio per timestep) or 'reinforce'.", default="ppo_clip"
     )
     clip_range: float = _doc("PPO ratio clip range epsilon.", default=0.2)
-    kl_beta: float = _doc("Weight of the latent-space KL to the reference policy; 0 = off.", default=0.0)
+    kl_beta: float = _doc(
+        "Weight of the latent-space KL to the reference policy; 0 = off.", default=0.0
+    )
     timestep_fraction: float = _doc(
         "Fraction of the stochastic steps trained per rollout (random subset).", default=1.0
     )
     num_inner_epochs: int = _doc("Passes over each rollout batch.", default=1)
-    train_batch_size: int = _doc("Samples per training forward (gradient accumulation unit).", default=8)
+    train_batch_size: int = _doc(
+        "Samples per training forward (gradient accumulation unit).", default=8
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -320,7 +338,9 @@ class RewardsConfig:
             )
         _check_choice(self.aggregation, "rewards.aggregation", ("reward", "advantage"))
         _check_choice(self.on_error, "rewards.on_error", ("skip", "stop", "drop_sample"))
-        _check(self.num_workers >= 1, "rewards.num_workers", f"must be >= 1, got {self.num_workers}")
+        _check(
+            self.num_workers >= 1, "rewards.num_workers", f"must be >= 1, got {self.num_workers}"
+        )
 
 
 @dataclass
@@ -349,7 +369,9 @@ class TrainConfig:
     warmup_steps: int = _doc("Linear learning-rate warm-up steps.", default=0)
     max_grad_norm: float = _doc("Gradient-norm clip; 0 = off.", default=1.0)
     ema_decay: float = _doc("EMA of trainable weights (used for eval); 0 = off.", default=0.0)
-    checkpoint_every: int = _doc("Save a full checkpoint every N steps; 0 = only at the end.", default=10)
+    checkpoint_every: int = _doc(
+        "Save a full checkpoint every N steps; 0 = only at the end.", default=10
+    )
     keep_last: int = _doc("Checkpoints kept on disk.", default=2)
     sample_every: int = _doc("Save sample videos every N steps; 0 = never.", default=10)
     resume: str = _doc(
@@ -365,7 +387,9 @@ class TrainConfig:
             "train.learning_rate",
             f"must be > 0, got {self.learning_rate}",
         )
-        _check(0 <= self.ema_decay < 1, "train.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        _check(
+            0 <= self.ema_decay < 1, "train.ema_decay", f"must be in [0, 1), got {self.ema_decay}"
+        )
         _check(self.keep_last >= 1, "train.keep_last", f"must be >= 1, got {self.keep_last}")
         if self.resume not in ("auto", "none"):
             _check(
@@ -384,7 +408,9 @@ class EvalConfig:
         default_factory=lambda: [0.0, 0.5, 0.75, 0.9],
     )
     num_prompts: int = _doc("Prompts evaluated (first N of the eval prompt set).", default=8)
-    seed: int = _doc("Seed of the evaluation noise (the same for every sparsity and run).", default=1234)
+    seed: int = _doc(
+        "Seed of the evaluation noise (the same for every sparsity and run).", default=1234
+    )
     every: int = _doc("During training: evaluate every N steps; 0 = never.", default=0)
 
     def __post_init__(self) -> None:
@@ -401,7 +427,9 @@ class LoggingConfig:
     report_to: list[str] = _doc(
         "Trackers: any of wandb, tensorboard; empty = metrics.jsonl only.", default_factory=list
     )
-    wandb_mode: str = _doc("wandb mode: offline (default, no network) or online.", default="offline")
+    wandb_mode: str = _doc(
+        "wandb mode: offline (default, no network) or online.", default="offline"
+    )
     project: str = _doc("wandb project / tensorboard run group.", default="vsa2_rl")
     progress: bool = _doc("Show progress bars.", default=True)
 
@@ -415,7 +443,9 @@ class LoggingConfig:
 class RunConfig:
     """A whole vsa2_rl run (training or evaluation)."""
 
-    out_dir: str = _doc("Run directory: metrics, checkpoints, samples, plots.", default="runs/default")
+    out_dir: str = _doc(
+        "Run directory: metrics, checkpoints, samples, plots.", default="runs/default"
+    )
     seed: int = _doc("Global seed.", default=0)
     device: str = _doc("auto (CUDA if available), cpu or cuda[:N].", default="auto")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -432,7 +462,9 @@ class RunConfig:
         "vsa2-rl eval: training run folders to evaluate (newest checkpoint of each).",
         default_factory=list,
     )
-    run_dir: str | None = _doc("vsa2-rl eval: one training run folder (same as run_dirs=[DIR]).", default=None)
+    run_dir: str | None = _doc(
+        "vsa2-rl eval: one training run folder (same as run_dirs=[DIR]).", default=None
+    )
     checkpoint: str | None = _doc("vsa2-rl eval: one checkpoint folder to evaluate.", default=None)
 
     def __post_init__(self) -> None:
@@ -472,7 +504,7 @@ def _friendly(error: OmegaConfBaseException) -> ConfigError:
     """Turns an OmegaConf error into one line naming the key and the fix."""
     key = getattr(error, "full_key", None) or ""
     message = str(error).splitlines()[0]
-    if "not in struct" in message or "Key '" in message and "not" in message:
+    if "not in struct" in message or ("Key '" in message and "not" in message):
         close = difflib.get_close_matches(key, _all_keys(RunConfig), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return ConfigError(f"{key}: unknown config key{hint}; see `vsa2-rl train --help`")

@@ -1,0 +1,106 @@
+"""Configuration loading and the command line: precedence, validation, exit codes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vsa2_rl.cli import main
+from vsa2_rl.config import ConfigError, RunConfig, help_lines, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_precedence_schema_yaml_cli(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  num_steps: 7\n  learning_rate: 0.5\nseed: 3\n")
+    config = load_config(str(path), ["train.num_steps=2"])
+    assert isinstance(config, RunConfig)
+    assert config.train.num_steps == 2  # CLI beats YAML
+    assert config.train.learning_rate == 0.5  # YAML beats schema
+    assert config.seed == 3
+    assert config.grpo.group_size == RunConfig().grpo.group_size  # schema default
+
+
+def test_default_config_is_valid_and_embedded():
+    config = load_config()
+    assert config.model.kind == "toy"
+    assert config.sparsity.eval < config.sparsity.train  # hard-to-easy
+    assert [f.name for f in config.rewards.functions] == ["motion_quality", "image_quality"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["train.num_step=3"],
+            "train.num_step: unknown config key (did you mean 'train.num_steps'",
+        ),
+        (["train.num_steps=abc"], "train.num_steps"),
+        (["grpo.group_size=1"], "grpo.group_size: must be >= 2"),
+        (["attention.kv_block=24"], "attention.kv_block: must be 16, 32 or 64"),
+        (["attention.mode=top3"], "attention.mode: got 'top3'"),
+        (["sparsity.train=1.0"], "sparsity.train: must be in [0, 1)"),
+        (["sparsity.train=0.5", "sparsity.eval=0.8"], "sparsity.eval: hard-to-easy"),
+        (["model.kind=wan"], "model.path: model.kind=wan needs a local diffusers"),
+        (["model.kind=wan", "model.path=/no/such/dir"], "model.path: directory not found"),
+        (["sampler.sde_window=[3,99]"], "sampler.sde_window"),
+        (["eval.sparsities=[0.0,1.0]"], "eval.sparsities: each must be in [0, 1)"),
+        (["rewards.functions=[{weight: 1}]"], "rewards.functions[0].name"),
+        (["prompts.file=/no/such/prompts.txt"], "prompts.file: file not found"),
+    ],
+)
+def test_bad_config_names_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert expected in str(error.value)
+
+
+def test_help_lists_every_documented_key():
+    lines = "\n".join(help_lines())
+    for key in ("train.num_steps", "attention.top_p", "sparsity.eval", "rewards.aggregation"):
+        assert f"  {key} = " in lines
+    # every leaf key carries a help text
+    for entry in help_lines():
+        key_line, help_line = entry.split("\n")
+        assert help_line.strip(), f"{key_line.strip()} has no help text"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--config", "/no/such.yaml"],
+        ["train", "train.num_step=2"],
+        ["train", "model.kind=wan", "model.path=/no/such/dir"],
+        ["eval", "eval.sparsities=[1.5]"],
+        ["train", "not-a-key-value"],
+    ],
+)
+def test_cli_bad_input_exits_2_and_writes_nothing(argv, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert main([*argv, f"out_dir={out_dir}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert not out_dir.exists()
+
+
+def test_train_rl_script_is_the_train_subcommand(tmp_path):
+    out_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "train_rl.py", "grpo.group_size=1", f"out_dir={out_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == "error: grpo.group_size: must be >= 2 (advantages are "
+        "relative within a group), got 1"
+    )
+    assert not out_dir.exists()
+    help_text = subprocess.run(
+        [sys.executable, "train_rl.py", "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    assert help_text.returncode == 0 and "sparsity.train" in help_text.stdout

@@ -1,0 +1,179 @@
+"""The GRPO trainer end to end on the toy model (CPU, tiny sizes): parameters change, the first
+ratio is 1, resume equals an uninterrupted run, failures never touch the weights."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from vsa2_rl.config import ConfigError, load_config
+from vsa2_rl.rl import trainer as trainer_module
+from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
+from vsa2_rl.rl.trainer import train
+
+TINY = [
+    "model.num_frames=4",
+    "model.height=16",
+    "model.width=16",
+    "sampler.num_steps=3",
+    "grpo.prompts_per_step=2",
+    "grpo.group_size=2",
+    "grpo.train_batch_size=4",
+    "train.learning_rate=1e-3",
+    "train.sample_every=0",
+    "logging.progress=false",
+    "rewards.num_workers=1",
+]
+REQUIRED_KEYS = {
+    "step",
+    "reward/mean",
+    "reward/std",
+    "loss/policy",
+    "loss/kl",
+    "train/ratio_dev_first",
+    "train/clip_frac",
+    "attn/density",
+    "sparsity/rollout",
+    "sparsity/train",
+    "sparsity/eval",
+    "perf/rollout_s",
+    "perf/train_s",
+}
+
+
+def brightness(videos, prompts, metadata):
+    """A dense, deterministic test reward: mean brightness (any policy change moves it)."""
+    return videos.mean(dim=(1, 2, 3, 4)).float()
+
+
+def nan_reward(videos, prompts, metadata):
+    return torch.full((videos.shape[0],), float("nan"))
+
+
+def _config(tmp_path, *extra, name="run"):
+    return load_config(
+        None,
+        [
+            *TINY,
+            f"out_dir={tmp_path / name}",
+            "rewards.functions=[{name: 'test_trainer:brightness', weight: 1.0}]",
+            *extra,
+        ],
+    )
+
+
+def _rows(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def _weights(out_dir):
+    return load_checkpoint(find_latest(os.path.join(out_dir, "checkpoints")))["model"]
+
+
+def test_two_steps_change_parameters_and_log_every_key(tmp_path):
+    config = _config(tmp_path, "train.num_steps=2")
+    from vsa2_rl.runtime import build_bundle
+
+    before = {
+        k: v.clone()
+        for k, v in build_bundle(config, torch.device("cpu"), torch.float32)
+        .transformer.state_dict()
+        .items()
+    }
+    train(config)
+    rows = _rows(config.out_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert set(row) >= REQUIRED_KEYS
+        assert "reward/brightness" in row
+        assert row["train/ratio_dev_first"] < 1e-3  # rollout and training forward agree
+        assert row["sparsity/rollout"] == row["sparsity/train"] == 0.9
+        assert row["sparsity/eval"] == 0.75
+        assert 0 < row["attn/density"] < 0.5  # VSA2 really ran sparse
+    after = _weights(config.out_dir)
+    changed = [k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))]
+    assert changed, "no parameter changed after two GRPO steps"
+    assert os.path.exists(os.path.join(config.out_dir, "reward_curve.png"))
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    full = _config(tmp_path, "train.num_steps=3", "train.checkpoint_every=1", name="full")
+    train(full)
+    part = _config(tmp_path, "train.num_steps=3", "train.checkpoint_every=1", name="part")
+    part_first = _config(tmp_path, "train.num_steps=2", "train.checkpoint_every=1", name="part")
+    train(part_first)
+    # a crash in the middle of writing step 3 leaves a temp folder and no COMPLETE marker
+    shutil.copytree(
+        os.path.join(part.out_dir, "checkpoints", "step_2"),
+        os.path.join(part.out_dir, "checkpoints", "step_3"),
+    )
+    os.remove(os.path.join(part.out_dir, "checkpoints", "step_3", "COMPLETE"))
+    train(part)
+    full_rows, part_rows = _rows(full.out_dir), _rows(part.out_dir)
+    assert [r["step"] for r in part_rows] == [1, 2, 3]
+    for a, b in zip(full_rows, part_rows, strict=True):
+        for key in ("reward/mean", "loss/policy", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    full_w, part_w = _weights(full.out_dir), _weights(part.out_dir)
+    for key in full_w:
+        torch.testing.assert_close(full_w[key], part_w[key], rtol=1e-5, atol=1e-6)
+
+
+def test_nan_reward_skips_the_step_without_touching_weights(tmp_path):
+    config = _config(
+        tmp_path,
+        "train.num_steps=1",
+        "rewards.functions=[{name: 'test_trainer:nan_reward'}]",
+        "rewards.on_error=skip",
+    )
+    from vsa2_rl.runtime import build_bundle
+
+    before = build_bundle(config, torch.device("cpu"), torch.float32).transformer.state_dict()
+    train(config)
+    (row,) = _rows(config.out_dir)
+    assert row["train/skipped_reward"] == 1 and "loss/policy" not in row
+    after = _weights(config.out_dir)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_nonfinite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
+    real_loss = trainer_module.grpo_loss
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", poisoned)
+    config = _config(tmp_path, "train.num_steps=1")
+    from vsa2_rl.runtime import build_bundle
+
+    before = build_bundle(config, torch.device("cpu"), torch.float32).transformer.state_dict()
+    train(config)
+    (row,) = _rows(config.out_dir)
+    assert row["train/skipped_nonfinite"] == 1
+    after = _weights(config.out_dir)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_lora_with_kl_to_the_reference(tmp_path):
+    config = _config(tmp_path, "train.num_steps=2", "model.lora.enabled=true", "grpo.kl_beta=0.1")
+    train(config)
+    rows = _rows(config.out_dir)
+    assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-12)  # LoRA starts at the reference
+    assert rows[1]["loss/kl"] > 0  # after one update the policy has moved away from it
+    saved = _weights(config.out_dir)
+    assert saved and all("lora_" in k or ".vsa2." in k for k in saved)
+
+
+def test_empty_prompt_file_is_rejected_before_any_work(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n  \n")
+    config = _config(tmp_path, f"prompts.file={prompts}")
+    with pytest.raises(ConfigError, match=r"prompts\.file: prompt file .* has no prompts"):
+        train(config)
+    assert not os.path.exists(config.out_dir)

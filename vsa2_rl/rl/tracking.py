@@ -1,0 +1,123 @@
+"""Metric sinks of a run: ``out_dir/metrics.jsonl`` always (one JSON object per step), plus
+wandb (offline by default) and tensorboard when ``logging.report_to`` asks for them, and the
+reward-curve figure written at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from vsa2_rl.config import RunConfig
+
+
+class MetricsLogger:
+    """Writes one line per step to metrics.jsonl and mirrors it to the configured trackers.
+
+    On resume the file is cut back to the steps <= the checkpoint's step, so a run killed after
+    logging a step but before checkpointing it does not log that step twice.
+    """
+
+    def __init__(self, config: RunConfig, resume_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(config.out_dir, "metrics.jsonl")
+        self._wandb = None
+        self._tensorboard = None
+        if not enabled:
+            return
+        self._truncate(resume_step)
+        if "wandb" in config.logging.report_to:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=config.logging.project,
+                dir=config.out_dir,
+                mode=config.logging.wandb_mode,
+                config={"out_dir": config.out_dir},
+                resume="allow",
+            )
+        if "tensorboard" in config.logging.report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(os.path.join(config.out_dir, "tensorboard"))
+
+    def _truncate(self, resume_step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in kept)
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{key: _plain(value) for key, value in metrics.items()}}
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+        if self._tensorboard is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe scalars: tensors become floats; NaN/inf are kept as strings JSON can hold."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file (a torn last line from a crash is ignored)."""
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
+
+
+def plot_reward_curve(rows: list[dict[str, Any]], path: str, eval_points=None) -> None:
+    """Rollout reward per step (mean with a +-std band) and, if given, the evaluation rewards."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in rows if isinstance(row.get("reward/mean"), (int, float))]
+    steps = [row["step"] for row in rows]
+    mean = [row["reward/mean"] for row in rows]
+    std = [row.get("reward/std", 0.0) for row in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, mean, marker="o", ms=3, label="rollout reward (SDE, train sparsity)")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        alpha=0.2,
+    )
+    if eval_points:
+        xs, ys = zip(*eval_points, strict=True)
+        ax.plot(xs, ys, marker="s", color="C3", label="eval reward (ODE, eval sparsity)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

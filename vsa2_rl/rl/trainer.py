@@ -1,0 +1,440 @@
+"""The Flow-GRPO training loop with VSA2 sparse rollouts (``vsa2-rl train`` / ``train_rl.py``).
+
+One iteration, top to bottom in :func:`train` (cleanrl style):
+
+1. schedule: the hard-to-easy schedule gives this step's sparsities; rollout and training share
+   one value, so routing in the training forward equals routing in the rollout.
+2. rollout: this rank's share of ``prompts_per_step`` prompts x ``group_size`` samples, SDE
+   sampling (Flow-GRPO, vsa2_rl.sampling) with per-step log-probs, in chunks of
+   ``grpo.train_batch_size`` (the training forward uses the same chunks, so the first ratio is 1).
+3. rewards: decode latents to videos, score them (vsa2_rl.rewards mixer), gather across ranks
+   and normalise per prompt group (GRPO advantages).
+4. update: for each chunk and each trained timestep, recompute the transition log-prob under
+   the current policy, PPO-clip loss (+ KL to the reference), backward; one optimizer step per
+   inner epoch, skipped (weights untouched) if the loss or the gradient is not finite.
+5. bookkeeping: metrics.jsonl, trackers, sample videos, atomic checkpoints.
+
+Distributed runs use accelerate (DDP or DeepSpeed ZeRO from ``configs/accelerate/``); every
+random draw is a pure function of (seed, step, global sample index), so a resumed run repeats an
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from vsa2_rl.config import ConfigError, RunConfig, to_yaml
+from vsa2_rl.rewards import RewardMixer, RewardSkip
+from vsa2_rl.rl.grpo import GroupedPromptSampler, gaussian_kl, group_advantages, grpo_loss
+from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
+from vsa2_rl.runtime import (
+    build_bundle,
+    load_prompts,
+    resolve_device,
+    resolve_dtype,
+    trainable_parameters,
+    trained_state,
+)
+from vsa2_rl.sampling import cfg_velocity, sample, sigma_schedule, step_log_prob
+
+
+@dataclass
+class Rollout:
+    """One chunk of rollouts on this rank (all tensors on the training device)."""
+
+    text_emb: torch.Tensor  # [b, L, D_text]
+    latents: torch.Tensor  # [N + 1, b, C, T, H, W] float32
+    log_probs: torch.Tensor  # [N, b] float32
+    advantages: torch.Tensor | None = None  # [b]
+
+
+def _sample_seed(seed: int, step: int, index: int) -> int:
+    """A seed per (run seed, step, global sample index): independent of rank count and resume."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
+
+
+def _initial_noise(shape, seed: int, step: int, indices: list[int]) -> torch.Tensor:
+    return torch.stack(
+        [
+            torch.randn(shape, generator=torch.Generator().manual_seed(_sample_seed(seed, step, i)))
+            for i in indices
+        ]
+    )
+
+
+def _advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tuple:
+    """GRPO advantages of this rank's samples, normalised over every rank's samples of a group.
+
+    Non-finite rewards (samples dropped by ``rewards.on_error=drop_sample``) get advantage 0
+    and count as zero-variance; the rest are normalised among themselves.
+    Returns ``(advantages [n_local], zero_var [n_local], all_values [n_global])``.
+    """
+    values = values.to(group_ids.device).float()
+    all_values, all_ids = acc.gather(values), acc.gather(group_ids)
+    finite = torch.isfinite(all_values)
+    advantages = torch.zeros_like(all_values)
+    zero_var = torch.ones_like(finite)
+    if bool(finite.any()):
+        advantages[finite], zero_var[finite] = group_advantages(
+            all_values[finite], all_ids[finite], scale=grpo.scale_rewards, clip=grpo.adv_clip
+        )
+    local = slice(acc.process_index * len(values), (acc.process_index + 1) * len(values))
+    return advantages[local], zero_var[local], all_values
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+class _Setup:
+    """Everything the loop needs, built before any file is written."""
+
+    def __init__(self, config: RunConfig):
+        from accelerate import Accelerator
+
+        self.config = config
+        self.accelerator = Accelerator(cpu=resolve_device(config.device).type == "cpu")
+        self.device = self.accelerator.device
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.prompts = load_prompts(config, "train")
+        world = self.accelerator.num_processes
+        if config.grpo.prompts_per_step > len(self.prompts):
+            raise ConfigError(
+                f"grpo.prompts_per_step: {config.grpo.prompts_per_step} exceeds the "
+                f"{len(self.prompts)} prompts of the prompt set; lower it or add prompts"
+            )
+        if (config.grpo.prompts_per_step * config.grpo.group_size) % world:
+            raise ConfigError(
+                f"grpo.prompts_per_step * grpo.group_size must be divisible by the number of "
+                f"processes ({world})"
+            )
+        try:
+            self.rewards = RewardMixer.from_config(config.rewards)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self.bundle = build_bundle(config, self.device, self.dtype)
+
+
+def _reference_policy(bundle, acc, config: RunConfig):
+    """A context manager under which ``bundle`` computes the frozen reference policy's velocity:
+    LoRA adapters disabled (peft) or, for full fine-tuning, a frozen copy of the start weights."""
+    if config.model.lora.enabled:
+        model = acc.unwrap_model(bundle.transformer)
+
+        @contextlib.contextmanager
+        def lora_disabled():
+            model.disable_adapters()
+            try:
+                yield
+            finally:
+                model.enable_adapters()
+
+        return lora_disabled
+    frozen = copy.deepcopy(acc.unwrap_model(bundle.transformer)).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def frozen_copy():
+        live, bundle.transformer = bundle.transformer, frozen
+        try:
+            yield
+        finally:
+            bundle.transformer = live
+
+    return frozen_copy
+
+
+def train(config: RunConfig) -> dict:
+    """Runs GRPO fine-tuning; returns a summary (start/end rewards, out_dir)."""
+    from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint, save_checkpoint
+    from vsa2_rl.rl.ema import EMA
+    from vsa2_rl.rl.schedule import SparsitySchedule
+
+    setup = _Setup(config)  # all validation and loading happens before anything is written
+    acc, bundle, device = setup.accelerator, setup.bundle, setup.device
+    is_main = acc.is_main_process
+    state = bundle.sparsity_state
+    grpo, samp = config.grpo, config.sampler
+
+    transformer = bundle.transformer
+    if config.model.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    params = trainable_parameters(transformer, config)
+
+    optimizer = torch.optim.AdamW(
+        params, lr=config.train.learning_rate, weight_decay=config.train.weight_decay
+    )
+    warmup = config.train.warmup_steps
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+    )
+    transformer, optimizer = acc.prepare(transformer, optimizer)
+    bundle.transformer = transformer
+    reference = _reference_policy(bundle, acc, config) if grpo.kl_beta > 0 else None
+    ema = (
+        EMA(acc.unwrap_model(transformer), decay=config.train.ema_decay)
+        if config.train.ema_decay > 0
+        else None
+    )
+    schedule = SparsitySchedule.from_config(config.sparsity, config.train.num_steps)
+    sampler = GroupedPromptSampler(
+        len(setup.prompts),
+        grpo.group_size,
+        grpo.prompts_per_step,
+        num_replicas=acc.num_processes,
+        rank=acc.process_index,
+        seed=config.seed,
+    )
+    sigmas = sigma_schedule(samp.num_steps, samp.shift)
+    window = tuple(samp.sde_window) if samp.sde_window else None
+    latent_shape = bundle.latent_shape(
+        config.model.num_frames, config.model.height, config.model.width
+    )
+    uncond = bundle.encode_prompts([""]) if samp.guidance_scale > 1 else None
+
+    checkpoints = os.path.join(config.out_dir, "checkpoints")
+    start_step = 0
+    resume_from = None
+    if config.train.resume == "auto":
+        resume_from = find_latest(checkpoints)
+    elif config.train.resume != "none":
+        resume_from = config.train.resume
+    if resume_from:
+        restored = load_checkpoint(resume_from)
+        acc.unwrap_model(transformer).load_state_dict(restored["model"], strict=False)
+        optimizer.load_state_dict(restored["optimizer"])
+        lr_schedule.load_state_dict(restored["lr_schedule"])
+        if ema is not None:
+            ema.load_state_dict(restored["ema"])
+        start_step = int(restored["step"])
+    if is_main:
+        os.makedirs(config.out_dir, exist_ok=True)
+        with open(os.path.join(config.out_dir, "config.yaml"), "w", encoding="utf-8") as handle:
+            handle.write(to_yaml(config))
+    logger = MetricsLogger(config, resume_step=start_step, enabled=is_main)
+    if resume_from and is_main:
+        print(f"resumed from {resume_from} at step {start_step}")
+
+    def velocity_fn(text_emb):
+        return cfg_velocity(bundle.velocity, text_emb, uncond, samp.guidance_scale)
+
+    steps = range(start_step + 1, config.train.num_steps + 1)
+    bar = tqdm(steps, desc="GRPO", disable=not (is_main and config.logging.progress))
+    for step in bar:
+        sparsities = schedule(step)
+        metrics: dict = {
+            "sparsity/rollout": sparsities.rollout,
+            "sparsity/train": sparsities.train,
+            "sparsity/eval": sparsities.eval,
+        }
+
+        # ---- rollout ---------------------------------------------------------------------
+        t0 = time.perf_counter()
+        batch = sampler.batch(step - 1)
+        prompts = [setup.prompts[i] for i in batch.prompt_indices]
+        global_index = [
+            acc.process_index * sampler.samples_per_rank + i for i in range(len(prompts))
+        ]
+        noise = _initial_noise(latent_shape, config.seed, step, global_index).to(device)
+        generator = torch.Generator(device=device).manual_seed(
+            _sample_seed(config.seed + 1, step, acc.process_index)
+        )
+        state.sparsity, state.phase = sparsities.rollout, "rollout"
+        transformer.eval()
+        chunks: list[Rollout] = []
+        videos = []
+        for part in _chunks(len(prompts), grpo.train_batch_size):
+            with torch.no_grad():
+                text_emb = bundle.encode_prompts(prompts[part])
+                trajectory = sample(
+                    velocity_fn(text_emb),
+                    noise[part],
+                    sigmas,
+                    kind=samp.kind,
+                    noise_level=samp.noise_level,
+                    sde_window=window,
+                    generator=generator,
+                )
+                videos.append(bundle.decode(trajectory.latents[-1]))
+            chunks.append(Rollout(text_emb, trajectory.latents, trajectory.log_probs))
+        stochastic = trajectory.stochastic
+        density = state.pop_density()
+        metrics["attn/density"] = density if density is not None else 1.0
+        metrics["perf/rollout_s"] = time.perf_counter() - t0
+
+        # ---- rewards and advantages --------------------------------------------------------
+        videos = torch.cat(videos).float()
+        metadata = [{"prompt_index": i, "step": step} for i in batch.prompt_indices]
+        try:
+            scored, skip_reason = setup.rewards(videos, prompts, metadata), ""
+        except RewardSkip as error:
+            scored, skip_reason = None, str(error)
+        skip = torch.tensor([float(scored is None)], device=device)
+        if acc.gather(skip).sum() > 0:  # every rank skips together; weights stay untouched
+            if is_main:
+                tqdm.write(
+                    f"step {step}: skipped ({skip_reason or 'a reward failed on another rank'})"
+                )
+            logger.log(step, {**metrics, "train/skipped_reward": 1})
+            continue
+        group_ids = torch.tensor(batch.group_ids, device=device)
+        if config.rewards.aggregation == "reward":
+            advantages, zero_var, all_rewards = _advantages(acc, scored.total, group_ids, grpo)
+        else:
+            per_reward = {
+                name: _advantages(acc, values, group_ids, grpo)
+                for name, values in scored.rewards.items()
+            }
+            advantages = setup.rewards.combine_advantages(
+                {name: result[0] for name, result in per_reward.items()}
+            )
+            zero_var = torch.stack([result[1] for result in per_reward.values()]).all(0)
+            all_rewards = acc.gather(scored.total.to(device))
+        valid_rewards = all_rewards[torch.isfinite(all_rewards)]
+        metrics["reward/mean"] = valid_rewards.mean().item()
+        metrics["reward/std"] = valid_rewards.std(correction=0).item()
+        for name, values in scored.rewards.items():
+            values = acc.gather(values.to(device).float())
+            metrics[f"reward/{name}"] = values[torch.isfinite(values)].mean().item()
+        metrics["train/zero_var_frac"] = acc.gather(zero_var.float()).mean().item()
+        metrics["train/dropped_samples"] = int(acc.gather((~scored.valid).float().to(device)).sum())
+        for chunk, part in zip(chunks, _chunks(len(prompts), grpo.train_batch_size), strict=True):
+            chunk.advantages = advantages[part]
+
+        # ---- policy update -----------------------------------------------------------------
+        t0 = time.perf_counter()
+        state.sparsity, state.phase = sparsities.train, "train"
+        transformer.train()
+        trainable_steps = torch.nonzero(stochastic).flatten().tolist()
+        step_gen = torch.Generator().manual_seed(_sample_seed(config.seed + 2, step, 0))
+        num_train = max(1, round(grpo.timestep_fraction * len(trainable_steps)))
+        losses, kls, clip_fracs, ratio_dev_first, grad_norms = [], [], [], None, []
+        skipped = 0
+        for _epoch in range(grpo.num_inner_epochs):
+            order = torch.randperm(len(trainable_steps), generator=step_gen)[:num_train]
+            timesteps = sorted(trainable_steps[i] for i in order.tolist())
+            work = [(c, j) for c in chunks for j in timesteps if c.advantages.abs().sum() > 0]
+            optimizer.zero_grad(set_to_none=True)
+            for index, (chunk, j) in enumerate(work):
+                last = index == len(work) - 1
+                sync = contextlib.nullcontext() if last else acc.no_sync(transformer)
+                with sync:
+                    x, x_next = chunk.latents[j], chunk.latents[j + 1]
+                    sigma = torch.full((x.shape[0],), float(sigmas[j]), device=device)
+                    v = velocity_fn(chunk.text_emb)(x, sigma)
+                    log_prob, mean, std = step_log_prob(
+                        v,
+                        x,
+                        x_next,
+                        float(sigmas[j]),
+                        float(sigmas[j + 1]),
+                        samp.kind,
+                        samp.noise_level,
+                    )
+                    loss, stats = grpo_loss(
+                        log_prob,
+                        chunk.log_probs[j],
+                        chunk.advantages,
+                        clip_range=grpo.clip_range,
+                        loss_type=grpo.loss_type,
+                    )
+                    if ratio_dev_first is None:
+                        ratio_dev_first = stats["ratio_max_dev"].item()
+                    kl = torch.zeros((), device=device)
+                    if reference is not None:
+                        with torch.no_grad(), reference():
+                            ref_v = velocity_fn(chunk.text_emb)(x, sigma)
+                        ref_mean = step_log_prob(
+                            ref_v,
+                            x,
+                            x_next,
+                            float(sigmas[j]),
+                            float(sigmas[j + 1]),
+                            samp.kind,
+                            samp.noise_level,
+                        )[1]
+                        kl = gaussian_kl(mean, ref_mean, std).mean()
+                    total = (loss + grpo.kl_beta * kl) / len(work)
+                    acc.backward(total)
+                losses.append(loss.detach())
+                kls.append(kl.detach())
+                clip_fracs.append(stats["clip_frac"])
+            if not work:
+                continue
+            max_norm = config.train.max_grad_norm or math.inf
+            grad_norm = acc.clip_grad_norm_(params, max_norm)
+            finite = torch.isfinite(torch.stack(losses).sum()) & torch.isfinite(grad_norm)
+            if bool(acc.gather(finite.float().reshape(1)).min() > 0):
+                optimizer.step()
+                if ema is not None:
+                    ema.update()
+            else:
+                skipped += 1  # a NaN/inf never reaches the weights
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(float(grad_norm))
+        lr_schedule.step()
+        state.pop_density()
+        metrics["perf/train_s"] = time.perf_counter() - t0
+        metrics["perf/videos_per_s"] = (
+            len(prompts) * acc.num_processes / (metrics["perf/rollout_s"] + metrics["perf/train_s"])
+        )
+        metrics["loss/policy"] = torch.stack(losses).mean().item() if losses else 0.0
+        metrics["loss/kl"] = torch.stack(kls).mean().item() if kls else 0.0
+        metrics["train/clip_frac"] = torch.stack(clip_fracs).mean().item() if clip_fracs else 0.0
+        metrics["train/ratio_dev_first"] = ratio_dev_first if ratio_dev_first is not None else 0.0
+        metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
+        metrics["train/lr"] = lr_schedule.get_last_lr()[0]
+        metrics["train/skipped_nonfinite"] = skipped
+        logger.log(step, metrics)
+        bar.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}", density=f"{metrics['attn/density']:.2f}"
+        )
+
+        # ---- samples and checkpoints -------------------------------------------------------
+        if is_main and config.train.sample_every and step % config.train.sample_every == 0:
+            from vsa2_rl.eval.media import save_video_grid
+
+            save_video_grid(
+                videos[: grpo.group_size].cpu(),
+                os.path.join(config.out_dir, "samples", f"step_{step}"),
+                titles=prompts[: grpo.group_size],
+            )
+        every = config.train.checkpoint_every
+        if (every and step % every == 0) or step == config.train.num_steps:
+            acc.wait_for_everyone()
+            if is_main:
+                save_checkpoint(
+                    checkpoints,
+                    step,
+                    {
+                        "model": trained_state(acc.unwrap_model(transformer), config),
+                        "optimizer": optimizer.state_dict(),
+                        "lr_schedule": lr_schedule.state_dict(),
+                        "ema": ema.state_dict() if ema is not None else {},
+                        "schedule": schedule.state_dict(),
+                        "step": step,
+                    },
+                    keep_last=config.train.keep_last,
+                )
+    logger.close()
+    summary = {"out_dir": config.out_dir}
+    if is_main:
+        rows = [r for r in read_metrics(logger.path) if isinstance(r.get("reward/mean"), float)]
+        if rows:
+            head, tail = rows[: min(3, len(rows))], rows[-min(3, len(rows)) :]
+            summary["reward_start"] = sum(r["reward/mean"] for r in head) / len(head)
+            summary["reward_end"] = sum(r["reward/mean"] for r in tail) / len(tail)
+            plot_reward_curve(rows, os.path.join(config.out_dir, "reward_curve.png"))
+            print(
+                f"reward (rollout mean, first {len(head)} vs last {len(tail)} steps): "
+                f"{summary['reward_start']:.4f} -> {summary['reward_end']:.4f}; "
+                f"curve: {os.path.join(config.out_dir, 'reward_curve.png')}"
+            )
+    return summary

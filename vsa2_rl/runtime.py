@@ -1,0 +1,117 @@
+"""Run-time plumbing shared by training and evaluation: device and dtype resolution, the model
+bundle (toy or local Wan directory) with VSA2 attached, and the prompt sets."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vsa2_rl.config import ConfigError, ModelConfig, RunConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; an unavailable CUDA request is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name!r} requested but CUDA is not available (use device=cpu)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bf16 on CUDA (the trained precision of Wan), fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
+    """The VideoDiTBundle of ``config.model`` (docs/CONTRACTS.md), VSA2 per ``config.attention``."""
+    model: ModelConfig = config.model
+    if model.kind == "toy":
+        from vsa2_rl.models.toy import load_toy_bundle
+
+        return load_toy_bundle(config.attention, device=device, dtype=dtype, path=model.path)
+    from vsa2_rl.models.wan import load_wan_bundle
+
+    cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
+    return load_wan_bundle(
+        model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache
+    )
+
+
+def read_prompt_file(path: str, key: str) -> list[str]:
+    """Non-empty lines of a prompt file; an empty file is rejected naming ``key``."""
+    with open(path, encoding="utf-8") as handle:
+        prompts = [line.strip() for line in handle if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{key}: prompt file {path} has no prompts (one prompt per line)")
+    return prompts
+
+
+def load_prompts(config: RunConfig, split: str = "train") -> list[str]:
+    """Training prompts (``prompts.file``) or evaluation prompts (``prompts.eval_file``)."""
+    if split == "eval" and config.prompts.eval_file:
+        return read_prompt_file(config.prompts.eval_file, "prompts.eval_file")
+    if config.prompts.file:
+        return read_prompt_file(config.prompts.file, "prompts.file")
+    from vsa2_rl.data.prompts import toy_prompts
+
+    return toy_prompts(split)
+
+
+def trainable_parameters(transformer: torch.nn.Module, config: RunConfig) -> list:
+    """Marks what RL trains and returns it: with ``model.lora.enabled`` LoRA adapters (peft,
+    added here) plus the VSA2 router/gate parameters; otherwise every weight."""
+    if config.model.lora.enabled:
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        transformer.add_adapter(
+            LoraConfig(
+                r=config.model.lora.rank,
+                lora_alpha=config.model.lora.alpha,
+                target_modules=list(config.model.lora.target_modules),
+            )
+        )
+        for name, parameter in transformer.named_parameters():
+            if "lora_" in name or ".vsa2." in name:
+                parameter.requires_grad_(True)
+    else:
+        transformer.requires_grad_(True)
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def trained_state(transformer: torch.nn.Module, config: RunConfig) -> dict:
+    """Weights a checkpoint holds: the trainable ones (LoRA runs) or all (full fine-tuning)."""
+    state = transformer.state_dict()
+    if not config.model.lora.enabled:
+        return state
+    names = {n for n, p in transformer.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in names}
+
+
+def load_model(
+    config: RunConfig, device, dtype, checkpoint: str | None = None, use_ema: bool = True
+):
+    """The bundle of a trained run: base model, LoRA structure if the run used it, and the
+    checkpoint's weights (its EMA weights when the run kept an EMA and ``use_ema``)."""
+    bundle = build_bundle(config, device, dtype)
+    if checkpoint is None:
+        return bundle
+    from vsa2_rl.rl.checkpoint import load_checkpoint
+
+    trainable_parameters(bundle.transformer, config)
+    restored = load_checkpoint(checkpoint)
+    weights = dict(restored["model"])
+    shadow = (restored.get("ema") or {}).get("shadow", {}) if use_ema else {}
+    weights.update({name: value for name, value in shadow.items() if name in weights})
+    missing = bundle.transformer.load_state_dict(weights, strict=False)
+    if missing.unexpected_keys:
+        raise ConfigError(
+            f"checkpoint: {checkpoint} does not match the model of its run "
+            f"(unexpected keys {missing.unexpected_keys[:3]})"
+        )
+    bundle.transformer.requires_grad_(False)
+    return bundle
