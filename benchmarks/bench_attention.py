@@ -1,0 +1,268 @@
+"""GPU benchmark of VSA2 attention against dense cuDNN SDPA, FlexAttention and FastVideo VSA.
+
+Times the forward and forward+backward (``torch.autograd.grad`` w.r.t. q, k, v, so no gradient
+accumulation is timed) with ``triton.testing.do_bench`` medians at Wan2.1 shapes, bf16, D=128:
+
+* dense SDPA forced onto cuDNN (the 1x reference of every speed-up);
+* FlexAttention (compiled) with a block mask of the same sparsity at 128-token blocks (the
+  ANCHORS.md note: this torch rejects 64-token BlockMasks);
+* FastVideo VSA (``fastvideo_kernel.video_sparse_attn``) if it imports;
+* our fine stage ``block_sparse_attention`` alone at kv_block 16/32/64, with a per-pair bias;
+* our full VSA2 op ``vsa2_attention`` (coarse + router + fine, topk mode) if it imports.
+
+Selections are random: each query tile keeps ``round((1 - s) * NSEG)`` distinct segments.
+Effective TFLOP/s count only kept blocks (4*B*H*S*keys*D forward, 3.5x that for fwd+bwd).
+Prints a markdown table and writes it to ``--out``.
+
+    python benchmarks/bench_attention.py --out bench.md            # full run
+    python benchmarks/bench_attention.py --quick --out quick.md    # 480p, fewer kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+SHAPES = {"480p": (1, 12, 32768, 128), "720p": (1, 40, 75264, 128)}
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.dense: dict[tuple[str, str], float] = {}
+
+    def add(self, shape, method, sparsity, mode, ms, flops):
+        if method == "sdpa-cudnn":
+            self.dense[(shape, mode)] = ms
+        base = self.dense.get((shape, mode))
+        speedup = f"{base / ms:.2f}" if base else "-"
+        tflops = flops / (ms * 1e-3) / 1e12
+        self.rows.append((shape, method, sparsity, mode, f"{ms:.3f}", speedup, f"{tflops:.0f}"))
+        line = f"{shape:5s} {method:20s} {sparsity:6s} {mode:8s} {ms:9.3f} ms  x{speedup:>6s}"
+        print(f"{line}  {tflops:5.0f} TFLOP/s", flush=True)
+
+    def markdown(self) -> str:
+        head = "| shape | method | sparsity | mode | ms | x cuDNN | eff. TFLOP/s |\n"
+        head += "|---|---|---|---|---|---|---|\n"
+        return head + "\n".join("| " + " | ".join(r) + " |" for r in self.rows)
+
+
+def bench(fn, heavy: bool) -> float:
+    warmup, rep = (10, 50) if heavy else (25, 100)
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def time_fwd_bwd(table, shape, method, sparsity, fwd, inputs, go, flops):
+    """fwd() -> out; times fwd alone and fwd + grad w.r.t. ``inputs``."""
+    with torch.no_grad():
+        table.add(shape, method, sparsity, "fwd", bench(fwd, False), flops)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), inputs, go)
+
+    table.add(shape, method, sparsity, "fwd+bwd", bench(fwd_bwd, True), flops * 3.5)
+
+
+def random_selection(B, H, NQ, NSEG, keep, device):
+    """Each query tile keeps ``keep`` distinct random segments (unsorted, as a router emits)."""
+    ids = torch.rand(B, H, NQ, NSEG, device=device).topk(keep, dim=-1).indices.to(torch.int32)
+    counts = torch.full((B, H, NQ), keep, device=device, dtype=torch.int32)
+    return ids, counts
+
+
+def run_shape(args, table, tag):
+    B, H, S, D = SHAPES[tag]
+    dev = "cuda"
+    q, k, v = (
+        torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    go = torch.randn_like(q)
+    dense_flops = 4 * B * H * S * S * D
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        time_fwd_bwd(
+            table,
+            tag,
+            "sdpa-cudnn",
+            "dense",
+            lambda: F.scaled_dot_product_attention(q, k, v),
+            (q, k, v),
+            go,
+            dense_flops,
+        )
+
+    for s in args.sparsities:
+        if not args.no_flex:
+            run_flex(table, tag, s, q, k, v, go)
+        if args.fastvideo:
+            run_fastvideo(table, tag, s, q, k, v, go)
+        for kvb in args.kv_blocks:
+            run_ours(args, table, tag, s, kvb, q, k, v, go)
+
+
+def run_flex(table, tag, s, q, k, v, go):
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except ImportError as e:
+        print(f"skip FlexAttention: {e}")
+        return
+    B, H, S, D = q.shape
+    blk = 128
+    nb = S // blk
+    keep = max(1, round((1 - s) * nb))
+    ids, counts = random_selection(B, H, nb, nb, keep, q.device)
+    full_ids = torch.zeros(B, H, nb, nb, device=q.device, dtype=torch.int32)
+    full_ids[..., :keep] = ids.sort(-1).values
+    # every kept block is a "full" block: no mask_mod is evaluated inside it
+    bm = BlockMask.from_kv_blocks(
+        torch.zeros_like(counts),
+        full_ids.clone(),
+        counts,
+        full_ids,
+        BLOCK_SIZE=blk,
+        seq_lengths=(S, S),
+    )
+    flex = torch.compile(flex_attention, dynamic=False)
+    flops = 4 * B * H * S * keep * blk * D
+    time_fwd_bwd(
+        table,
+        tag,
+        "flex-blk128",
+        f"{s}",
+        lambda: flex(q, k, v, block_mask=bm),
+        (q, k, v),
+        go,
+        flops,
+    )
+
+
+def run_fastvideo(table, tag, s, q, k, v, go):
+    try:
+        from fastvideo_kernel import video_sparse_attn
+    except ImportError as e:
+        print(f"skip FastVideo VSA (not importable: {e})")
+        return
+    B, H, S, D = q.shape
+    nb = S // 64
+    keep = max(1, round(nb * (1 - s)))
+    vbs = torch.full((nb,), 64, device=q.device, dtype=torch.int32)
+    flops = 4 * B * H * S * keep * 64 * D
+    fwd = lambda: video_sparse_attn(q, k, v, vbs, vbs, keep, block_size=(4, 4, 4))
+    time_fwd_bwd(table, tag, "fastvideo-vsa", f"{s}", fwd, (q, k, v), go, flops)
+
+
+def run_ours(args, table, tag, s, kvb, q, k, v, go):
+    from vsa2_rl.kernels.ops import block_sparse_attention
+
+    B, H, S, D = q.shape
+    NQ, NSEG = S // 64, S // kvb
+    keep = max(1, round((1 - s) * NSEG))
+    ids, counts = random_selection(B, H, NQ, NSEG, keep, q.device)
+    bias = (0.1 * torch.randn(B, H, NQ, keep, device=q.device)).requires_grad_()
+    flops = 4 * B * H * S * keep * kvb * D
+    fwd = lambda: block_sparse_attention(q, k, v, ids, counts, bias, kv_block=kvb)[0]
+    time_fwd_bwd(table, tag, f"ours-fine-kv{kvb}", f"{s}", fwd, (q, k, v, bias), go, flops)
+    if args.profile:
+        profile_kernels(
+            lambda: torch.autograd.grad(fwd(), (q, k, v, bias), go), f"{tag} s={s} kv{kvb}"
+        )
+    if args.full:
+        run_full(table, tag, s, kvb, q, k, v, go, flops)
+
+
+def run_full(table, tag, s, kvb, q, k, v, go, flops):
+    try:
+        from vsa2_rl.config import VSA2Config
+        from vsa2_rl.kernels import vsa2_attention
+    except ImportError as e:
+        print(f"skip full VSA2 op (vsa2_attention not importable: {e})")
+        return
+    H, S = q.shape[1], q.shape[2]
+    cfg = VSA2Config(q_tile=64, kv_block=kvb, mode="topk")
+    tile_len = torch.full((S // 64,), 64, device=q.device, dtype=torch.int32)
+    seg_len = torch.full((S // kvb,), kvb, device=q.device, dtype=torch.int32)
+    alpha = torch.zeros(H, device=q.device, requires_grad=True)
+    gate_c = torch.full((1, 1, 1, 1), 0.1, device=q.device, dtype=q.dtype)
+
+    def fwd():
+        out, _ = vsa2_attention(
+            q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=s, alpha=alpha,
+            gate_coarse=gate_c, config=cfg, num_valid_segments=S // kvb,
+        )  # fmt: skip
+        return out
+
+    try:
+        time_fwd_bwd(table, tag, f"ours-full-kv{kvb}", f"{s}", fwd, (q, k, v, alpha), go, flops)
+    except Exception:
+        print(f"full VSA2 op failed at {tag} s={s} kv{kvb}:")
+        traceback.print_exc()
+
+
+def profile_kernels(fn, label):
+    """Per-kernel device time of one call (after warm-up), largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    from vsa2_rl.kernels import block_sparse
+
+    print(f"-- kernels of {label} --")
+    for name in ("_bsa_fwd_kernel", "_bsa_bwd_dq_kernel", "_bsa_bwd_dkv_kernel"):
+        print(f"{name} best config: {getattr(block_sparse, name).best_config}")
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60)
+    )
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shapes", default="480p,720p", help="comma list of " + ",".join(SHAPES))
+    p.add_argument("--sparsities", default="0.875,0.95")
+    p.add_argument("--kv-blocks", default="16,32,64")
+    p.add_argument(
+        "--quick", action="store_true", help="480p, kv_block 16 and 64, no FlexAttention"
+    )
+    p.add_argument(
+        "--no-flex", action="store_true", help="skip FlexAttention (its compile is slow)"
+    )
+    p.add_argument("--no-full", action="store_true", help="skip the full vsa2_attention op")
+    p.add_argument("--profile", action="store_true", help="print per-kernel times of our fwd+bwd")
+    p.add_argument("--out", default=None, help="write the markdown table here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA device")
+    if args.quick:
+        args.shapes, args.kv_blocks, args.no_flex = "480p", "16,64", True
+    args.sparsities = [float(x) for x in args.sparsities.split(",")]
+    args.kv_blocks = [int(x) for x in args.kv_blocks.split(",")]
+    args.full = not args.no_full
+    args.fastvideo = True
+    torch.manual_seed(0)
+
+    table = Table()
+    for tag in args.shapes.split(","):
+        run_shape(args, table, tag)
+        torch.cuda.empty_cache()
+    header = (
+        f"date {datetime.date.today()}, device {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, command: python {' '.join(sys.argv)}\n\n"
+    )
+    text = header + table.markdown() + "\n"
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,650 @@
+"""Triton kernels for the VSA2 fine stage: block-sparse attention over selected key segments.
+
+Each 64-token query tile attends to its own list of key segments (``kv_block`` contiguous keys
+each), chosen by the VSA2 router, with one additive logit bias per (tile, segment) pair. The
+kernels follow FlashAttention-2 (Dao, 2023): an online-softmax forward that saves the row
+log-sum-exp, and a backward split into
+
+* a query-major pass (one program per query tile) that recomputes P, accumulates dQ and the
+  per-pair bias gradient d(bias) = sum of dS over the pair's logits, and stores
+  delta = rowsum(dO * O) - dLSE for the second pass;
+* a key-major pass (one program per key segment) that walks a transposed, CSR-style index of the
+  (query tile, slot) pairs that selected the segment and accumulates dK and dV without atomics.
+
+Segments of 16 or 32 keys would make ``tl.dot`` tiles too thin for the tensor cores, so the
+forward and dQ kernels gather ``BLOCK_N // kv_block`` selected segments into one BLOCK_N-key tile
+per iteration (a pointer gather of rows from different segments), masked by the per-segment valid
+lengths and the row's count. The dK/dV kernel likewise gathers ``QG`` query tiles per iteration,
+and for 16- or 32-key segments accumulates dK^T / dV^T (head-dim major) so that every product
+keeps M >= 64, the smallest Hopper tensor-core tile.
+
+The kv-major index is built on the device with a stable sort (no host sync, deterministic order);
+see :func:`build_kv_major_index`. Index conventions follow FlexAttention's ``BlockMask``
+(``kv_num_blocks`` / ``kv_indices``) with per-row counts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# -- autotune configs -----------------------------------------------------------------------------
+# The interpreter runs every config it is given, so it gets one small config; on the GPU the
+# pruning functions drop configs whose tile cannot hold a whole number of segments / query tiles.
+
+
+def _fwd_configs() -> list[triton.Config]:
+    if _interpreting():
+        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    # measured on an H200 at Wan 720p (D=128, bf16): BLOCK_N=64, 4 warps, 2 stages won for
+    # every kv_block over (64|128) x (4|8 warps) x (2|3 stages); the rest are kept as fallbacks
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))
+    ]
+
+
+def _dkv_configs() -> list[triton.Config]:
+    if _interpreting():
+        return [triton.Config({"QG": 1}, num_warps=4, num_stages=1)]
+    # QG=1, 4 warps, 2 stages won at Wan 720p over QG 1/2/4 x 4/8 warps x 2/3 stages
+    return [
+        triton.Config({"QG": qg}, num_warps=w, num_stages=s)
+        for qg, w, s in ((1, 4, 2), (2, 4, 2), (2, 8, 2))
+    ]
+
+
+def _keep_block_n(configs, named_args, **kwargs):
+    kv_block = kwargs["KV_BLOCK"]
+    return [c for c in configs if c.kwargs["BLOCK_N"] >= kv_block]
+
+
+def _keep_qg(configs, named_args, **kwargs):
+    rows = [c for c in configs if c.kwargs["QG"] * kwargs["Q_TILE"] <= 256]
+    return rows or configs[:1]
+
+
+# -- forward --------------------------------------------------------------------------------------
+
+
+@triton.autotune(
+    configs=_fwd_configs(),
+    key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
+    prune_configs_by={"early_config_prune": _keep_block_n},
+)
+@triton.jit
+def _bsa_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    KV_IDX,
+    KV_CNT,
+    BIAS,
+    KV_LEN,
+    s_qb,
+    s_qh,
+    s_qs,
+    s_kb,
+    s_kh,
+    s_ks,
+    s_vb,
+    s_vh,
+    s_vs,
+    qk_scale,
+    H,
+    S,
+    NQ,
+    KMAX,
+    Q_TILE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_N % KV_BLOCK == 0)
+    G: tl.constexpr = BLOCK_N // KV_BLOCK
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_row = i_bh.to(tl.int64) * NQ + i_t
+
+    o_m = tl.arange(0, Q_TILE)
+    o_d = tl.arange(0, HEAD_DIM)
+    o_n = tl.arange(0, BLOCK_N)
+    # key row n of a gathered tile is key (n % KV_BLOCK) of the row's (n // KV_BLOCK)-th segment
+    o_g = o_n // KV_BLOCK
+    o_w = o_n % KV_BLOCK
+    o_tok_q = i_t.to(tl.int64) * Q_TILE + o_m
+
+    p_q = (
+        Q
+        + i_b.to(tl.int64) * s_qb
+        + i_h.to(tl.int64) * s_qh
+        + o_tok_q[:, None] * s_qs
+        + o_d[None, :]
+    )
+    # [Q_TILE, HEAD_DIM]
+    b_q = tl.load(p_q)
+    p_k0 = K + i_b.to(tl.int64) * s_kb + i_h.to(tl.int64) * s_kh
+    p_v0 = V + i_b.to(tl.int64) * s_vb + i_h.to(tl.int64) * s_vh
+    p_idx = KV_IDX + i_row * KMAX
+    p_bias = BIAS + i_row * KMAX
+    n_sel = tl.load(KV_CNT + i_row)
+
+    b_m = tl.full([Q_TILE], float("-inf"), tl.float32)
+    b_l = tl.zeros([Q_TILE], tl.float32)
+    b_acc = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
+    for i_s in range(0, n_sel, G):
+        # -- gather G segments into one BLOCK_N-key tile ----
+        o_slot = i_s + o_g
+        m_slot = o_slot < n_sel
+        b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
+        m_key = m_slot
+        if HAS_LEN:
+            b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
+            m_key = m_key & (o_w < b_len)
+        o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
+        # [HEAD_DIM, BLOCK_N]
+        b_kt = tl.load(
+            p_k0 + o_tok_k[None, :] * s_ks + o_d[:, None], mask=m_key[None, :], other=0.0
+        )
+        # [BLOCK_N, HEAD_DIM]
+        b_v = tl.load(p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0)
+        # -- logits in log2 units ----
+        # [Q_TILE, BLOCK_N]
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
+        if HAS_BIAS:
+            b_bias = (
+                tl.load(p_bias + o_slot, mask=m_slot, other=0.0).to(tl.float32) * 1.4426950408889634
+            )
+            b_s += b_bias[None, :]
+        b_s = tl.where(m_key[None, :], b_s, float("-inf"))
+        # -- online softmax; a row may have seen only masked keys so far ----
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.math.exp2(b_s - b_m_safe[:, None])
+        b_alpha = tl.math.exp2(b_m - b_m_safe)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        b_m = b_m_new
+
+    m_nz = b_l > 0
+    b_o = b_acc / tl.where(m_nz, b_l, 1.0)[:, None]
+    b_lse = tl.where(
+        m_nz, (b_m + tl.math.log2(tl.where(m_nz, b_l, 1.0))) * 0.6931471805599453, float("-inf")
+    )
+    p_o = O + i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_q[:, None] * HEAD_DIM + o_d[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty))
+    tl.store(LSE + i_bh.to(tl.int64) * S + o_tok_q, b_lse)
+
+
+# -- backward, query-major pass: dQ, d(bias), delta -----------------------------------------------
+
+
+@triton.autotune(
+    configs=_fwd_configs(),
+    key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
+    prune_configs_by={"early_config_prune": _keep_block_n},
+)
+@triton.jit
+def _bsa_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    LSE,
+    DLSE,
+    DELTA,
+    DQ,
+    DBIAS,
+    KV_IDX,
+    KV_CNT,
+    BIAS,
+    KV_LEN,
+    s_qb,
+    s_qh,
+    s_qs,
+    s_kb,
+    s_kh,
+    s_ks,
+    s_vb,
+    s_vh,
+    s_vs,
+    s_ob,
+    s_oh,
+    s_os,
+    s_dob,
+    s_doh,
+    s_dos,
+    qk_scale,
+    scale,
+    H,
+    S,
+    NQ,
+    KMAX,
+    Q_TILE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_N % KV_BLOCK == 0)
+    G: tl.constexpr = BLOCK_N // KV_BLOCK
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    i_row = i_bh.to(tl.int64) * NQ + i_t
+
+    o_m = tl.arange(0, Q_TILE)
+    o_d = tl.arange(0, HEAD_DIM)
+    o_n = tl.arange(0, BLOCK_N)
+    o_g = o_n // KV_BLOCK
+    o_w = o_n % KV_BLOCK
+    o_gs = tl.arange(0, G)
+    o_tok_q = i_t.to(tl.int64) * Q_TILE + o_m
+
+    # [Q_TILE, HEAD_DIM]
+    b_q = tl.load(Q + i_b * s_qb + i_h * s_qh + o_tok_q[:, None] * s_qs + o_d[None, :])
+    b_do = tl.load(DO + i_b * s_dob + i_h * s_doh + o_tok_q[:, None] * s_dos + o_d[None, :])
+    b_o = tl.load(O + i_b * s_ob + i_h * s_oh + o_tok_q[:, None] * s_os + o_d[None, :])
+    # -- delta = rowsum(dO * O) - dLSE: the softmax-backward row constant ----
+    # [Q_TILE]
+    b_delta = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)
+    if HAS_DLSE:
+        b_delta -= tl.load(DLSE + i_bh.to(tl.int64) * S + o_tok_q)
+    tl.store(DELTA + i_bh.to(tl.int64) * S + o_tok_q, b_delta)
+    b_lse = tl.load(LSE + i_bh.to(tl.int64) * S + o_tok_q)
+    # rows that saw no valid key have lse = -inf and zero probability everywhere
+    b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
+
+    p_k0 = K + i_b * s_kb + i_h * s_kh
+    p_v0 = V + i_b * s_vb + i_h * s_vh
+    p_idx = KV_IDX + i_row * KMAX
+    p_bias = BIAS + i_row * KMAX
+    p_dbias = DBIAS + i_row * KMAX
+    n_sel = tl.load(KV_CNT + i_row)
+
+    b_dq = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
+    for i_s in range(0, n_sel, G):
+        o_slot = i_s + o_g
+        m_slot = o_slot < n_sel
+        b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
+        m_key = m_slot
+        if HAS_LEN:
+            b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
+            m_key = m_key & (o_w < b_len)
+        o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
+        # [BLOCK_N, HEAD_DIM]
+        b_k = tl.load(p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_key[:, None], other=0.0)
+        b_v = tl.load(p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0)
+        # -- recompute P from the saved lse ----
+        # [Q_TILE, BLOCK_N]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale
+        if HAS_BIAS:
+            b_bias = (
+                tl.load(p_bias + o_slot, mask=m_slot, other=0.0).to(tl.float32) * 1.4426950408889634
+            )
+            b_s += b_bias[None, :]
+        b_p = tl.where(m_key[None, :], tl.math.exp2(b_s - b_lse2[:, None]), 0.0)
+        # -- dS = P * (dP - delta) ----
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            # d(bias) of a pair: dS summed over the tile's rows and the segment's keys
+            # [G]
+            b_db = tl.sum(tl.reshape(tl.sum(b_ds, 0), [G, KV_BLOCK]), 1)
+            tl.store(
+                p_dbias + i_s + o_gs, b_db.to(DBIAS.dtype.element_ty), mask=(i_s + o_gs) < n_sel
+            )
+
+    p_dq = DQ + i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_q[:, None] * HEAD_DIM + o_d[None, :]
+    tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty))
+
+
+# -- backward, key-major pass: dK, dV -------------------------------------------------------------
+
+
+@triton.jit
+def _gather_query_rows(
+    p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
+    Q_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QG: tl.constexpr,
+):  # fmt: skip
+    """Rows of the QG selecting tiles at CSR entries [i_p, i_p + QG): q, dO, lse (log2), delta."""
+    ROWS: tl.constexpr = QG * Q_TILE
+    o_r = tl.arange(0, ROWS)
+    o_d = tl.arange(0, HEAD_DIM)
+    # query row r of the gathered tile is row (r % Q_TILE) of the (r // Q_TILE)-th selecting tile
+    o_ent = i_p + o_r // Q_TILE
+    m_ent = o_ent < i_end
+    # global pair id ((b * H + h) * NQ + t) * KMAX + slot
+    b_pair = tl.load(CSR_PAIR + o_ent, mask=m_ent, other=0)
+    b_t = (b_pair // KMAX) % NQ
+    o_tok_q = b_t.to(tl.int64) * Q_TILE + o_r % Q_TILE
+    # [ROWS, HEAD_DIM]
+    b_q = tl.load(p_q0 + o_tok_q[:, None] * s_qs + o_d[None, :], mask=m_ent[:, None], other=0.0)
+    b_do = tl.load(p_do0 + o_tok_q[:, None] * s_dos + o_d[None, :], mask=m_ent[:, None], other=0.0)
+    # [ROWS]; rows that saw no valid key have lse = -inf and zero probability everywhere
+    b_lse = tl.load(p_lse0 + o_tok_q, mask=m_ent, other=float("-inf"))
+    b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
+    b_delta = tl.load(p_delta0 + o_tok_q, mask=m_ent, other=0.0)
+    return b_pair, m_ent, b_q, b_do, b_lse2, b_delta
+
+
+@triton.jit
+def _dkv_key_major_loop(
+    b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+    s_qs, s_dos, qk_scale, NQ, KMAX,
+    Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one segment from transposed scores S^T = K Q^T ([KV_BLOCK, ROWS]).
+
+    P^T and dS^T then come out in the layout the dK / dV products consume (the segment's keys
+    are the M dimension), which suits kv_block 64.
+    """
+    b_dk = tl.zeros([KV_BLOCK, HEAD_DIM], tl.float32)
+    b_dv = tl.zeros([KV_BLOCK, HEAD_DIM], tl.float32)
+    for i_p in range(i_start, i_end, QG):
+        b_pair, m_ent, b_q, b_do, b_lse2, b_delta = _gather_query_rows(
+            p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
+            Q_TILE, HEAD_DIM, QG,
+        )  # fmt: skip
+        # [KV_BLOCK, ROWS]
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale
+        if HAS_BIAS:
+            b_bias = tl.load(BIAS + b_pair, mask=m_ent, other=0.0).to(tl.float32)
+            b_st += b_bias[None, :] * 1.4426950408889634
+        b_pt = tl.where(m_key[:, None] & m_ent[None, :], tl.math.exp2(b_st - b_lse2[None, :]), 0.0)
+        b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=DOT_PREC)
+    return b_dk, b_dv
+
+
+@triton.jit
+def _dkv_dim_major_loop(
+    b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+    s_qs, s_dos, qk_scale, NQ, KMAX,
+    Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one segment accumulated transposed: dK^T = Q^T dS ([HEAD_DIM, KV_BLOCK]).
+
+    With 16- or 32-key segments, key-major products would have M = kv_block, too thin for the
+    Hopper tensor-core instructions (M >= 64); here every product has M = ROWS or HEAD_DIM.
+    """
+    b_dkt = tl.zeros([HEAD_DIM, KV_BLOCK], tl.float32)
+    b_dvt = tl.zeros([HEAD_DIM, KV_BLOCK], tl.float32)
+    for i_p in range(i_start, i_end, QG):
+        b_pair, m_ent, b_q, b_do, b_lse2, b_delta = _gather_query_rows(
+            p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
+            Q_TILE, HEAD_DIM, QG,
+        )  # fmt: skip
+        # [ROWS, KV_BLOCK]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale
+        if HAS_BIAS:
+            b_bias = tl.load(BIAS + b_pair, mask=m_ent, other=0.0).to(tl.float32)
+            b_s += b_bias[:, None] * 1.4426950408889634
+        b_p = tl.where(m_ent[:, None] & m_key[None, :], tl.math.exp2(b_s - b_lse2[:, None]), 0.0)
+        b_dvt += tl.dot(tl.trans(b_do), b_p.to(b_do.dtype), input_precision=DOT_PREC)
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype), input_precision=DOT_PREC)
+    return tl.trans(b_dkt), tl.trans(b_dvt)
+
+
+@triton.autotune(
+    configs=_dkv_configs(),
+    key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
+    prune_configs_by={"early_config_prune": _keep_qg},
+)
+@triton.jit
+def _bsa_bwd_dkv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    CSR_OFF,
+    CSR_PAIR,
+    BIAS,
+    KV_LEN,
+    s_qb,
+    s_qh,
+    s_qs,
+    s_kb,
+    s_kh,
+    s_ks,
+    s_vb,
+    s_vh,
+    s_vs,
+    s_dob,
+    s_doh,
+    s_dos,
+    qk_scale,
+    scale,
+    H,
+    S,
+    NQ,
+    NSEG,
+    KMAX,
+    Q_TILE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DIM_MAJOR: tl.constexpr,
+    QG: tl.constexpr,
+):
+    i_seg, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+
+    o_w = tl.arange(0, KV_BLOCK)
+    o_d = tl.arange(0, HEAD_DIM)
+    o_tok_k = i_seg.to(tl.int64) * KV_BLOCK + o_w
+
+    m_key = o_w < KV_BLOCK
+    if HAS_LEN:
+        m_key = o_w < tl.load(KV_LEN + i_seg)
+    # [KV_BLOCK, HEAD_DIM]
+    b_k = tl.load(
+        K + i_b * s_kb + i_h * s_kh + o_tok_k[:, None] * s_ks + o_d[None, :],
+        mask=m_key[:, None],
+        other=0.0,
+    )
+    b_v = tl.load(
+        V + i_b * s_vb + i_h * s_vh + o_tok_k[:, None] * s_vs + o_d[None, :],
+        mask=m_key[:, None],
+        other=0.0,
+    )
+
+    p_q0 = Q + i_b * s_qb + i_h * s_qh
+    p_do0 = DO + i_b * s_dob + i_h * s_doh
+    p_lse0 = LSE + i_bh.to(tl.int64) * S
+    p_delta0 = DELTA + i_bh.to(tl.int64) * S
+    i_csr = i_bh.to(tl.int64) * NSEG + i_seg
+    i_start = tl.load(CSR_OFF + i_csr)
+    i_end = tl.load(CSR_OFF + i_csr + 1)
+
+    if DIM_MAJOR:
+        b_dk, b_dv = _dkv_dim_major_loop(
+            b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+            s_qs, s_dos, qk_scale, NQ, KMAX,
+            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG,
+        )  # fmt: skip
+    else:
+        b_dk, b_dv = _dkv_key_major_loop(
+            b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+            s_qs, s_dos, qk_scale, NQ, KMAX,
+            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG,
+        )  # fmt: skip
+
+    o_out = i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_k[:, None] * HEAD_DIM + o_d[None, :]
+    tl.store(DK + o_out, (b_dk * scale).to(DK.dtype.element_ty))
+    tl.store(DV + o_out, b_dv.to(DV.dtype.element_ty))
+
+
+# -- launchers ------------------------------------------------------------------------------------
+
+
+def _bhs_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get exact float32 products; tf32 would cost ~3 significant digits
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def build_kv_major_index(
+    kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_segments: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transpose the query-major selection into a kv-major CSR index, on the device, no sync.
+
+    Returns ``(offsets, pairs)``: ``offsets`` int32 [B*H*num_segments + 1]; for segment ``s`` of
+    head ``bh`` the selecting pairs are ``pairs[offsets[i]:offsets[i + 1]]`` with
+    ``i = bh * num_segments + s``, each the flat index ``((bh * NQ) + t) * KMAX + slot`` into
+    ``kv_indices``. ``pairs`` has the fixed size B*H*NQ*KMAX (unused entries sort to the end).
+    A stable sort keeps the pairs of a segment in ascending query-tile order, so the backward is
+    deterministic.
+    """
+    B, H, _, KMAX = kv_indices.shape
+    device = kv_indices.device
+    o_slot = torch.arange(KMAX, device=device, dtype=torch.int32)
+    m_valid = o_slot < kv_counts.unsqueeze(-1)
+    o_bh = torch.arange(B * H, device=device, dtype=torch.int32).view(B, H, 1, 1)
+    sentinel = B * H * num_segments
+    # [B, H, NQ, KMAX]: sort key = global segment id, unused slots after every real one
+    b_key = torch.where(m_valid, o_bh * num_segments + kv_indices.to(torch.int32), sentinel)
+    b_key_sorted, b_order = torch.sort(b_key.flatten(), stable=True)
+    o_seg = torch.arange(sentinel + 1, device=device, dtype=torch.int32)
+    offsets = torch.searchsorted(b_key_sorted, o_seg, out_int32=True)
+    return offsets, b_order.to(torch.int32)
+
+
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(1, device=device, dtype=dtype)
+
+
+def bsa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    block_bias: torch.Tensor | None,
+    kv_lengths: torch.Tensor | None,
+    q_tile: int,
+    kv_block: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns (out [B,H,S,D] in q's dtype, lse float32 [B,H,S])."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    B, H, S, D = q.shape
+    NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
+    out = torch.empty((B, H, S, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, H, S), device=q.device, dtype=torch.float32)
+    kv_indices = kv_indices.contiguous()
+    kv_counts = kv_counts.contiguous()
+    bias = block_bias.contiguous() if block_bias is not None else _dummy(q.device, torch.float32)
+    lens = kv_lengths.contiguous() if kv_lengths is not None else _dummy(q.device, torch.int32)
+    _bsa_fwd_kernel[(NQ, B * H)](
+        q, k, v, out, lse,
+        kv_indices, kv_counts, bias, lens,
+        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v),
+        scale * LOG2E,
+        H=H, S=S, NQ=NQ, KMAX=KMAX,
+        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
+        HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
+        DOT_PREC=_dot_precision(q.dtype),
+    )  # fmt: skip
+    return out, lse
+
+
+def bsa_backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    block_bias: torch.Tensor | None,
+    kv_lengths: torch.Tensor | None,
+    q_tile: int,
+    kv_block: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the dQ/d(bias) pass, build the kv-major index, launch the dK/dV pass."""
+    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
+    B, H, S, D = q.shape
+    NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
+    NSEG = S // kv_block
+    device = q.device
+    kv_indices = kv_indices.contiguous()
+    kv_counts = kv_counts.contiguous()
+    lse = lse.contiguous()
+    has_bias = block_bias is not None
+    bias = block_bias.contiguous() if has_bias else _dummy(device, torch.float32)
+    lens = kv_lengths.contiguous() if kv_lengths is not None else _dummy(device, torch.int32)
+    dlse_arg = dlse.contiguous() if dlse is not None else _dummy(device, torch.float32)
+
+    dq = torch.empty((B, H, S, D), device=device, dtype=q.dtype)
+    dk = torch.empty((B, H, S, D), device=device, dtype=k.dtype)
+    dv = torch.empty((B, H, S, D), device=device, dtype=v.dtype)
+    delta = torch.empty((B, H, S), device=device, dtype=torch.float32)
+    # slots past a row's count are never visited by the kernel and keep their zero gradient
+    dbias = torch.zeros_like(bias) if has_bias else _dummy(device, torch.float32)
+    prec = _dot_precision(q.dtype)
+
+    _bsa_bwd_dq_kernel[(NQ, B * H)](
+        q, k, v, out, dout, lse, dlse_arg, delta, dq, dbias,
+        kv_indices, kv_counts, bias, lens,
+        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out), *_bhs_strides(dout),
+        scale * LOG2E, scale,
+        H=H, S=S, NQ=NQ, KMAX=KMAX,
+        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
+        HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None,
+        DOT_PREC=prec,
+    )  # fmt: skip
+
+    offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
+    _bsa_bwd_dkv_kernel[(NSEG, B * H)](
+        q, k, v, dout, lse, delta, dk, dv,
+        offsets, pairs, bias, lens,
+        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
+        scale * LOG2E, scale,
+        H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX,
+        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
+        HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, DOT_PREC=prec,
+        DIM_MAJOR=kv_block < 64,
+    )  # fmt: skip
+    return dq, dk, dv, (dbias if has_bias else None)
