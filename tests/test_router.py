@@ -1,0 +1,200 @@
+"""Pooling kernel and VSA2 router against brute-force float64 references."""
+
+import math
+
+import pytest
+import torch
+from vsa2_rl.kernels import max_kv_for, pool_tiles, route
+
+# -- pool_tiles ---------------------------------------------------------------------------------
+
+
+def _pool_reference(x: torch.Tensor, lengths: list[int], block: int) -> torch.Tensor:
+    """Explicit float64 mean of each block's first lengths[i] tokens (0 for an empty block)."""
+    B, H, _, D = x.shape
+    rows = []
+    for i, n in enumerate(lengths):
+        if n == 0:
+            rows.append(torch.zeros(B, H, D, dtype=torch.float64))
+        else:
+            rows.append(x[:, :, i * block : i * block + n].double().mean(dim=2))
+    return torch.stack(rows, dim=2)
+
+
+def _lengths(block: int, num_blocks: int) -> list[int]:
+    # awkward mix: empty, single-token, full and partial blocks
+    pattern = [block, 0, 1, block - 1, 3, block]
+    return [pattern[i % len(pattern)] for i in range(num_blocks)]
+
+
+@pytest.mark.nan_empty
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(("block", "D"), [(16, 24), (64, 32)])
+def test_pool_tiles_matches_float64_means(backend, block, D):
+    S = 6 * block if block == 16 else 3 * block
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    # a transposed view: the kernel must honour strides
+    x = torch.randn(2, S, 2, D, dtype=dtype).transpose(1, 2)
+    lengths = _lengths(block, S // block)
+    out = pool_tiles(x, torch.tensor(lengths, dtype=torch.int32), block, backend=backend)
+    assert out.shape == (2, 2, S // block, D) and out.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(out.double(), _pool_reference(x, lengths, block), rtol=tol, atol=tol)
+
+
+def test_pool_tiles_gradcheck_torch():
+    x = torch.randn(1, 2, 64, 8, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([16, 0, 1, 9], dtype=torch.int32)
+    assert torch.autograd.gradcheck(lambda t: pool_tiles(t, lengths, 16, backend="torch"), (x,))
+
+
+@pytest.mark.nan_empty
+def test_pool_tiles_triton_gradient_matches_torch():
+    block, D = 16, 24
+    x = torch.randn(2, 2, 6 * block, D, requires_grad=True)
+    lengths = torch.tensor(_lengths(block, 6), dtype=torch.int32)
+    grad_out = torch.randn(2, 2, 6, D)
+    (g_triton,) = torch.autograd.grad(pool_tiles(x, lengths, block, backend="triton"), x, grad_out)
+    (g_torch,) = torch.autograd.grad(pool_tiles(x, lengths, block, backend="torch"), x, grad_out)
+    torch.testing.assert_close(g_triton, g_torch, rtol=1e-6, atol=1e-7)
+    # padded tokens get exactly zero gradient, valid ones dy / n
+    assert g_triton[:, :, block : 2 * block].abs().max() == 0
+    torch.testing.assert_close(g_triton[:, :, 2 * block], grad_out[:, :, 2])
+
+
+def test_pool_tiles_rejects_bad_input():
+    x = torch.randn(1, 1, 32, 8)
+    with pytest.raises(ValueError, match="lengths"):
+        pool_tiles(x, torch.tensor([16, 17], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="lengths"):
+        pool_tiles(x, torch.tensor([16], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="block"):
+        pool_tiles(x, torch.tensor([16], dtype=torch.int32), 24)
+    with pytest.raises(ValueError, match="backend"):
+        pool_tiles(x, torch.tensor([16, 16], dtype=torch.int32), 16, backend="cuda")
+
+
+# -- route --------------------------------------------------------------------------------------
+
+
+def _router_case(nseg: int = 24, nq: int = 5, D: int = 16):
+    q = torch.randn(2, 2, nq, D, dtype=torch.float64) * 2
+    k = torch.randn(2, 2, nseg, D, dtype=torch.float64) * 2
+    seg_lengths = torch.randint(1, 17, (nseg,), dtype=torch.int32)
+    seg_lengths[[3, 10, nseg - 1]] = 0  # empty segments must never be picked
+    return q, k, seg_lengths
+
+
+def _log_softmax_reference(q, k, seg_lengths):
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    return torch.log_softmax(scores.masked_fill(seg_lengths == 0, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("max_kv_case", [(0.7, 10, 3), (0.5, 8, 4), (0.95, 10, 1), (0.0, 7, 7)])
+def test_max_kv_for_rounds_up_without_float_noise(max_kv_case):
+    sparsity, n, expected = max_kv_case
+    assert max_kv_for(sparsity, n) == expected
+
+
+@pytest.mark.parametrize(
+    ("sparsity", "top_p", "min_kv"), [(0.0, 0.9, 1), (0.5, 0.5, 3), (0.8, 0.95, 2), (0.3, 1.0, 1)]
+)
+def test_topp_selection_properties(sparsity, top_p, min_kv):
+    q, k, seg_lengths = _router_case()
+    out = route(q, k, seg_lengths, sparsity=sparsity, mode="topp", top_p=top_p, min_kv=min_kv)
+    log_p = _log_softmax_reference(q, k, seg_lengths)
+    valid = (seg_lengths > 0).tolist()
+    kmax = max_kv_for(sparsity, sum(valid))
+    assert out.kv_indices.shape == (2, 2, 5, kmax) and out.kv_indices.dtype == torch.int32
+    assert out.kv_counts.dtype == torch.int32 and out.log_probs.dtype == torch.float32
+    seen_counts = set()
+    for b, h, t in torch.cartesian_prod(torch.arange(2), torch.arange(2), torch.arange(5)):
+        row = out.kv_indices[b, h, t].tolist()
+        n = int(out.kv_counts[b, h, t])
+        seen_counts.add(n)
+        ids = row[:n]
+        assert min(min_kv, kmax) <= n <= kmax
+        assert row[n:] == [-1] * (kmax - n)
+        assert len(set(ids)) == n and all(valid[i] for i in ids)
+        probs = log_p[b, h, t].exp()
+        # the selected ids are the n most probable segments, best first
+        assert ids == probs.argsort(descending=True)[:n].tolist()
+        mass = float(probs[ids].sum())
+        if n < kmax:
+            assert mass >= top_p - 1e-6
+        if n > min_kv:  # minimal: one fewer segment would not reach top_p
+            assert float(probs[ids[:-1]].sum()) < top_p + 1e-6
+        torch.testing.assert_close(
+            out.log_probs[b, h, t, :n].double(), log_p[b, h, t, ids], rtol=1e-5, atol=1e-5
+        )
+        assert (out.log_probs[b, h, t, n:] == 0).all()
+    if sparsity == 0.0 and top_p < 1.0:
+        assert len(seen_counts) > 1, "top-p should give a variable number of segments"
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9])
+def test_topk_count_is_exact_and_picks_best(sparsity):
+    q, k, seg_lengths = _router_case()
+    out = route(q, k, seg_lengths, sparsity=sparsity, mode="topk", top_p=0.5, min_kv=1)
+    kmax = max_kv_for(sparsity, int((seg_lengths > 0).sum()))
+    assert (out.kv_counts == kmax).all()
+    best = _log_softmax_reference(q, k, seg_lengths).argsort(dim=-1, descending=True)[..., :kmax]
+    assert torch.equal(out.kv_indices.long(), best)
+
+
+@pytest.mark.parametrize("mode", ["topk", "topp"])
+def test_density_equals_brute_force_count(mode):
+    q, k, seg_lengths = _router_case()
+    out = route(q, k, seg_lengths, sparsity=0.6, mode=mode, top_p=0.7, min_kv=1)
+    total = int(seg_lengths.sum())
+    per_row = [
+        sum(int(seg_lengths[i]) for i in row if i >= 0) / total
+        for row in out.kv_indices.reshape(-1, out.kv_indices.shape[-1]).tolist()
+    ]
+    assert out.density.dtype == torch.float32 and out.density.dim() == 0
+    assert abs(float(out.density) - sum(per_row) / len(per_row)) < 1e-6
+
+
+def test_log_probs_gradient_matches_float64_reference():
+    q, k, seg_lengths = _router_case()
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    out = route(q, k, seg_lengths, sparsity=0.5, mode="topp", top_p=0.8, min_kv=1)
+    weights = torch.randn(out.log_probs.shape, dtype=torch.float64)
+    used = out.kv_indices >= 0
+    gq, gk = torch.autograd.grad((out.log_probs.double() * weights).sum(), (q, k))
+    log_p = _log_softmax_reference(q, k, seg_lengths)
+    ref = torch.where(used, log_p.gather(-1, out.kv_indices.long().clamp(min=0)), 0.0)
+    rq, rk = torch.autograd.grad((ref * weights).sum(), (q, k))
+    assert rq.abs().max() > 0 and rk.abs().max() > 0
+    torch.testing.assert_close(gq, rq, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gk, rk, rtol=1e-4, atol=1e-5)
+
+
+def test_top_log_probs_gradcheck():
+    """The memory-lean autograd Function behind log_probs, in float64 (it recomputes scores)."""
+    from vsa2_rl.kernels.router import _TopLogProbs
+
+    q, k, seg_lengths = _router_case(nseg=12, nq=3, D=4)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    fn = lambda a, b: _TopLogProbs.apply(a, b, seg_lengths == 0, 4, 0.5)[0]
+    assert torch.autograd.gradcheck(fn, (q, k))
+
+
+def test_route_rejects_bad_arguments():
+    q, k, seg_lengths = _router_case()
+    ok = {"sparsity": 0.5, "mode": "topp", "top_p": 0.9, "min_kv": 1}
+    for bad, name in [
+        ({"mode": "nucleus"}, "mode"),
+        ({"sparsity": 1.0}, "sparsity"),
+        ({"sparsity": -0.1}, "sparsity"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"min_kv": 0}, "min_kv"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            route(q, k, seg_lengths, **{**ok, **bad})
+    with pytest.raises(ValueError, match="num_valid_segments"):
+        route(q, k, torch.zeros_like(seg_lengths), **ok)
+    with pytest.raises(ValueError, match="seg_lengths"):
+        route(q, k, seg_lengths[:-1], **ok)
