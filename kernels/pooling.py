@@ -9,9 +9,15 @@ block ``i`` only, and a block with no valid token pools to 0.
 ``pool_tiles`` is one fused Triton kernel (forward and backward: each program reads one block
 once, accumulates in fp32 and writes one row), wrapped in a ``torch.autograd.Function``, with a
 pure-torch path used on CPU tensors (unless ``TRITON_INTERPRET=1``) or on request.
+
+``pool_qkv`` is what ``vsa2_attention`` uses on the Triton path: one pass over q, k, v yields the
+tile means of q (and of k, v for the coarse stage) and the segment means of k (router), and its
+backward adds the broadcast pooling gradients to the fine stage's full-size gradients in one
+read and one write per token.
 """
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -98,6 +104,176 @@ def _pool_bwd_kernel(
         + o_d[None, :]
     )
     tl.store(p_dx, b_dx.to(dx_ptr.dtype.element_ty), mask=(o_t < BLOCK)[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _pool_qkv_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tlen_ptr,
+    slen_ptr,
+    qt_ptr,
+    ks_ptr,
+    kt_ptr,
+    vt_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    H,
+    NQ,
+    D,
+    Q_TILE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    BQ: tl.constexpr,
+    BKV: tl.constexpr,
+    BD: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+    KV_TILES: tl.constexpr,
+):
+    # one program per (query tile, head, batch). Each token of q, k and v is read once: the tile means of q (and of k, v for the coarse
+    # stage) and the segment means of k (router) come out of the same loads.
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_t = tl.load(tlen_ptr + i_t)
+    # divide (not multiply by a reciprocal) as pool_tiles does, to give the same bits
+    n_t_div = tl.maximum(n_t, 1).to(tl.float32)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_q = tl.arange(0, BQ)
+    o_kv = tl.arange(0, BKV)
+    i_b64, i_h64 = i_b.to(tl.int64), i_h.to(tl.int64)
+    row0 = i_t.to(tl.int64) * Q_TILE
+    o_row = ((i_b64 * H + i_h) * NQ + i_t) * D + o_d
+    # [BQ, BD]: the same reduction shape as pool_tiles, so the means match it bit for bit
+    m_tile = ((o_q < n_t) & (o_q < Q_TILE))[:, None] & m_d[None, :]
+    r_q = row0 + o_q[:, None]
+    p_q = q_ptr + i_b64 * stride_qb + i_h64 * stride_qh + r_q * stride_qs + o_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_tile, other=0.0).to(tl.float32)
+    tl.store(qt_ptr + o_row, (tl.sum(b_q, axis=0) / n_t_div).to(qt_ptr.dtype.element_ty), mask=m_d)
+    if KV_TILES:
+        p_v = (
+            v_ptr
+            + i_b64 * stride_vb
+            + i_h64 * stride_vh
+            + r_q * stride_vs
+            + o_d[None, :] * stride_vd
+        )
+        b_v = tl.load(p_v, mask=m_tile, other=0.0).to(tl.float32)
+        tl.store(
+            vt_ptr + o_row, (tl.sum(b_v, axis=0) / n_t_div).to(vt_ptr.dtype.element_ty), mask=m_d
+        )
+    if SEGMENTS or KV_TILES:
+        # [BD] running sum of the tile's valid keys, built from the segment loads
+        b_kt = tl.zeros([BD], dtype=tl.float32)
+        for j in tl.static_range(Q_TILE // KV_BLOCK):
+            i_s = i_t * (Q_TILE // KV_BLOCK) + j
+            n_s = tl.load(slen_ptr + i_s)
+            m_seg = (o_kv < n_s) & (o_kv < KV_BLOCK)
+            m_in_tile = (j * KV_BLOCK + o_kv < n_t) & (o_kv < KV_BLOCK)
+            m_load = m_seg
+            if KV_TILES:
+                m_load = m_seg | m_in_tile
+            r_k = row0 + j * KV_BLOCK + o_kv[:, None]
+            p_k = (
+                k_ptr
+                + i_b64 * stride_kb
+                + i_h64 * stride_kh
+                + r_k * stride_ks
+                + o_d[None, :] * stride_kd
+            )
+            # [BKV, BD]
+            b_k = tl.load(p_k, mask=m_load[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            if SEGMENTS:
+                b_ks = tl.sum(tl.where(m_seg[:, None], b_k, 0.0), axis=0)
+                b_ks = b_ks / tl.maximum(n_s, 1).to(tl.float32)
+                p_ks = ((i_b64 * H + i_h) * (NQ * (Q_TILE // KV_BLOCK)) + i_s) * D + o_d
+                tl.store(ks_ptr + p_ks, b_ks.to(ks_ptr.dtype.element_ty), mask=m_d)
+            if KV_TILES:
+                b_kt += tl.sum(tl.where(m_in_tile[:, None], b_k, 0.0), axis=0)
+        if KV_TILES:
+            tl.store(kt_ptr + o_row, (b_kt / n_t_div).to(kt_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _pool_qkv_bwd_kernel(
+    dx_in_ptr,
+    dtile_ptr,
+    dseg_ptr,
+    tlen_ptr,
+    slen_ptr,
+    dx_ptr,
+    stride_ib,
+    stride_ih,
+    stride_is,
+    stride_id,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    H,
+    NQ,
+    D,
+    Q_TILE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    BKV: tl.constexpr,
+    BD: tl.constexpr,
+    HAS_IN: tl.constexpr,
+    HAS_TILE: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
+    # dx = dx_in (the gradient of the consumer of the aliased input) + dtile / n_t on the tile's
+    # valid tokens + dseg / n_s on the segment's valid tokens: one read and one write per token
+    # instead of a separate full-size gradient per pooling plus autograd's accumulating adds
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_t = tl.load(tlen_ptr + i_t)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_kv = tl.arange(0, BKV)
+    row0 = i_t.to(tl.int64) * Q_TILE
+    b_dt = tl.zeros([BD], dtype=tl.float32)
+    if HAS_TILE:
+        p_dt = dtile_ptr + ((i_b.to(tl.int64) * H + i_h) * NQ + i_t) * D + o_d
+        b_dt = tl.load(p_dt, mask=m_d, other=0.0).to(tl.float32) / tl.maximum(n_t, 1).to(tl.float32)
+    for j in tl.static_range(Q_TILE // KV_BLOCK):
+        o_s = j * KV_BLOCK + o_kv
+        m_rows = (o_kv < KV_BLOCK)[:, None] & m_d[None, :]
+        # [BKV, BD]
+        b_dx = tl.zeros([BKV, BD], dtype=tl.float32)
+        if HAS_IN:
+            p_in = (
+                dx_in_ptr
+                + i_b.to(tl.int64) * stride_ib
+                + i_h.to(tl.int64) * stride_ih
+                + (row0 + o_s[:, None]) * stride_is
+                + o_d[None, :] * stride_id
+            )
+            b_dx += tl.load(p_in, mask=m_rows, other=0.0).to(tl.float32)
+        if HAS_TILE:
+            b_dx += tl.where((o_s < n_t)[:, None], b_dt[None, :], 0.0)
+        if HAS_SEG:
+            i_s = i_t * (Q_TILE // KV_BLOCK) + j
+            n_s = tl.load(slen_ptr + i_s)
+            p_ds = dseg_ptr + ((i_b.to(tl.int64) * H + i_h) * (NQ * (Q_TILE // KV_BLOCK)) + i_s) * D
+            b_ds = tl.load(p_ds + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_ds = b_ds / tl.maximum(n_s, 1).to(tl.float32)
+            b_dx += tl.where((o_kv < n_s)[:, None], b_ds[None, :], 0.0)
+        p_dx = (
+            dx_ptr
+            + i_b.to(tl.int64) * stride_ob
+            + i_h.to(tl.int64) * stride_oh
+            + (row0 + o_s[:, None]) * stride_os
+            + o_d[None, :] * stride_od
+        )
+        tl.store(p_dx, b_dx.to(dx_ptr.dtype.element_ty), mask=m_rows)
 
 
 def _launch_meta(block: int, D: int) -> dict:
@@ -189,3 +365,112 @@ def pool_tiles(
     if backend == "torch":
         return _pool_torch(x, lengths, block)
     return _PoolTiles.apply(x, lengths, block)
+
+
+class PooledQKV(NamedTuple):
+    """What VSA2 pools from q, k, v (``pool_qkv``)."""
+
+    q: torch.Tensor  # aliases of the inputs: feed these (not the inputs) to the fine stage, so
+    k: torch.Tensor  # that its gradients and the pooling gradients are summed in one pass
+    v: torch.Tensor
+    q_tiles: torch.Tensor  # [B, H, NQ, D] tile means of q
+    k_segs: torch.Tensor | None  # [B, H, NSEG, D] segment means of k (router); None if not asked
+    k_tiles: torch.Tensor | None  # [B, H, NQ, D] tile means of k, v (coarse stage); None if not
+    v_tiles: torch.Tensor | None  # asked
+
+
+class _PoolQKV(torch.autograd.Function):
+    """One Triton pass over q, k, v for every mean VSA2 needs, and one for their gradients.
+
+    The forward returns q, k, v themselves (as views) next to the means. Their consumer (the
+    fine stage) sends its full-size gradients back through this Function, whose backward adds
+    the broadcast pooling gradients to them in one read and one write per token. Separate
+    ``pool_tiles`` calls would each write a full-size gradient that autograd then adds: four
+    [B, H, S, D] passes per pooling instead of none.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, tile_lengths, seg_lengths, q_tile, kv_block, segments, kv_tiles):
+        B, H, S, D = q.shape
+        NQ, NSEG = S // q_tile, S // kv_block
+        q_tiles = q.new_empty((B, H, NQ, D))
+        k_segs = q.new_empty((B, H, NSEG, D)) if segments else None
+        k_tiles = q.new_empty((B, H, NQ, D)) if kv_tiles else None
+        v_tiles = q.new_empty((B, H, NQ, D)) if kv_tiles else None
+        _pool_qkv_fwd_kernel[(NQ, H, B)](
+            q, k, v, tile_lengths, seg_lengths, q_tiles, k_segs, k_tiles, v_tiles,
+            *q.stride(), *k.stride(), *v.stride(), H, NQ, D,
+            Q_TILE=q_tile, KV_BLOCK=kv_block, BQ=triton.next_power_of_2(q_tile),
+            BKV=triton.next_power_of_2(kv_block), BD=triton.next_power_of_2(D),
+            SEGMENTS=segments, KV_TILES=kv_tiles,
+        )  # fmt: skip
+        ctx.save_for_backward(tile_lengths, seg_lengths)
+        ctx.q_tile, ctx.kv_block = q_tile, kv_block
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
+        ctx.set_materialize_grads(False)
+        return q.view_as(q), k.view_as(k), v.view_as(v), q_tiles, k_segs, k_tiles, v_tiles
+
+    @staticmethod
+    def backward(ctx, dq_in, dk_in, dv_in, dq_tiles, dk_segs, dk_tiles, dv_tiles):
+        tile_lengths, seg_lengths = ctx.saved_tensors
+        dq = _add_pooling_grads(ctx, 0, dq_in, dq_tiles, None, tile_lengths, seg_lengths)
+        dk = _add_pooling_grads(ctx, 1, dk_in, dk_tiles, dk_segs, tile_lengths, seg_lengths)
+        dv = _add_pooling_grads(ctx, 2, dv_in, dv_tiles, None, tile_lengths, seg_lengths)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _add_pooling_grads(ctx, which, dx_in, dtile, dseg, tile_lengths, seg_lengths):
+    """dx_in + broadcast tile / segment mean gradients, as a new tensor (None if all are None)."""
+    if dtile is None and dseg is None:
+        return dx_in  # nothing to add: pass the consumer's gradient through without a copy
+    shape, dtype, device = ctx.shapes[which]
+    B, H, S, D = shape
+    NQ = S // ctx.q_tile
+    # dx_in keeps its own layout (e.g. the fine stage's); else the input's dtype, contiguous
+    dx = (
+        torch.empty_like(dx_in)
+        if dx_in is not None
+        else torch.empty(shape, dtype=dtype, device=device)
+    )
+    in_strides = dx_in.stride() if dx_in is not None else (0, 0, 0, 0)
+    _pool_qkv_bwd_kernel[(NQ, H, B)](
+        dx_in, None if dtile is None else dtile.contiguous(),
+        None if dseg is None else dseg.contiguous(), tile_lengths, seg_lengths, dx,
+        *in_strides, *dx.stride(), H, NQ, D,
+        Q_TILE=ctx.q_tile, KV_BLOCK=ctx.kv_block, BKV=triton.next_power_of_2(ctx.kv_block),
+        BD=triton.next_power_of_2(D), HAS_IN=dx_in is not None, HAS_TILE=dtile is not None,
+        HAS_SEG=dseg is not None,
+    )  # fmt: skip
+    return dx
+
+
+def pool_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile_lengths: torch.Tensor,
+    seg_lengths: torch.Tensor,
+    *,
+    q_tile: int,
+    kv_block: int,
+    segments: bool,
+    kv_tiles: bool,
+) -> PooledQKV:
+    """Every mean VSA2 takes of q, k, v, in one fused Triton pass (forward and backward).
+
+    Args:
+        q, k, v: ``[B, H, S, D]``, one shape and dtype, any strides; S a multiple of ``q_tile``,
+            itself a multiple of ``kv_block`` (the caller checks shapes and lengths).
+        tile_lengths: int32 ``[S // q_tile]`` on q's device, valid tokens per tile (first).
+        seg_lengths: int32 ``[S // kv_block]`` on q's device, valid tokens per segment (first).
+        segments: also pool k per segment (``k_segs``, the router's keys).
+        kv_tiles: also pool k and v per tile (``k_tiles``, ``v_tiles``, the coarse stage's).
+
+    Returns:
+        ``PooledQKV``; each mean equals ``pool_tiles`` with the Triton backend on the same
+        blocks (fp32 accumulation, x's dtype). Use the returned ``q``, ``k``, ``v`` in place of
+        the inputs downstream: their gradients and the pooling gradients then meet in one pass.
+    """
+    return PooledQKV(
+        *_PoolQKV.apply(q, k, v, tile_lengths, seg_lengths, q_tile, kv_block, segments, kv_tiles)
+    )

@@ -44,31 +44,56 @@ class _TopLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_pooled, k_seg_pooled, invalid, kmax: int, scale: float):
         compute_dtype = torch.promote_types(q_pooled.dtype, torch.float32)
-        scores = _masked_scores(q_pooled, k_seg_pooled, invalid, scale, compute_dtype)
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, H, NQ, 1)
+        mask_bias = _mask_bias(invalid, compute_dtype)
+        scores = _scores_plus(mask_bias, q_pooled, k_seg_pooled, scale)  # (B, H, NQ, NSEG)
         top_scores, top_idx = torch.topk(scores, kmax, dim=-1, sorted=True)
-        ctx.save_for_backward(q_pooled, k_seg_pooled, invalid, top_idx, lse)
+        # log-sum-exp with the row max from top-k, in place: the scores are not needed any more,
+        # so this costs no [B, H, NQ, NSEG] allocation and one pass fewer than torch.logsumexp.
+        # (The same formula and reductions as torch.logsumexp, so the same bits.)
+        row_max = top_scores[..., :1].clamp(min=torch.finfo(compute_dtype).min)
+        lse = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True).log_().add_(row_max)
+        ctx.save_for_backward(q_pooled, k_seg_pooled, mask_bias, top_idx, lse)
         ctx.scale = scale
         ctx.mark_non_differentiable(top_idx)
         return top_scores - lse, top_idx
 
     @staticmethod
     def backward(ctx, grad_top, _grad_idx):
-        q_pooled, k_seg_pooled, invalid, top_idx, lse = ctx.saved_tensors
-        scores = _masked_scores(q_pooled, k_seg_pooled, invalid, ctx.scale, lse.dtype)
-        # d log_softmax_j / d s_i = [i == j] - p_i, summed over the selected j
-        grad_scores = torch.exp(scores - lse) * -grad_top.sum(dim=-1, keepdim=True)
+        q_pooled, k_seg_pooled, mask_bias, top_idx, lse = ctx.saved_tensors
+        # d log_softmax_j / d s_i = [i == j] - p_i, summed over the selected j:
+        # grad_s = p * (-sum_j grad_j) + scatter(grad); p = exp(s - lse) comes out of one GEMM
+        # whose accumulator starts at (mask - lse), then stays in that one buffer (in place)
+        probs = _scores_plus(mask_bias - lse, q_pooled, k_seg_pooled, ctx.scale).exp_()
+        grad_scores = probs.mul_(-grad_top.sum(dim=-1, keepdim=True).to(lse.dtype))
         grad_scores.scatter_add_(-1, top_idx, grad_top.to(lse.dtype))
-        grad_scores = grad_scores * ctx.scale
-        grad_q = grad_scores @ k_seg_pooled.to(lse.dtype)
-        grad_k = grad_scores.transpose(-1, -2) @ q_pooled.to(lse.dtype)
+        # the score scale is applied to the small [.., D] results, not to grad_scores
+        grad_q = (grad_scores @ k_seg_pooled.to(lse.dtype)).mul_(ctx.scale)
+        grad_k = (grad_scores.transpose(-1, -2) @ q_pooled.to(lse.dtype)).mul_(ctx.scale)
         return grad_q.to(q_pooled.dtype), grad_k.to(k_seg_pooled.dtype), None, None, None
 
 
-def _masked_scores(q_pooled, k_seg_pooled, invalid, scale, dtype) -> torch.Tensor:
-    """(B, H, NQ, NSEG) scores q . k * scale in ``dtype``, -inf at segments without a token."""
-    scores = torch.einsum("bhqd,bhkd->bhqk", q_pooled.to(dtype), k_seg_pooled.to(dtype)) * scale
-    return scores.masked_fill(invalid, float("-inf"))
+def _mask_bias(invalid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[NSEG] additive score mask: -inf at segments without a valid token, 0 elsewhere."""
+    return torch.zeros(invalid.shape, dtype=dtype, device=invalid.device).masked_fill_(
+        invalid, float("-inf")
+    )
+
+
+def _scores_plus(init, q_pooled, k_seg_pooled, scale) -> torch.Tensor:
+    """``init + scale * q . k`` as (B, H, NQ, NSEG) in ``init``'s dtype, from one GEMM.
+
+    ``init`` (the [NSEG] mask, or a fresh [B, H, NQ, NSEG] mask minus the row lse, which is
+    then overwritten in place) is the GEMM's starting accumulator (``baddbmm``, beta = 1), so
+    scaling and masking cost no extra pass over the scores as ``* scale`` and ``masked_fill``
+    would.
+    """
+    B, H, NQ, D = q_pooled.shape
+    NSEG = k_seg_pooled.shape[2]
+    q3 = q_pooled.reshape(B * H, NQ, D).to(init.dtype)
+    k3 = k_seg_pooled.reshape(B * H, NSEG, D).to(init.dtype).transpose(1, 2)
+    if init.dim() == 4:
+        return init.view(B * H, NQ, NSEG).baddbmm_(q3, k3, alpha=scale).view(B, H, NQ, NSEG)
+    return torch.baddbmm(init, q3, k3, alpha=scale).view(B, H, NQ, NSEG)
 
 
 def max_kv_for(sparsity: float, num_valid_segments: int) -> int:

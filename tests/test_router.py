@@ -4,7 +4,9 @@ import math
 
 import pytest
 import torch
+
 from vsa2_rl.kernels import max_kv_for, pool_tiles, route
+from vsa2_rl.kernels.pooling import pool_qkv
 
 # -- pool_tiles ---------------------------------------------------------------------------------
 
@@ -60,6 +62,62 @@ def test_pool_tiles_triton_gradient_matches_torch():
     # padded tokens get exactly zero gradient, valid ones dy / n
     assert g_triton[:, :, block : 2 * block].abs().max() == 0
     torch.testing.assert_close(g_triton[:, :, 2 * block], grad_out[:, :, 2])
+
+
+@pytest.mark.nan_empty
+@pytest.mark.parametrize(("q_tile", "kv_block"), [(64, 16), (32, 32)])
+def test_pool_qkv_matches_pool_tiles_and_adds_gradients(q_tile, kv_block):
+    """Fused pass: pool_tiles' means; d(input) = the consumer's grad + the pooling grads."""
+    tile_lengths = [q_tile, 0, q_tile - 7, 3]
+    segs = [
+        min(max(n - j * kv_block, 0), kv_block)
+        for n in tile_lengths
+        for j in range(q_tile // kv_block)
+    ]
+    tlen, slen = (
+        torch.tensor(tile_lengths, dtype=torch.int32),
+        torch.tensor(segs, dtype=torch.int32),
+    )
+    S, D = len(tile_lengths) * q_tile, 24
+    # transposed views with their own strides each
+    q, k, v = (torch.randn(2, S, 3, D).transpose(1, 2).requires_grad_(True) for _ in range(3))
+    pooled = pool_qkv(
+        q, k, v, tlen, slen, q_tile=q_tile, kv_block=kv_block, segments=True, kv_tiles=True
+    )
+    assert torch.equal(pooled.q_tiles, pool_tiles(q, tlen, q_tile, backend="triton"))
+    assert torch.equal(pooled.k_segs, pool_tiles(k, slen, kv_block, backend="triton"))
+    ref_means = [
+        _pool_reference(x.detach(), lens, block)
+        for x, lens, block in (
+            (q, tile_lengths, q_tile),
+            (k, segs, kv_block),
+            (k, tile_lengths, q_tile),
+            (v, tile_lengths, q_tile),
+        )
+    ]
+    means = [pooled.q_tiles, pooled.k_segs, pooled.k_tiles, pooled.v_tiles]
+    for got, ref in zip(means, ref_means, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+
+    # a consumer of the aliases (as the fine stage) plus a loss on every mean
+    w_in = [torch.randn(2, 3, S, D) for _ in range(3)]
+    w_mean = [torch.randn_like(m) for m in means]
+    loss = sum((x * w).sum() for x, w in zip((pooled.q, pooled.k, pooled.v), w_in, strict=True))
+    loss = loss + sum((m * w).sum() for m, w in zip(means, w_mean, strict=True))
+    grads = torch.autograd.grad(loss, (q, k, v))
+    torch_means = [
+        pool_tiles(x, lens, block, backend="torch")
+        for x, lens, block in (
+            (q, tlen, q_tile),
+            (k, slen, kv_block),
+            (k, tlen, q_tile),
+            (v, tlen, q_tile),
+        )
+    ]
+    ref_loss = sum((x * w).sum() for x, w in zip((q, k, v), w_in, strict=True))
+    ref_loss = ref_loss + sum((m * w).sum() for m, w in zip(torch_means, w_mean, strict=True))
+    for got, ref in zip(grads, torch.autograd.grad(ref_loss, (q, k, v)), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
 def test_pool_tiles_rejects_bad_input():

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-import vsa2_rl.kernels.vsa2 as vsa2_module
-from vsa2_rl.kernels import RouterOutput, pool_tiles, route, vsa2_attention
 
+import vsa2_rl.kernels.vsa2 as vsa2_module
 from vsa2_rl.config import VSA2Config
+from vsa2_rl.kernels import RouterOutput, pool_tiles, route, vsa2_attention
 
 BACKEND_DTYPES = [("torch", torch.float64), ("triton", torch.float32)]
 
@@ -145,6 +145,39 @@ def test_sparse_path_and_gradients_match_float64_reference(backend, dtype, mode)
         ["q", "k", "v", "alpha", "gate_c", "gate_f"], grads, ref_grads, strict=True
     ):
         assert r.abs().max() > 0, f"{name} gets no gradient in the reference"
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.nan_empty
+def test_broadcast_coarse_gate_without_fine_gate_matches_float64_reference():
+    """A scalar g_c (broadcast over [B, H, S, D]) and g_f = None on the fused Triton path."""
+    B, H, S, D, q_tile, kv_block = 1, 2, 192, 16, 64, 32
+    tile_lengths, seg_lengths = _layout([64, 64, 37], q_tile, kv_block)
+    config = VSA2Config(q_tile=q_tile, kv_block=kv_block, mode="topk", backend="triton")
+    q, k, v = _inputs(B, H, S, D, torch.float32)
+    alpha = torch.tensor([0.4, -0.9], requires_grad=True)
+    gate_c = torch.full((1, 1, 1, 1), 0.3, requires_grad=True)
+    out, stats = vsa2_attention(
+        q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.5, alpha=alpha,
+        gate_coarse=gate_c, config=config,
+    )  # fmt: skip
+    routing = route(
+        pool_tiles(q, tile_lengths, q_tile, backend="triton"),
+        pool_tiles(k, seg_lengths, kv_block, backend="triton"),
+        seg_lengths, sparsity=0.5, mode="topk", top_p=0.9, min_kv=1,
+    )  # fmt: skip
+    assert torch.equal(stats.kv_counts, routing.kv_counts)
+    q64, k64, v64, a64, gc64 = (t.double() for t in (q, k, v, alpha, gate_c))
+    fine = _fine_reference(q64, k64, v64, tile_lengths, seg_lengths, routing, a64, q_tile, kv_block)
+    ref = fine + gc64 * _coarse_reference(q64, k64, v64, tile_lengths, q_tile)
+    rows = _valid_tokens(tile_lengths, q_tile)[None, None, :, None]
+    torch.testing.assert_close(out.double() * rows, ref * rows, rtol=2e-5, atol=2e-5)
+    weights = torch.randn(B, H, S, D, dtype=torch.float64) * rows
+    leaves = (q, k, v, alpha, gate_c)
+    grads = torch.autograd.grad((out.double() * weights).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), leaves)
+    for name, g, r in zip(["q", "k", "v", "alpha", "gate_c"], grads, ref_grads, strict=True):
+        assert g.shape == r.shape and r.abs().max() > 0, name
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
 
 
