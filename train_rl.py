@@ -1,4 +1,4 @@
-"""Command-line entry point for RL fine-tuning: ``python train_rl.py ARGS`` = ``vsa2-rl train ARGS``."""
+"""RL fine-tuning entry point: ``python train_rl.py ARGS`` is ``vsa2-rl train ARGS``."""
 
 import sys
 

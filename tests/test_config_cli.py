@@ -104,3 +104,10 @@ def test_train_rl_script_is_the_train_subcommand(tmp_path):
         [sys.executable, "train_rl.py", "--help"], cwd=REPO, capture_output=True, text=True
     )
     assert help_text.returncode == 0 and "sparsity.train" in help_text.stdout
+
+
+@pytest.mark.parametrize("recipe", ["wan2_1_1.3b_vsa2_grpo.yaml", "wan2_1_14b_vsa2_grpo.yaml"])
+def test_wan_recipes_are_valid_configs(recipe, tmp_path):
+    config = load_config(os.path.join(REPO, "configs", recipe), [f"model.path={tmp_path}"])
+    assert config.model.kind == "wan" and config.model.lora.enabled
+    assert config.sparsity.eval < config.sparsity.train

@@ -3,7 +3,7 @@
 Both take ``--config FILE`` (default ``configs/default.yaml``) and OmegaConf dotlist overrides
 (``train.num_steps=2 out_dir=runs/x``). A configuration problem (missing file, unknown key,
 wrong type, missing local model path) prints one ``error:`` line and exits with status 2 before
-anything is written.
+anything is written; a failing reward prints one ``error:`` line naming it and exits with 1.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from vsa2_rl.config import DEFAULT_CONFIG, ConfigError, help_lines, load_config
+from vsa2_rl.rewards import RewardError
 
 _EPILOG = """Overrides are KEY=VALUE pairs (OmegaConf dotlist), e.g.
   vsa2-rl train train.num_steps=2 out_dir=runs/x "eval.sparsities=[0.0,0.9]"
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except RewardError as error:  # a reward failed (rewards.on_error=stop, or during eval)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

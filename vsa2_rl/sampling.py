@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -154,6 +154,24 @@ def _gaussian_log_prob(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
+def _gaussian_noise(
+    x: Tensor, generator: torch.Generator | Sequence[torch.Generator] | None
+) -> Tensor:
+    """Standard normal float32 noise shaped like ``x`` from one generator or one per sample."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    if len(generator) != x.shape[0]:
+        raise ValueError(
+            f"generator: got {len(generator)} per-sample generators for a batch of {x.shape[0]}"
+        )
+    return torch.stack(
+        [
+            torch.randn(x.shape[1:], generator=g, device=g.device, dtype=torch.float32)
+            for g in generator
+        ]
+    ).to(x.device)
+
+
 def sde_step(
     velocity: Tensor,
     x: Tensor,
@@ -162,11 +180,13 @@ def sde_step(
     *,
     kind: str,
     noise_level: float,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     prev_sample: Tensor | None = None,
 ) -> StepOutput:
     """One step from ``sigma`` to ``sigma_next`` (< sigma) given the model velocity at ``x``.
 
+    ``generator`` may be one generator for the batch or one per sample (then every sample's
+    noise depends only on its own generator, not on how samples are batched or split over ranks).
     With ``prev_sample=None`` the next sample is drawn (float32 noise from ``generator``, on
     x's device); otherwise the log-prob of the given ``prev_sample`` is evaluated (gradients flow
     to ``velocity`` through ``mean``, the given sample is detached). ``sigma`` / ``sigma_next``
@@ -186,7 +206,7 @@ def sde_step(
         if kind == "ode":
             prev_sample = mean
         else:
-            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            noise = _gaussian_noise(x, generator)
             prev_sample = mean + std * noise
     else:
         if prev_sample.shape != x.shape:
@@ -236,7 +256,7 @@ def sample(
     kind: str = "sde",
     noise_level: float = 0.7,
     sde_window: tuple[int, int] | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     progress: bool = False,
 ) -> Trajectory:
     """Integrate from ``noise`` (sigma = sigmas[0]) to sigmas[-1], recording every latent.

@@ -243,9 +243,10 @@ def train(config: RunConfig) -> dict:
             acc.process_index * sampler.samples_per_rank + i for i in range(len(prompts))
         ]
         noise = _initial_noise(latent_shape, config.seed, step, global_index).to(device)
-        generator = torch.Generator(device=device).manual_seed(
-            _sample_seed(config.seed + 1, step, acc.process_index)
-        )
+        generators = [  # per-sample SDE noise: the same whatever the number of ranks
+            torch.Generator(device=device).manual_seed(_sample_seed(config.seed + 1, step, i))
+            for i in global_index
+        ]
         state.sparsity, state.phase = sparsities.rollout, "rollout"
         transformer.eval()
         chunks: list[Rollout] = []
@@ -260,7 +261,7 @@ def train(config: RunConfig) -> dict:
                     kind=samp.kind,
                     noise_level=samp.noise_level,
                     sde_window=window,
-                    generator=generator,
+                    generator=generators[part],
                 )
                 videos.append(bundle.decode(trajectory.latents[-1]))
             chunks.append(Rollout(text_emb, trajectory.latents, trajectory.log_probs))

@@ -1,0 +1,113 @@
+"""Sparsity-sweep evaluation: density falls with sparsity, seeds reproduce, sparsity 0 is the
+plain dense model, outputs parse, and bad input gives one clear message and no table."""
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+
+from vsa2_rl.config import ConfigError, load_config
+from vsa2_rl.eval import evaluate, sweep_model
+from vsa2_rl.rewards import RewardError, get_reward
+from vsa2_rl.runtime import build_bundle
+
+SMALL = [
+    "model.num_frames=4",
+    "model.height=16",
+    "model.width=16",
+    "sampler.eval_num_steps=3",
+    "eval.num_prompts=2",
+    "logging.progress=false",
+    "rewards.functions=[{name: motion_quality}]",
+]
+
+
+def mean_brightness(videos, prompts, metadata):
+    return videos.mean(dim=(1, 2, 3, 4)).float()
+
+
+def broken(videos, prompts, metadata):
+    raise RuntimeError("scorer crashed")
+
+
+def _sweep(bundle, sparsities, seed=7):
+    return sweep_model(
+        bundle,
+        ["a red square moving right fast", "a blue circle moving up slow"],
+        sparsities,
+        [get_reward("test_eval:mean_brightness")],
+        num_steps=3,
+        shift=1.0,
+        guidance_scale=1.0,
+        seed=seed,
+        batch_size=2,
+        shape=(4, 16, 16),
+        progress=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    config = load_config(None, SMALL)
+    return build_bundle(config, torch.device("cpu"), torch.float32)
+
+
+def test_density_falls_as_sparsity_rises(bundle):
+    rows, _ = _sweep(bundle, [0.0, 0.5, 0.75, 0.9])
+    densities = [row["density"] for row in rows]
+    assert densities[0] == 1.0
+    assert all(a > b for a, b in itertools.pairwise(densities))
+    assert densities[-1] <= 0.1 + 1e-6  # capped by max_kv = ceil(0.1 * NSEG)
+
+
+def test_same_seed_gives_same_videos(bundle):
+    _, first = _sweep(bundle, [0.75])
+    _, again = _sweep(bundle, [0.75])
+    _, other = _sweep(bundle, [0.75], seed=8)
+    assert torch.equal(first[0.75], again[0.75])
+    assert not torch.allclose(first[0.75], other[0.75])
+
+
+def test_sparsity_zero_is_the_model_without_vsa2(bundle):
+    _, with_vsa2 = _sweep(bundle, [0.0])
+    dense_config = load_config(None, [*SMALL, "attention.enabled=false"])
+    plain = build_bundle(dense_config, torch.device("cpu"), torch.float32)
+    _, without = _sweep(plain, [0.0])
+    torch.testing.assert_close(with_vsa2[0.0], without[0.0], rtol=0, atol=1e-6)
+
+
+def test_outputs_exist_and_parse(tmp_path):
+    config = load_config(None, [*SMALL, f"out_dir={tmp_path}", "eval.sparsities=[0.0,0.9]"])
+    rows = evaluate(config)
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert saved == rows
+    assert [row["sparsity"] for row in saved] == [0.0, 0.9]
+    for row in saved:
+        assert {"sparsity", "density", "latency_s", "reward/motion_quality"} <= set(row)
+        assert "reward/motion_quality_std" in row and row["latency_s"] > 0
+    table = (tmp_path / "eval.md").read_text().splitlines()
+    assert len(table) == 2 + len(saved) and "reward/motion_quality" in table[0]
+    assert (tmp_path / "eval.png").stat().st_size > 0
+    assert (tmp_path / "samples" / "toy" / "sparsity_0.9.png").exists()
+
+
+def test_failing_reward_leaves_no_partial_table(tmp_path):
+    config = load_config(
+        None,
+        [*SMALL, f"out_dir={tmp_path / 'out'}", "rewards.functions=[{name: 'test_eval:broken'}]"],
+    )
+    with pytest.raises(RewardError, match="broken"):
+        evaluate(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_dir_without_checkpoints_is_rejected(tmp_path):
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir / "checkpoints" / ".tmp-step_3-x")
+    (run_dir / "config.yaml").write_text("seed: 0\n")
+    config = load_config(None, [*SMALL, f"run_dir={run_dir}", f"out_dir={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError, match="run_dir: no complete checkpoint"):
+        evaluate(config)
+    assert not (tmp_path / "out").exists()
