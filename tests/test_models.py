@@ -1,0 +1,356 @@
+"""VSA2 inside diffusers' WanTransformer3DModel, the Wan bundle loader and the toy model."""
+
+import copy
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
+from vsa2_rl.config import VSA2Config
+from vsa2_rl.data.synthetic import ShapeSpec, all_specs, render_video, start_position
+from vsa2_rl.models.wan import (
+    VideoDiTBundle,
+    WanVSA2AttnProcessor,
+    enable_vsa2,
+    load_wan_bundle,
+    vsa2_parameters,
+)
+
+TINY_WAN = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 32,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 16,
+    "freq_dim": 32,
+    "ffn_dim": 64,
+    "num_layers": 2,
+    "rope_max_seq_len": 32,
+}
+
+
+def _tiny_wan(dtype=torch.float64, **overrides):
+    return WanTransformer3DModel(**{**TINY_WAN, **overrides}).to(dtype)
+
+
+def _inputs(latent_thw=(5, 6, 10), batch=2, dtype=torch.float64, channels=4):
+    latents = torch.randn(batch, channels, *latent_thw, dtype=dtype)
+    timestep = torch.tensor([700.0, 30.0][:batch], dtype=dtype)
+    text = torch.randn(batch, 7, TINY_WAN["text_dim"], dtype=dtype)
+    return latents, timestep, text
+
+
+def _run(model, inputs):
+    latents, timestep, text = inputs
+    return model(latents, timestep, text, return_dict=False)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Processor
+
+
+@pytest.mark.parametrize("latent_thw", [(5, 6, 10), (4, 8, 8), (1, 2, 2)])
+def test_vsa2_matches_stock_dense_attention_at_density_1(latent_thw):
+    dense = _tiny_wan()
+    inputs = _inputs(latent_thw)
+    reference = _run(dense, inputs)
+
+    # Density 0.995 >= dense_threshold 0.99: VSA2 with its exact-dense fine stage; fresh
+    # (zero-init) gates make it the dense model.
+    state = SparsityState(sparsity=0.005)
+    model = enable_vsa2(copy.deepcopy(dense), VSA2Config(backend="torch"), state)
+    assert isinstance(model.blocks[0].attn1.processor, WanVSA2AttnProcessor)
+    assert not isinstance(model.blocks[0].attn2.processor, WanVSA2AttnProcessor)
+    torch.testing.assert_close(_run(model, inputs), reference, rtol=1e-10, atol=1e-10)
+    assert state.pop_density() == 1.0  # dense fallback, one record per layer
+
+    # The sparse path selecting every segment (topk, budget = all) is dense attention too.
+    sparse_cfg = VSA2Config(backend="torch", mode="topk", dense_threshold=1.0)
+    enable_vsa2(model, sparse_cfg, state)
+    state.sparsity = 1e-6  # below the dense threshold, budget ceil((1 - 1e-6) * n) = n
+    torch.testing.assert_close(_run(model, inputs), reference, rtol=1e-10, atol=1e-10)
+    assert state.pop_density() == pytest.approx(1.0)
+
+    # Sparsity exactly 0 is the stock dense model whatever the (here trained) VSA2 parameters.
+    with torch.no_grad():
+        for param in vsa2_parameters(model):
+            param.normal_(0.0, 0.1)
+    state.sparsity = 0.0
+    torch.testing.assert_close(_run(model, inputs), reference, rtol=1e-10, atol=1e-10)
+    state.sparsity = 0.005
+    assert not torch.allclose(_run(model, inputs), reference)
+
+
+def test_vsa2_follows_the_grid_of_each_call_and_sparsity_changes_output():
+    model = _tiny_wan()
+    state = SparsityState(sparsity=0.005)  # dense fallback
+    enable_vsa2(model, VSA2Config(backend="torch", mode="topk"), state)
+    small, large = _inputs((2, 4, 4)), _inputs((8, 8, 16))
+    _run(model, small)
+    _run(model, large)
+    assert model._vsa2_context.layout.grid == (8, 4, 8)
+    dense_out = _run(model, large)
+    state.sparsity = 0.75
+    sparse_out = _run(model, large)
+    density = state.pop_density()
+    # 256 tokens -> 16 segments of 16; topk budget ceil(0.25 * 16) = 4 -> density 0.25.
+    assert density == pytest.approx((1.0 * 3 + 0.25) / 4)  # 3 dense records, then 0.25
+    assert not torch.allclose(dense_out, sparse_out)
+
+
+def test_gradients_reach_alpha_gates_and_qk_projections():
+    torch.manual_seed(1)
+    model = _tiny_wan()
+    state = SparsityState(sparsity=0.5)
+    enable_vsa2(model, VSA2Config(backend="torch", mode="topk"), state)
+    inputs = _inputs((4, 8, 16))  # grid 4x4x8: 2 tiles, 8 segments, 4 selected per tile
+    target = torch.randn_like(inputs[0])
+    loss = (_run(model, inputs) - target).pow(2).mean()
+    loss.backward()
+    attn = model.blocks[0].attn1
+    for name, param in [
+        ("alpha", attn.vsa2.alpha),
+        ("to_gate_coarse", attn.vsa2.to_gate_coarse.weight),
+        ("to_gate_fine", attn.vsa2.to_gate_fine.weight),
+        ("to_q", attn.to_q.weight),
+        ("to_k", attn.to_k.weight),
+    ]:
+        assert param.grad is not None and bool(param.grad.abs().sum() > 0), name
+
+    assert len(vsa2_parameters(model)) == 2 * 5  # alpha + 2 weights + 2 biases per layer
+
+
+def test_alpha_gradient_matches_finite_differences():
+    # At the module level in float64: diffusers' Wan blocks compute norms in float32, whose
+    # rounding would swamp a finite difference through the whole model.
+    layout = TileLayout.from_grid((4, 4, 8))  # 2 tiles, 8 segments of 16
+    state = SparsityState(sparsity=0.5)
+    module = VSA2Attention(64, 2, VSA2Config(backend="torch", mode="topk"), state).double()
+    q, k, v = (torch.randn(1, 128, 2, 32, dtype=torch.float64) for _ in range(3))
+    hidden = torch.randn(1, 128, 64, dtype=torch.float64)
+    weight = torch.randn(1, 128, 2, 32, dtype=torch.float64)
+    with torch.no_grad():
+        module.to_gate_coarse.bias.fill_(0.1)
+
+    def loss():
+        return (module(q, k, v, hidden, layout) * weight).sum()
+
+    loss().backward()
+    eps = 1e-4
+    for head in range(2):
+        with torch.no_grad():
+            module.alpha[head] += eps
+            plus = loss()
+            module.alpha[head] -= 2 * eps
+            minus = loss()
+            module.alpha[head] += eps
+        numeric = float((plus - minus) / (2 * eps))
+        # At alpha = 0 the float32 router bias (alpha * float32 log-probs) rounds relative to
+        # its tiny perturbed values; at alpha != 0 that rounding would swamp the difference.
+        assert float(module.alpha.grad[head]) == pytest.approx(numeric, rel=1e-4, abs=1e-6)
+    assert state.pop_density() == pytest.approx(0.5)
+
+
+def test_forward_backward_at_sparsity_075_topp():
+    model = _tiny_wan(dtype=torch.float32)
+    state = SparsityState(sparsity=0.75)
+    enable_vsa2(model, VSA2Config(backend="torch", mode="topp", top_p=0.5), state)
+    inputs = _inputs((4, 8, 16), dtype=torch.float32)
+    out = _run(model, inputs)
+    out.square().mean().backward()
+    assert torch.isfinite(out).all()
+    density = state.pop_density()
+    assert 1 / 8 <= density <= 2 / 8  # min_kv 1 .. budget ceil(0.25 * 8) = 2 of 8 segments
+    for param in vsa2_parameters(model):
+        assert param.grad is not None and torch.isfinite(param.grad).all()
+
+
+_TRITON_VS_TORCH = """
+import torch
+from diffusers import WanTransformer3DModel
+from vsa2_rl.attention import SparsityState
+from vsa2_rl.config import VSA2Config
+from vsa2_rl.models.wan import enable_vsa2, vsa2_parameters
+
+torch.manual_seed(0)
+model = WanTransformer3DModel(**{**TINY_WAN, "num_layers": 1})
+with torch.no_grad():  # nonzero gates and alpha so every term of the fusion is exercised
+    for param in vsa2_parameters(enable_vsa2(model, VSA2Config(), SparsityState())):
+        param.normal_(0.0, 0.05)
+state = SparsityState(sparsity=0.5)
+inputs = (torch.randn(1, 4, 4, 8, 8), torch.tensor([700.0]), torch.randn(1, 7, 16))  # 2 tiles
+outs = []
+for backend in ("torch", "triton"):
+    enable_vsa2(model, VSA2Config(backend=backend, mode="topk"), state)
+    outs.append(model(*inputs, return_dict=False)[0])
+print(float((outs[1] - outs[0]).abs().max()))
+"""
+
+
+def test_triton_backend_matches_torch_backend_on_a_small_grid():
+    # In a child process under the Triton interpreter: a crash of the interpreted kernel (it
+    # reads raw memory) then fails this test instead of killing the whole pytest run.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = f"TINY_WAN = {TINY_WAN!r}\n{_TRITON_VS_TORCH}"
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", script],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 1e-4
+
+
+def test_enable_vsa2_disabled_and_repeated():
+    model = _tiny_wan()
+    enable_vsa2(model, VSA2Config(enabled=False), SparsityState())
+    assert not hasattr(model.blocks[0].attn1, "vsa2")
+    state = SparsityState()
+    enable_vsa2(model, VSA2Config(), state)
+    alpha = model.blocks[0].attn1.vsa2.alpha
+    enable_vsa2(model, VSA2Config(kv_block=32), state)
+    assert model.blocks[0].attn1.vsa2.alpha is alpha
+    assert model.blocks[0].attn1.vsa2.config.kv_block == 32
+    with pytest.raises(ValueError, match="WanTransformer3DModel"):
+        enable_vsa2(torch.nn.Linear(2, 2), VSA2Config(), state)
+    # A deep copy (frozen reference policy) keeps following the same sparsity state.
+    twin = copy.deepcopy(model)
+    assert twin.blocks[0].attn1.vsa2.state is state
+    assert twin.blocks[0].attn1.processor.context is twin._vsa2_context
+
+
+# --------------------------------------------------------------------------------------------
+# Wan bundle
+
+
+def test_load_wan_bundle_missing_path_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"model\.path=.*does not exist"):
+        load_wan_bundle(str(tmp_path / "nowhere"), VSA2Config())
+    (tmp_path / "transformer").mkdir()
+    with pytest.raises(ValueError, match=r"model\.path=.*text_encoder/"):
+        load_wan_bundle(str(tmp_path), VSA2Config())
+
+
+def _save_tiny_wan_folder(root):
+    from diffusers import AutoencoderKLWan
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    WanTransformer3DModel(**{**TINY_WAN, "in_channels": 16, "out_channels": 16}).save_pretrained(
+        root / "transformer"
+    )
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "square", "moving", "right"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.save_pretrained(root / "tokenizer")
+    config = UMT5Config(
+        vocab_size=len(words), d_model=TINY_WAN["text_dim"], d_kv=8, d_ff=32, num_layers=1,
+        num_heads=2, relative_attention_num_buckets=8,
+    )  # fmt: skip
+    UMT5EncoderModel(config).save_pretrained(root / "text_encoder")
+    AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).save_pretrained(
+        root / "vae"
+    )
+
+
+def test_load_tiny_wan_directory(tmp_path):
+    _save_tiny_wan_folder(tmp_path / "wan")
+    bundle = load_wan_bundle(
+        str(tmp_path / "wan"), VSA2Config(backend="torch"), text_cache_dir=str(tmp_path / "cache")
+    )
+    assert isinstance(bundle, VideoDiTBundle)
+    assert isinstance(bundle.transformer.blocks[0].attn1.processor, WanVSA2AttnProcessor)
+    shape = bundle.latent_shape(num_frames=5, height=32, width=48)
+    assert shape == (16, 2, 4, 6)
+    with pytest.raises(ValueError, match="num_frames"):
+        bundle.latent_shape(num_frames=6, height=32, width=48)
+
+    emb = bundle.encode_prompts(["a red square moving right", "a red square"])
+    assert emb.shape == (2, 512, TINY_WAN["text_dim"])
+    assert bool((emb[0, 5:] == 0).all()) and bool((emb[1, 3:] == 0).all())  # 5 and 3 tokens + eos
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+    again = bundle.encode_prompts(["a red square"])  # now served from the cache
+    torch.testing.assert_close(again[0], emb[1])
+
+    latents = torch.randn(2, *shape)
+    velocity = bundle.velocity(latents, torch.tensor([0.9, 0.2]), emb)
+    assert velocity.shape == latents.shape and velocity.dtype == torch.float32
+    video = bundle.decode(latents)
+    assert video.shape == (2, 5, 3, 32, 48) and video.dtype == torch.float32
+    assert float(video.min()) >= 0.0 and float(video.max()) <= 1.0
+
+    only = load_wan_bundle(str(tmp_path / "wan"), VSA2Config(), components=("transformer",))
+    with pytest.raises(ValueError, match="text_encoder"):
+        only.encode_prompts(["a"])
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic data and the toy model
+
+
+def test_synthetic_videos_move_as_the_prompt_says():
+    for spec in [
+        ShapeSpec("red", "square", "right", "fast"),
+        ShapeSpec("blue", "circle", "up", "slowly"),
+    ]:
+        video = render_video(spec, seed=3, num_frames=8, height=32, width=32)
+        assert video.shape == (8, 3, 32, 32)
+        assert torch.equal(video, render_video(spec, seed=3, num_frames=8, height=32, width=32))
+        mass = video.sum(1)  # (T, H, W)
+        ys, xs = torch.meshgrid(torch.arange(32.0) + 0.5, torch.arange(32.0) + 0.5, indexing="ij")
+        cx = (mass * xs).sum((1, 2)) / mass.sum((1, 2)) / 32
+        cy = (mass * ys).sum((1, 2)) / mass.sum((1, 2)) / 32
+        dx, dy = spec.velocity()
+        # The centroid moves by the closed-form displacement (shapes stay fully inside).
+        assert float(cx[-1] - cx[0]) == pytest.approx(dx, abs=0.01)
+        assert float(cy[-1] - cy[0]) == pytest.approx(dy, abs=0.01)
+        x0, _ = start_position(spec, 3)
+        if spec.shape == "square":  # symmetric shape: centroid = centre
+            assert float(cx[0]) == pytest.approx(x0, abs=0.01)
+    assert len({s.prompt for s in all_specs()}) == 144
+    assert ShapeSpec.from_prompt("a red square moving right fast") == all_specs()[1]
+    with pytest.raises(ValueError, match="color"):
+        ShapeSpec("purple", "square", "right", "fast")
+
+
+def _euler_sample(bundle, prompts, num_frames, size, steps, seed):
+    """Deterministic flow-matching ODE (Euler, sigma 1 -> 0), independent of vsa2_rl.sampling."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = bundle.latent_shape(num_frames, size, size)
+    x = torch.randn(len(prompts), *shape, generator=generator)
+    text = bundle.encode_prompts(prompts)
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    with torch.no_grad():
+        for sigma, sigma_next in itertools.pairwise(sigmas):
+            x = x + (sigma_next - sigma) * bundle.velocity(x, sigma.expand(len(prompts)), text)
+    return bundle.decode(x)
+
+
+def test_shipped_toy_model_draws_the_prompted_colours():
+    from vsa2_rl.models.toy import ASSET_DIR, load_toy_bundle
+
+    assert (ASSET_DIR / "toy.safetensors").exists(), "run scripts/build_toy_model.py"
+    bundle = load_toy_bundle(VSA2Config(backend="torch"), path=ASSET_DIR)
+    assert isinstance(bundle, VideoDiTBundle)
+    bundle.sparsity_state.sparsity = 0.9  # the embedded default's rollout sparsity
+    prompts = [
+        "a red square moving right fast",
+        "a blue circle moving down fast",
+        "a green triangle moving left slowly",
+    ]
+    videos = _euler_sample(bundle, prompts, num_frames=8, size=32, steps=10, seed=0)
+    assert videos.shape == (3, 8, 3, 32, 32)
+    assert bundle.sparsity_state.pop_density() == pytest.approx(0.1015625)  # 13 of 128 segments
+    for video, channel in zip(videos, [0, 2, 1], strict=True):
+        assert int(video.mean((0, 2, 3)).argmax()) == channel  # the prompted colour dominates
+        # An object on a black background, not an empty or a noise-filled frame.
+        lit = (video.amax(1) > 0.5).float().mean((1, 2))  # (T,) lit fraction per frame
+        assert bool((lit > 0.01).all()) and bool((lit < 0.3).all())

@@ -1,0 +1,125 @@
+"""VSA2Attention: the learnable part of one VSA2 self-attention layer (DESIGN.md, "VSA2 attention").
+
+The attention math (coarse stage, fine-grained router, block-sparse fine stage, dense fallback)
+is ``vsa2_rl.kernels.vsa2_attention``. This module owns what a layer adds on top of it, following
+VSA2 (trainable sparse attention with a fine-grained router) and VSA's gated coarse/fine fusion:
+
+- ``alpha`` [H]: scale of the router bias ``alpha_h * log_softmax(scores)`` added to the selected
+  blocks' logits (the path by which the router learns); zero-init, so a fresh layer's fine stage
+  is plain attention over the selected blocks.
+- ``to_gate_coarse`` / ``to_gate_fine``: Linear(dim, dim) on the layer's input hidden states,
+  zero-init, with g_c = to_gate_coarse(x) and g_f = 1 + to_gate_fine(x). A fresh (or rebased)
+  layer therefore outputs exactly the fine stage, i.e. dense attention at density 1.
+
+At ``state.sparsity == 0`` the layer is the stock dense attention (the gates and alpha are not
+used), so "sparsity 0" always means the unmodified model; any sparsity > 0 runs VSA2, with the
+exact-dense fine stage while ``1 - sparsity >= config.dense_threshold``.
+
+It takes q, k, v in raster order (as diffusers holds them after RoPE), tiles them with the layer
+grid's :class:`TileLayout`, runs VSA2, records the achieved density into the shared
+:class:`SparsityState` and returns the output in raster order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vsa2_rl import kernels
+from vsa2_rl.attention.layout import TileLayout
+from vsa2_rl.attention.state import SparsityState
+from vsa2_rl.config import VSA2Config
+
+
+class VSA2Attention(nn.Module):
+    """Learnable VSA2 parameters of one layer + the call into ``vsa2_attention``.
+
+    Args:
+        dim: width of the hidden states (= heads * head_dim in Wan).
+        heads: number of attention heads.
+        config: VSA2 settings (tile size, router mode, backend, dense threshold).
+        state: the model's shared sparsity state; ``state.sparsity`` is read at every forward.
+    """
+
+    def __init__(self, dim: int, heads: int, config: VSA2Config, state: SparsityState) -> None:
+        super().__init__()
+        if heads <= 0 or dim % heads != 0:
+            raise ValueError(
+                f"dim must be a positive multiple of heads, got dim={dim} heads={heads}"
+            )
+        self.dim = dim
+        self.heads = heads
+        self.config = config
+        self.state = state
+        self.alpha = nn.Parameter(torch.zeros(heads))
+        self.to_gate_coarse = nn.Linear(dim, dim)
+        self.to_gate_fine = nn.Linear(dim, dim)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Zero alpha and both gates: output = fine stage = dense attention at density 1."""
+        self.alpha.zero_()
+        for linear in (self.to_gate_coarse, self.to_gate_fine):
+            linear.weight.zero_()
+            linear.bias.zero_()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden_states: torch.Tensor,
+        layout: TileLayout,
+    ) -> torch.Tensor:
+        """VSA2 attention of raster-order tokens.
+
+        Args:
+            query, key, value: [B, N, H, D] in raster order, RoPE applied (N = layout.num_tokens).
+            hidden_states: [B, N, dim], the attention layer's input (drives the gates).
+            layout: tile layout of the token grid.
+
+        Returns:
+            [B, N, H, D] in raster order, in query's dtype.
+        """
+        batch, num_tokens, heads, head_dim = query.shape
+        if heads != self.heads or num_tokens != layout.num_tokens:
+            raise ValueError(
+                f"query must be [B, {layout.num_tokens}, {self.heads}, D] for grid {layout.grid}, "
+                f"got {tuple(query.shape)}"
+            )
+        if self.state.sparsity == 0.0:
+            # Sparsity 0 means the stock dense model (docs/CONTRACTS.md, Deviations): plain
+            # attention in raster order, without tiling, router or gates.
+            self.state.record_density(1.0)
+            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query, key, value)))
+            return out.transpose(1, 2)
+        hidden = layout.tile(hidden_states)  # (B, S, dim), zeros in the padding
+        gate_coarse = self.to_gate_coarse(hidden)
+        gate_fine = 1.0 + self.to_gate_fine(hidden)
+
+        def heads_first(x: torch.Tensor) -> torch.Tensor:  # (B, S, H*D) or (B, S, H, D)
+            return x.reshape(batch, layout.padded_len, heads, head_dim).transpose(1, 2)
+
+        q, k, v = (heads_first(layout.tile(x)) for x in (query, key, value))  # (B, H, S, D)
+        tile_lengths, seg_lengths = layout.lengths(self.config.kv_block, q.device)
+        out, stats = kernels.vsa2_attention(
+            q,
+            k,
+            v,
+            tile_lengths=tile_lengths,
+            seg_lengths=seg_lengths,
+            sparsity=self.state.sparsity,
+            alpha=self.alpha,
+            gate_coarse=heads_first(gate_coarse).to(q.dtype),
+            gate_fine=heads_first(gate_fine).to(q.dtype),
+            config=self.config,
+            # Known on the host from the layout: saves the kernel a host sync per layer.
+            num_valid_segments=-(-layout.num_tokens // self.config.kv_block),
+        )
+        self.state.record_density(stats.density)
+        return layout.untile(out.transpose(1, 2)).to(query.dtype)  # (B, N, H, D)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, kv_block={self.config.kv_block}"

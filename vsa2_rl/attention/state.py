@@ -1,0 +1,72 @@
+"""Shared sparsity state of all VSA2 layers of a model (docs/CONTRACTS.md, "vsa2_rl.attention").
+
+One mutable object is shared by every VSA2 attention layer of a transformer (and by a frozen
+reference copy of it). The trainer writes the scheduled ``sparsity`` and the ``phase`` before a
+forward; each layer reads ``sparsity`` at every forward and adds the density it achieved. The
+densities stay on the device (no host sync per layer) until :meth:`SparsityState.pop_density`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PHASES = ("rollout", "train", "eval")
+
+
+class SparsityState:
+    """Scheduled sparsity + achieved-density accumulator shared by all VSA2 layers.
+
+    ``sparsity`` is 1 - density target in [0, 1): 0 means every key segment may be attended to
+    (with ``VSA2Config.dense_threshold`` <= 1 that is the exact dense fallback).
+    """
+
+    def __init__(self, sparsity: float = 0.0, phase: str = "train") -> None:
+        self.sparsity = sparsity
+        self.phase = phase
+        self._density_sum: torch.Tensor | float = 0.0
+        self._density_count = 0
+
+    @property
+    def sparsity(self) -> float:
+        return self._sparsity
+
+    @sparsity.setter
+    def sparsity(self, value: float) -> None:
+        value = float(value)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {value}")
+        self._sparsity = value
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        if value not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {value!r}")
+        self._phase = value
+
+    def record_density(self, density: torch.Tensor | float) -> None:
+        """Add one layer's achieved density (a scalar tensor or float); no host sync."""
+        if isinstance(density, torch.Tensor):
+            density = density.detach().float()
+        self._density_sum = self._density_sum + density
+        self._density_count += 1
+
+    def pop_density(self) -> float | None:
+        """Mean density recorded since the last pop (None if nothing was recorded); resets."""
+        if self._density_count == 0:
+            return None
+        mean = float(self._density_sum) / self._density_count  # the one host sync
+        self._density_sum = 0.0
+        self._density_count = 0
+        return mean
+
+    def __deepcopy__(self, memo: dict) -> SparsityState:
+        # A deep copy of a model (e.g. a frozen reference policy for full fine-tuning) must keep
+        # following the trainer's schedule, so the state is shared, not copied.
+        return self
+
+    def __repr__(self) -> str:
+        return f"SparsityState(sparsity={self.sparsity}, phase={self.phase!r})"
