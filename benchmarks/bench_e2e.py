@@ -89,7 +89,9 @@ def _build(sparsity: float | None, kv_block: int | None, compile_blocks: bool):
     return model
 
 
-def _measure(model, grid: str, warmup: int, reps: int) -> tuple[float, float]:
+def _measure(
+    model, grid: str, warmup: int, reps: int, forward_only: bool = False
+) -> tuple[float, float]:
     frames, height, width = LATENTS[grid]
     latents = torch.randn(1, 16, frames, height, width, device="cuda", dtype=torch.bfloat16)
     timestep = torch.tensor([500.0], device="cuda")
@@ -106,6 +108,8 @@ def _measure(model, grid: str, warmup: int, reps: int) -> tuple[float, float]:
 
     model.eval()
     fwd = _timed(forward, warmup, reps)
+    if forward_only:
+        return fwd, float("nan")
     model.train()
     fwd_bwd = _timed(forward_backward, warmup, reps)
     return fwd, fwd_bwd
@@ -117,12 +121,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="480p only, no compile, 2 reps")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument("--grids", nargs="+", default=["480p", "720p"], choices=sorted(LATENTS))
+    parser.add_argument(
+        "--compile", choices=("off", "on", "both"), default="both", help="torch.compile blocks"
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="attention rows to run, by label (dense always)"
+    )
+    parser.add_argument("--forward-only", action="store_true", help="skip forward+backward")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA GPU")
-    grids = ["480p"] if args.quick else ["480p", "720p"]
-    compile_settings = [False] if args.quick else [False, True]
+    grids = ["480p"] if args.quick else args.grids
+    compile_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    if args.quick:
+        compile_settings = [False]
     reps, warmup = (2, 1) if args.quick else (args.reps, args.warmup)
+    attention = [
+        row for row in ATTENTION if row[1] is None or args.only is None or row[0] in args.only
+    ]
 
     lines = [
         "Wan-1.3B-shaped WanTransformer3DModel, random weights, bf16, "
@@ -138,11 +155,11 @@ def main() -> None:
         tokens = frames * (height // 2) * (width // 2)
         for compile_blocks in compile_settings:
             dense = None
-            for label, sparsity, kv_block in ATTENTION:
+            for label, sparsity, kv_block in attention:
                 try:
                     model = _build(sparsity, kv_block, compile_blocks)
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-                        fwd, fwd_bwd = _measure(model, grid, warmup, reps)
+                        fwd, fwd_bwd = _measure(model, grid, warmup, reps, args.forward_only)
                 except Exception:  # one failing configuration must not lose the others
                     traceback.print_exc()
                     row = f"| {grid} | {tokens} | {label} | {compile_blocks} | failed | | | |"

@@ -24,7 +24,6 @@ import os
 import threading
 from collections.abc import Callable
 
-import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -64,14 +63,18 @@ class OpenCVFlow:
     def __init__(self, method: str = "dis") -> None:
         if method not in ("dis", "farneback"):
             raise ValueError(f"OpenCVFlow: method must be 'dis' or 'farneback', got {method!r}")
+        # Imported here: only this backend needs OpenCV (RAFT runs on GPU images without it).
+        import cv2
+
+        self._cv2 = cv2
         self.method = method
         # A DIS object keeps scratch buffers; one per thread keeps concurrent calls safe.
         self._local = threading.local()
 
-    def _dis(self) -> cv2.DISOpticalFlow:
+    def _dis(self):
         dis = getattr(self._local, "dis", None)
         if dis is None:
-            dis = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_MEDIUM)
+            dis = self._cv2.DISOpticalFlow_create(self._cv2.DISOPTICAL_FLOW_PRESET_MEDIUM)
             self._local.dis = dis
         return dis
 
@@ -80,7 +83,7 @@ class OpenCVFlow:
             return self._dis().calc(a, b, None)
         # pyramid 0.5 x 3 levels, 15 px window, 3 iterations, poly_n 5, sigma 1.2: the values
         # of OpenCV's optical-flow tutorial, robust on general video.
-        return cv2.calcOpticalFlowFarneback(a, b, None, 0.5, 3, 15, 3, 5, 1.2, 0)
+        return self._cv2.calcOpticalFlowFarneback(a, b, None, 0.5, 3, 15, 3, 5, 1.2, 0)
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         def to_u8(x: torch.Tensor) -> np.ndarray:
