@@ -85,7 +85,7 @@ def iteration(model, velocity, args) -> tuple[float, float]:
             log_prob, _, _ = step_log_prob(
                 v, x, x_next, float(sigmas[j]), float(sigmas[j + 1]), "sde", 0.7
             )
-            loss, _ = grpo_loss(log_prob, log_probs[i][j : j + 1], advantages[i : i + 1])
+            loss, _ = grpo_loss(log_prob, log_probs[i][j], advantages[i : i + 1])
             (loss / (n * len(trained))).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()

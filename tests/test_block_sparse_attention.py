@@ -8,11 +8,16 @@ fp16; the interpreter has no bf16 dot) and natively in the ``gpu`` tests.
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import vsa2_rl.kernels
+import vsa2_rl.kernels.ops
 from vsa2_rl.kernels.block_sparse import build_kv_major_index
 from vsa2_rl.kernels.ops import block_sparse_attention
 
@@ -237,6 +242,17 @@ def test_custom_op_registration_opcheck():
         args,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+
+
+def test_top_level_kernels_import_reuses_the_registered_custom_ops(monkeypatch):
+    # transformers probes HuggingFace's `kernels` with import_module("kernels"); with the repository
+    # root on sys.path that finds this package's directory. Running ops.py a second time would
+    # redefine the custom ops and leave vsa2_rl.kernels' op handles dangling (a segfault later).
+    monkeypatch.syspath_prepend(str(Path(vsa2_rl.kernels.__file__).resolve().parents[1]))
+    for name in [n for n in sys.modules if n == "kernels" or n.startswith("kernels.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert importlib.import_module("kernels.ops") is vsa2_rl.kernels.ops
+    assert sys.modules["kernels"] is vsa2_rl.kernels
 
 
 def test_torch_compile_traces_without_graph_break():

@@ -27,7 +27,7 @@ def test_default_config_is_valid_and_embedded():
     config = load_config()
     assert config.model.kind == "toy"
     assert config.sparsity.eval < config.sparsity.train  # hard-to-easy
-    assert [f.name for f in config.rewards.functions] == ["motion_quality", "image_quality"]
+    assert [f.name for f in config.rewards.functions] == ["image_quality", "motion_quality"]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ TINY = [
     "train.sample_every=0",
     "logging.progress=false",
     "rewards.num_workers=1",
+    "eval.every=0",
 ]
 
 

@@ -25,6 +25,7 @@ TINY = [
     "train.sample_every=0",
     "logging.progress=false",
     "rewards.num_workers=1",
+    "eval.every=0",
 ]
 REQUIRED_KEYS = {
     "step",
@@ -74,7 +75,7 @@ def _weights(out_dir):
 
 
 def test_two_steps_change_parameters_and_log_every_key(tmp_path):
-    config = _config(tmp_path, "train.num_steps=2")
+    config = _config(tmp_path, "train.num_steps=2", "eval.every=2", "eval.num_prompts=2")
     from vsa2_rl.runtime import build_bundle
 
     before = {
@@ -83,9 +84,15 @@ def test_two_steps_change_parameters_and_log_every_key(tmp_path):
         .transformer.state_dict()
         .items()
     }
-    train(config)
+    summary = train(config)
     rows = _rows(config.out_dir)
-    assert [row["step"] for row in rows] == [1, 2]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    evaluation, rows = rows[0], rows[1:]
+    # deterministic ODE evaluation before the first update and after the last one
+    assert {"eval/reward", "eval/reward/brightness", "eval/density"} <= set(evaluation)
+    assert "eval/reward" not in rows[0] and "eval/reward" in rows[1]
+    assert summary["reward_start"] == evaluation["eval/reward"]
+    assert summary["reward_end"] == rows[1]["eval/reward"]
     for row in rows:
         assert set(row) >= REQUIRED_KEYS
         assert "reward/brightness" in row

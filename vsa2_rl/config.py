@@ -411,13 +411,18 @@ class EvalConfig:
     seed: int = _doc(
         "Seed of the evaluation noise (the same for every sparsity and run).", default=1234
     )
-    every: int = _doc("During training: evaluate every N steps; 0 = never.", default=0)
+    every: int = _doc(
+        "During training: deterministic evaluation at the eval sparsity before the first step, "
+        "every N steps and after the last (logged as eval/*); 0 = never.",
+        default=0,
+    )
 
     def __post_init__(self) -> None:
         _check(bool(self.sparsities), "eval.sparsities", "needs at least one value")
         for value in self.sparsities:
             _check(0.0 <= value < 1.0, "eval.sparsities", f"each must be in [0, 1), got {value}")
         _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
+        _check(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vsa2_rl.config import ConfigError, RunConfig, to_yaml
+from vsa2_rl.eval.sweep import sweep_model
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rl.grpo import GroupedPromptSampler, gaussian_kl, group_advantages, grpo_loss
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
@@ -105,6 +106,7 @@ class _Setup:
         self.device = self.accelerator.device
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.prompts = load_prompts(config, "train")
+        self.eval_prompts = load_prompts(config, "eval")[: config.eval.num_prompts]
         world = self.accelerator.num_processes
         if config.grpo.prompts_per_step > len(self.prompts):
             raise ConfigError(
@@ -151,6 +153,38 @@ def _reference_policy(bundle, acc, config: RunConfig):
     return frozen_copy
 
 
+def _evaluate(setup: _Setup, sparsity: float, ema) -> dict:
+    """ODE rewards on the fixed evaluation prompts at ``sparsity`` (EMA weights if kept), run on
+    the unwrapped model of this process (no collectives), as ``eval/*`` metrics."""
+    config, bundle, acc = setup.config, setup.bundle, setup.accelerator
+    live = bundle.transformer
+    bundle.transformer = acc.unwrap_model(live)
+    state = bundle.sparsity_state
+    saved = state.sparsity, state.phase
+    try:
+        with ema.swapped() if ema is not None else contextlib.nullcontext():
+            (row,), _ = sweep_model(
+                bundle,
+                setup.eval_prompts,
+                [sparsity],
+                list(setup.rewards.rewards.values()),
+                num_steps=config.sampler.eval_num_steps,
+                shift=config.sampler.shift,
+                guidance_scale=config.sampler.guidance_scale,
+                seed=config.eval.seed,
+                batch_size=config.grpo.train_batch_size,
+                shape=(config.model.num_frames, config.model.height, config.model.width),
+                progress=False,
+            )
+    finally:
+        bundle.transformer = live
+        state.sparsity, state.phase = saved
+    total = sum(w * row[f"reward/{name}"] for name, w in setup.rewards.weights.items())
+    metrics = {"eval/reward": total, "eval/density": row["density"]}
+    metrics.update({f"eval/{k}": v for k, v in row.items() if k.startswith("reward/")})
+    return metrics
+
+
 def train(config: RunConfig) -> dict:
     """Runs GRPO fine-tuning; returns a summary (start/end rewards, out_dir)."""
     from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint, save_checkpoint
@@ -175,6 +209,10 @@ def train(config: RunConfig) -> dict:
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
     )
+    # shapes are read from the bare model: a DDP/DeepSpeed wrapper hides its config
+    latent_shape = bundle.latent_shape(
+        config.model.num_frames, config.model.height, config.model.width
+    )
     transformer, optimizer = acc.prepare(transformer, optimizer)
     bundle.transformer = transformer
     reference = _reference_policy(bundle, acc, config) if grpo.kl_beta > 0 else None
@@ -194,9 +232,6 @@ def train(config: RunConfig) -> dict:
     )
     sigmas = sigma_schedule(samp.num_steps, samp.shift)
     window = tuple(samp.sde_window) if samp.sde_window else None
-    latent_shape = bundle.latent_shape(
-        config.model.num_frames, config.model.height, config.model.width
-    )
     uncond = bundle.encode_prompts([""]) if samp.guidance_scale > 1 else None
 
     checkpoints = os.path.join(config.out_dir, "checkpoints")
@@ -224,6 +259,31 @@ def train(config: RunConfig) -> dict:
 
     def velocity_fn(text_emb):
         return cfg_velocity(bundle.velocity, text_emb, uncond, samp.guidance_scale)
+
+    if config.eval.every and start_step == 0 and is_main:
+        logger.log(0, _evaluate(setup, schedule(0).eval, ema))
+    acc.wait_for_everyone()
+
+    def checkpoint_if_due(step: int) -> None:
+        """Full state every ``train.checkpoint_every`` steps and after the last step."""
+        every = config.train.checkpoint_every
+        if not ((every and step % every == 0) or step == config.train.num_steps):
+            return
+        acc.wait_for_everyone()
+        if is_main:
+            save_checkpoint(
+                checkpoints,
+                step,
+                {
+                    "model": trained_state(acc.unwrap_model(transformer), config),
+                    "optimizer": optimizer.state_dict(),
+                    "lr_schedule": lr_schedule.state_dict(),
+                    "ema": ema.state_dict() if ema is not None else {},
+                    "schedule": schedule.state_dict(),
+                    "step": step,
+                },
+                keep_last=config.train.keep_last,
+            )
 
     steps = range(start_step + 1, config.train.num_steps + 1)
     bar = tqdm(steps, desc="GRPO", disable=not (is_main and config.logging.progress))
@@ -284,6 +344,7 @@ def train(config: RunConfig) -> dict:
                     f"step {step}: skipped ({skip_reason or 'a reward failed on another rank'})"
                 )
             logger.log(step, {**metrics, "train/skipped_reward": 1})
+            checkpoint_if_due(step)  # the weights are unchanged, the step still counts
             continue
         group_ids = torch.tensor(batch.group_ids, device=device)
         if config.rewards.aggregation == "reward":
@@ -393,6 +454,10 @@ def train(config: RunConfig) -> dict:
         metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
         metrics["train/lr"] = lr_schedule.get_last_lr()[0]
         metrics["train/skipped_nonfinite"] = skipped
+        last = step == config.train.num_steps
+        if config.eval.every and is_main and (step % config.eval.every == 0 or last):
+            metrics.update(_evaluate(setup, sparsities.eval, ema))
+        acc.wait_for_everyone()
         logger.log(step, metrics)
         bar.set_postfix(
             reward=f"{metrics['reward/mean']:.3f}", density=f"{metrics['attn/density']:.2f}"
@@ -407,35 +472,31 @@ def train(config: RunConfig) -> dict:
                 os.path.join(config.out_dir, "samples", f"step_{step}"),
                 titles=prompts[: grpo.group_size],
             )
-        every = config.train.checkpoint_every
-        if (every and step % every == 0) or step == config.train.num_steps:
-            acc.wait_for_everyone()
-            if is_main:
-                save_checkpoint(
-                    checkpoints,
-                    step,
-                    {
-                        "model": trained_state(acc.unwrap_model(transformer), config),
-                        "optimizer": optimizer.state_dict(),
-                        "lr_schedule": lr_schedule.state_dict(),
-                        "ema": ema.state_dict() if ema is not None else {},
-                        "schedule": schedule.state_dict(),
-                        "step": step,
-                    },
-                    keep_last=config.train.keep_last,
-                )
+        checkpoint_if_due(step)
     logger.close()
     summary = {"out_dir": config.out_dir}
     if is_main:
-        rows = [r for r in read_metrics(logger.path) if isinstance(r.get("reward/mean"), float)]
-        if rows:
-            head, tail = rows[: min(3, len(rows))], rows[-min(3, len(rows)) :]
-            summary["reward_start"] = sum(r["reward/mean"] for r in head) / len(head)
-            summary["reward_end"] = sum(r["reward/mean"] for r in tail) / len(tail)
-            plot_reward_curve(rows, os.path.join(config.out_dir, "reward_curve.png"))
+        rows = read_metrics(logger.path)
+        train_rows = [r for r in rows if isinstance(r.get("reward/mean"), float)]
+        points = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+        if train_rows:
+            plot_reward_curve(train_rows, os.path.join(config.out_dir, "reward_curve.png"), points)
+        if len(points) >= 2:
+            summary["reward_start"], summary["reward_end"] = points[0][1], points[-1][1]
             print(
-                f"reward (rollout mean, first {len(head)} vs last {len(tail)} steps): "
-                f"{summary['reward_start']:.4f} -> {summary['reward_end']:.4f}; "
-                f"curve: {os.path.join(config.out_dir, 'reward_curve.png')}"
+                f"eval reward (ODE, sparsity {schedule(config.train.num_steps).eval}, "
+                f"{len(setup.eval_prompts)} fixed prompts): step {points[0][0]} "
+                f"{points[0][1]:.4f} -> step {points[-1][0]} {points[-1][1]:.4f}"
+            )
+        if train_rows:
+            head, tail = (
+                train_rows[: min(3, len(train_rows))],
+                train_rows[-min(3, len(train_rows)) :],
+            )
+            start = sum(r["reward/mean"] for r in head) / len(head)
+            end = sum(r["reward/mean"] for r in tail) / len(tail)
+            print(
+                f"rollout reward (first {len(head)} vs last {len(tail)} steps): "
+                f"{start:.4f} -> {end:.4f}; curve: {config.out_dir}/reward_curve.png"
             )
     return summary
