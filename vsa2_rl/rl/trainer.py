@@ -34,7 +34,12 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import ConfigError, RunConfig, to_yaml
 from vsa2_rl.eval.sweep import sweep_model
 from vsa2_rl.rewards import RewardMixer, RewardSkip
-from vsa2_rl.rl.grpo import GroupedPromptSampler, gaussian_kl, group_advantages, grpo_loss
+from vsa2_rl.rl.grpo import (
+    GroupedPromptSampler,
+    gather_group_rewards,
+    gaussian_kl,
+    grpo_loss,
+)
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.runtime import (
     build_bundle,
@@ -75,20 +80,21 @@ def _advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tup
     """GRPO advantages of this rank's samples, normalised over every rank's samples of a group.
 
     Non-finite rewards (samples dropped by ``rewards.on_error=drop_sample``) get advantage 0
-    and count as zero-variance; the rest are normalised among themselves.
-    Returns ``(advantages [n_local], zero_var [n_local], all_values [n_global])``.
+    and count as zero-variance; the rest go through ``gather_group_rewards``, which accepts
+    ranks with different numbers of kept samples.
+    Returns ``(advantages [n_local], zero_var [n_local], kept rewards of all ranks)``.
     """
     values = values.to(group_ids.device).float()
-    all_values, all_ids = acc.gather(values), acc.gather(group_ids)
-    finite = torch.isfinite(all_values)
-    advantages = torch.zeros_like(all_values)
+    finite = torch.isfinite(values)
+    advantages = torch.zeros_like(values)
     zero_var = torch.ones_like(finite)
-    if bool(finite.any()):
-        advantages[finite], zero_var[finite] = group_advantages(
-            all_values[finite], all_ids[finite], scale=grpo.scale_rewards, clip=grpo.adv_clip
-        )
-    local = slice(acc.process_index * len(values), (acc.process_index + 1) * len(values))
-    return advantages[local], zero_var[local], all_values
+    if not bool(acc.gather(finite.any().float().reshape(1)).max() > 0):
+        return advantages, zero_var, values[finite]  # every sample of the step was dropped
+    gathered = gather_group_rewards(
+        acc, values[finite], group_ids[finite], scale=grpo.scale_rewards, clip=grpo.adv_clip
+    )
+    advantages[finite], zero_var[finite] = gathered.advantages, gathered.zero_var_mask
+    return advantages, zero_var, gathered.all_rewards
 
 
 def _chunks(n: int, size: int) -> list[slice]:
