@@ -77,6 +77,24 @@ def _keep_qg(configs, named_args, **kwargs):
 # -- forward --------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _add_column_terms(
+    b_s, p_bias, o_slot, m_slot, m_key, bias_to_dot,
+    HAS_BIAS: tl.constexpr, MAY_MASK: tl.constexpr,
+):  # fmt: skip
+    """Add the per-key terms to raw logits ``q . k``: the pair bias divided by the scale and
+    -inf at keys past a row's list or a segment's valid length. Both live in one [BLOCK_N]
+    vector, so the key mask costs no per-element select."""
+    if HAS_BIAS or MAY_MASK:
+        b_col = tl.zeros(m_key.shape, tl.float32)
+        if HAS_BIAS:
+            b_col = tl.load(p_bias + o_slot, mask=m_slot, other=0.0).to(tl.float32) * bias_to_dot
+        if MAY_MASK:
+            b_col = tl.where(m_key, b_col, float("-inf"))
+        b_s += b_col[None, :]
+    return b_s
+
+
 @triton.autotune(
     configs=_fwd_configs(),
     key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
@@ -143,6 +161,8 @@ def _bsa_fwd_kernel(
     p_idx = KV_IDX + i_row * KMAX
     p_bias = BIAS + i_row * KMAX
     n_sel = tl.load(KV_CNT + i_row)
+    # bias in log2 units is bias * LOG2E = qk_scale * (bias / scale)
+    bias_to_dot = 1.4426950408889634 / qk_scale
 
     b_m = tl.full([Q_TILE], float("-inf"), tl.float32)
     b_l = tl.zeros([Q_TILE], tl.float32)
@@ -163,19 +183,17 @@ def _bsa_fwd_kernel(
         )
         # [BLOCK_N, HEAD_DIM]
         b_v = tl.load(p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0)
-        # -- logits in log2 units ----
+        # -- logits in units of the dot product: the bias enters divided by the scale, so the
+        # log2-domain scaling is one fused multiply-add with the row max below ----
         # [Q_TILE, BLOCK_N]
-        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC) * qk_scale
-        if HAS_BIAS:
-            b_bias = (
-                tl.load(p_bias + o_slot, mask=m_slot, other=0.0).to(tl.float32) * 1.4426950408889634
-            )
-            b_s += b_bias[None, :]
-        b_s = tl.where(m_key[None, :], b_s, float("-inf"))
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC)
+        b_s = _add_column_terms(
+            b_s, p_bias, o_slot, m_slot, m_key, bias_to_dot, HAS_BIAS, HAS_LEN or G > 1
+        )
         # -- online softmax; a row may have seen only masked keys so far ----
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
         b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_safe[:, None])
+        b_p = tl.math.exp2(b_s * qk_scale - b_m_safe[:, None])
         b_alpha = tl.math.exp2(b_m - b_m_safe)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
@@ -279,6 +297,7 @@ def _bsa_bwd_dq_kernel(
     p_bias = BIAS + i_row * KMAX
     p_dbias = DBIAS + i_row * KMAX
     n_sel = tl.load(KV_CNT + i_row)
+    bias_to_dot = 1.4426950408889634 / qk_scale
 
     b_dq = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
     for i_s in range(0, n_sel, G):
@@ -293,26 +312,30 @@ def _bsa_bwd_dq_kernel(
         # [BLOCK_N, HEAD_DIM]
         b_k = tl.load(p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_key[:, None], other=0.0)
         b_v = tl.load(p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0)
-        # -- recompute P from the saved lse ----
+        # -- recompute P from the saved lse (logits as in the forward: bias / scale, one FMA) ----
         # [Q_TILE, BLOCK_N]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale
-        if HAS_BIAS:
-            b_bias = (
-                tl.load(p_bias + o_slot, mask=m_slot, other=0.0).to(tl.float32) * 1.4426950408889634
-            )
-            b_s += b_bias[None, :]
-        b_p = tl.where(m_key[None, :], tl.math.exp2(b_s - b_lse2[:, None]), 0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+        b_s = _add_column_terms(
+            b_s, p_bias, o_slot, m_slot, m_key, bias_to_dot, HAS_BIAS, HAS_LEN or G > 1
+        )
+        b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
         # -- dS = P * (dP - delta) ----
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
         if HAS_BIAS:
             # d(bias) of a pair: dS summed over the tile's rows and the segment's keys
-            # [G]
-            b_db = tl.sum(tl.reshape(tl.sum(b_ds, 0), [G, KV_BLOCK]), 1)
-            tl.store(
-                p_dbias + i_s + o_gs, b_db.to(DBIAS.dtype.element_ty), mask=(i_s + o_gs) < n_sel
-            )
+            if G == 1:
+                # row sums first: in-warp reductions, then one across the rows
+                tl.store(p_dbias + i_s, tl.sum(tl.sum(b_ds, 1), 0).to(DBIAS.dtype.element_ty))
+            else:
+                # [G]
+                b_db = tl.sum(tl.reshape(tl.sum(b_ds, 0), [G, KV_BLOCK]), 1)
+                tl.store(
+                    p_dbias + i_s + o_gs,
+                    b_db.to(DBIAS.dtype.element_ty),
+                    mask=(i_s + o_gs) < n_sel,
+                )
 
     p_dq = DQ + i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_q[:, None] * HEAD_DIM + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty))
@@ -349,7 +372,7 @@ def _gather_query_rows(
 
 @triton.jit
 def _dkv_key_major_loop(
-    b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+    b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
     s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr,
@@ -361,17 +384,20 @@ def _dkv_key_major_loop(
     """
     b_dk = tl.zeros([KV_BLOCK, HEAD_DIM], tl.float32)
     b_dv = tl.zeros([KV_BLOCK, HEAD_DIM], tl.float32)
+    bias_to_dot = 1.4426950408889634 / qk_scale
     for i_p in range(i_start, i_end, QG):
         b_pair, m_ent, b_q, b_do, b_lse2, b_delta = _gather_query_rows(
             p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
             Q_TILE, HEAD_DIM, QG,
         )  # fmt: skip
-        # [KV_BLOCK, ROWS]
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale
+        # [KV_BLOCK, ROWS]; logits as in the forward (bias / scale, one FMA)
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
         if HAS_BIAS:
-            b_bias = tl.load(BIAS + b_pair, mask=m_ent, other=0.0).to(tl.float32)
-            b_st += b_bias[None, :] * 1.4426950408889634
-        b_pt = tl.where(m_key[:, None] & m_ent[None, :], tl.math.exp2(b_st - b_lse2[None, :]), 0.0)
+            b_st += (tl.load(BIAS + b_pair, mask=m_ent, other=0.0) * bias_to_dot)[None, :]
+        # rows past the list end have lse2 = +inf, so P is 0 there without a select
+        b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
+        if key_partial:
+            b_pt = tl.where(m_key[:, None], b_pt, 0.0)
         b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
@@ -381,7 +407,7 @@ def _dkv_key_major_loop(
 
 @triton.jit
 def _dkv_dim_major_loop(
-    b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+    b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
     s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr,
@@ -393,17 +419,20 @@ def _dkv_dim_major_loop(
     """
     b_dkt = tl.zeros([HEAD_DIM, KV_BLOCK], tl.float32)
     b_dvt = tl.zeros([HEAD_DIM, KV_BLOCK], tl.float32)
+    bias_to_dot = 1.4426950408889634 / qk_scale
     for i_p in range(i_start, i_end, QG):
         b_pair, m_ent, b_q, b_do, b_lse2, b_delta = _gather_query_rows(
             p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
             Q_TILE, HEAD_DIM, QG,
         )  # fmt: skip
-        # [ROWS, KV_BLOCK]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale
+        # [ROWS, KV_BLOCK]; logits as in the forward (bias / scale, one FMA)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         if HAS_BIAS:
-            b_bias = tl.load(BIAS + b_pair, mask=m_ent, other=0.0).to(tl.float32)
-            b_s += b_bias[:, None] * 1.4426950408889634
-        b_p = tl.where(m_ent[:, None] & m_key[None, :], tl.math.exp2(b_s - b_lse2[:, None]), 0.0)
+            b_s += (tl.load(BIAS + b_pair, mask=m_ent, other=0.0) * bias_to_dot)[:, None]
+        # rows past the list end have lse2 = +inf, so P is 0 there without a select
+        b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
+        if key_partial:
+            b_p = tl.where(m_key[None, :], b_p, 0.0)
         b_dvt += tl.dot(tl.trans(b_do), b_p.to(b_do.dtype), input_precision=DOT_PREC)
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         b_ds = b_p * (b_dp - b_delta[:, None])
@@ -466,8 +495,11 @@ def _bsa_bwd_dkv_kernel(
     o_tok_k = i_seg.to(tl.int64) * KV_BLOCK + o_w
 
     m_key = o_w < KV_BLOCK
+    key_partial = i_seg < 0  # a run-time False
     if HAS_LEN:
-        m_key = o_w < tl.load(KV_LEN + i_seg)
+        n_key = tl.load(KV_LEN + i_seg)
+        m_key = o_w < n_key
+        key_partial = n_key < KV_BLOCK
     # [KV_BLOCK, HEAD_DIM]
     b_k = tl.load(
         K + i_b * s_kb + i_h * s_kh + o_tok_k[:, None] * s_ks + o_d[None, :],
@@ -490,13 +522,15 @@ def _bsa_bwd_dkv_kernel(
 
     if DIM_MAJOR:
         b_dk, b_dv = _dkv_dim_major_loop(
-            b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+            b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start,
+            i_end,
             s_qs, s_dos, qk_scale, NQ, KMAX,
             Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG,
         )  # fmt: skip
     else:
         b_dk, b_dv = _dkv_key_major_loop(
-            b_k, b_v, m_key, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
+            b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start,
+            i_end,
             s_qs, s_dos, qk_scale, NQ, KMAX,
             Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG,
         )  # fmt: skip

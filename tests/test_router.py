@@ -197,7 +197,8 @@ def test_topk_count_is_exact_and_picks_best(sparsity):
     kmax = max_kv_for(sparsity, int((seg_lengths > 0).sum()))
     assert (out.kv_counts == kmax).all()
     best = _log_softmax_reference(q, k, seg_lengths).argsort(dim=-1, descending=True)[..., :kmax]
-    assert torch.equal(out.kv_indices.long(), best)
+    # top-k leaves the order of the chosen segments open: compare them as sets
+    assert torch.equal(out.kv_indices.long().sort(dim=-1).values, best.sort(dim=-1).values)
 
 
 @pytest.mark.parametrize("mode", ["topk", "topp"])
@@ -229,14 +230,15 @@ def test_log_probs_gradient_matches_float64_reference():
     torch.testing.assert_close(gk, rk, rtol=1e-4, atol=1e-5)
 
 
-def test_top_log_probs_gradcheck():
+@pytest.mark.parametrize("best_first", [True, False])
+def test_top_log_probs_gradcheck(best_first):
     """The memory-lean autograd Function behind log_probs, in float64 (it recomputes scores)."""
     from vsa2_rl.kernels.router import _TopLogProbs
 
     q, k, seg_lengths = _router_case(nseg=12, nq=3, D=4)
     q.requires_grad_(True)
     k.requires_grad_(True)
-    fn = lambda a, b: _TopLogProbs.apply(a, b, seg_lengths == 0, 4, 0.5)[0]
+    fn = lambda a, b: _TopLogProbs.apply(a, b, seg_lengths == 0, 4, 0.5, best_first)[0]
     assert torch.autograd.gradcheck(fn, (q, k))
 
 

@@ -1,0 +1,150 @@
+"""GPU tuning aid for the VSA2 kernels: where the full op spends its time, and which launch
+configuration each fine-stage kernel runs best with.
+
+Two parts, both at the Wan2.1-14B 720p shape (B=1, H=40, S=75264, D=128, bf16):
+
+* ``--profile``: per-kernel device time (torch profiler) of one ``vsa2_attention`` forward +
+  backward with the coarse stage on, so the router / pooling / fusion overhead around the fine
+  stage can be read kernel by kernel;
+* ``--sweep``: each fine-stage kernel (forward, dQ pass, dK/dV pass) pinned in turn to every
+  candidate ``triton.Config`` (the others keep their autotuned choice), timed with
+  ``triton.testing.do_bench`` medians; prints one line per configuration, best first.
+
+    python benchmarks/tune_kernels.py --profile --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+B, H, S, D = 1, 40, 75264, 128
+
+
+def inputs(kv_block: int, sparsity: float):
+    q, k, v = (
+        torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    nq, nseg = S // 64, S // kv_block
+    keep = max(1, round((1 - sparsity) * nseg))
+    ids = torch.rand(B, H, nq, nseg, device="cuda").topk(keep, dim=-1).indices.to(torch.int32)
+    counts = torch.full((B, H, nq), keep, device="cuda", dtype=torch.int32)
+    bias = (0.1 * torch.randn(B, H, nq, keep, device="cuda")).requires_grad_()
+    return q, k, v, ids, counts, bias
+
+
+def profile_full_op(kv_block: int, sparsity: float, rows: int) -> None:
+    from vsa2_rl.config import VSA2Config
+    from vsa2_rl.kernels import vsa2_attention
+
+    q, k, v, *_ = inputs(kv_block, sparsity)
+    go = torch.randn_like(q)
+    cfg = VSA2Config(q_tile=64, kv_block=kv_block, mode="topk")
+    tile_len = torch.full((S // 64,), 64, device="cuda", dtype=torch.int32)
+    seg_len = torch.full((S // kv_block,), kv_block, device="cuda", dtype=torch.int32)
+    alpha = torch.zeros(H, device="cuda", requires_grad=True)
+    gate_c = torch.full((B, H, S, D), 0.1, device="cuda", dtype=q.dtype, requires_grad=True)
+
+    def step():
+        out, _ = vsa2_attention(
+            q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=sparsity,
+            alpha=alpha, gate_coarse=gate_c, config=cfg, num_valid_segments=S // kv_block,
+        )  # fmt: skip
+        torch.autograd.grad(out, (q, k, v, alpha, gate_c), go)
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    ms = do_bench(step, warmup=3, rep=20, return_mode="median")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"\n-- full op fwd+bwd, kv{kv_block}, sparsity {sparsity}: {ms:.2f} ms (median) --")
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+        )
+    )
+
+
+def sweep(kv_block: int, sparsity: float, which: str, configs) -> None:
+    from vsa2_rl.kernels import block_sparse
+
+    q, k, v, ids, counts, bias = inputs(kv_block, sparsity)
+    with torch.no_grad():
+        out, lse = block_sparse.bsa_forward(q, k, v, ids, counts, bias, None, 64, kv_block, D**-0.5)
+    go = torch.randn_like(q)
+    kernel = {
+        "fwd": block_sparse._bsa_fwd_kernel,
+        "dq": block_sparse._bsa_bwd_dq_kernel,
+        "dkv": block_sparse._bsa_bwd_dkv_kernel,
+    }[which]
+    original = list(kernel.configs)
+
+    def call():
+        if which == "fwd":
+            block_sparse.bsa_forward(q, k, v, ids, counts, bias, None, 64, kv_block, D**-0.5)
+        else:
+            block_sparse.bsa_backward(
+                go, None, q, k, v, out, lse, ids, counts, bias, None, 64, kv_block, D**-0.5
+            )
+
+    results = []
+    for cfg in configs:
+        kernel.configs = [cfg]
+        kernel.cache.clear()
+        try:
+            call()
+            torch.cuda.synchronize()
+            results.append((do_bench(call, warmup=25, rep=150, return_mode="median"), cfg))
+        except Exception as e:  # out of shared memory / registers: report, go on
+            print(f"  {which} kv{kv_block} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+    kernel.configs = original
+    kernel.cache.clear()
+    print(f"\n-- sweep {which}, kv{kv_block}, sparsity {sparsity} ("
+          f"{'fwd' if which == 'fwd' else 'whole backward'} ms) --")  # fmt: skip
+    for ms, cfg in sorted(results, key=lambda r: r[0]):
+        print(f"  {ms:8.3f} ms  {cfg}")
+
+
+def fwd_like_configs():
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bn, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))
+    ]
+
+
+def dkv_configs():
+    return [
+        triton.Config({"QG": qg}, num_warps=w, num_stages=s)
+        for qg, w, s in itertools.product((1, 2), (4, 8), (2, 3, 4))
+    ]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--rows", type=int, default=28, help="kernels listed per profile")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_kernels.py needs a CUDA device")
+    torch.manual_seed(0)
+    if args.profile:
+        profile_full_op(64, 0.95, args.rows)
+        profile_full_op(16, 0.95, args.rows)
+    if args.sweep:
+        sweep(64, 0.95, "fwd", fwd_like_configs())
+        sweep(64, 0.95, "dq", fwd_like_configs())
+        sweep(64, 0.95, "dkv", dkv_configs())
+        sweep(16, 0.95, "dkv", dkv_configs())
+
+
+if __name__ == "__main__":
+    main()
