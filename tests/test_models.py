@@ -266,6 +266,17 @@ def test_load_tiny_wan_directory(tmp_path):
     assert video.shape == (2, 5, 3, 32, 48) and video.dtype == torch.float32
     assert float(video.min()) >= 0.0 and float(video.max()) <= 1.0
 
+    # a bf16 load keeps diffusers' float32 modules (scale_shift_table, time embedder) in float32;
+    # the inputs must still go in the patch embedding's bf16
+    half = load_wan_bundle(
+        str(tmp_path / "wan"), VSA2Config(backend="torch"), dtype="bfloat16",
+        components=("transformer",),
+    )  # fmt: skip
+    assert half.transformer.scale_shift_table.dtype == torch.float32
+    assert half.dtype == torch.bfloat16
+    velocity = half.velocity(latents, torch.tensor([0.9, 0.2]), emb)
+    assert velocity.dtype == torch.float32 and torch.isfinite(velocity).all()
+
     only = load_wan_bundle(str(tmp_path / "wan"), VSA2Config(), components=("transformer",))
     with pytest.raises(ValueError, match="text_encoder"):
         only.encode_prompts(["a"])
@@ -333,3 +344,27 @@ def test_shipped_toy_model_draws_the_prompted_colours():
         # An object on a black background, not an empty or a noise-filled frame.
         lit = (video.amax(1) > 0.5).float().mean((1, 2))  # (T,) lit fraction per frame
         assert bool((lit > 0.01).all()) and bool((lit < 0.3).all())
+
+
+def test_compiled_vsa2_model_does_not_recompile_as_densities_accumulate():
+    """Each layer records its density into the shared state; under torch.compile that must not
+    specialise the graph on the running count (Wan 720p blocks recompiled past the limit)."""
+    from vsa2_rl.models.toy import ASSET_DIR, load_toy_bundle
+
+    bundle = load_toy_bundle(VSA2Config(backend="torch"), path=ASSET_DIR)
+    bundle.sparsity_state.sparsity = 0.75
+    x = torch.randn(1, *bundle.latent_shape(num_frames=8, height=32, width=32))
+    text = bundle.encode_prompts(["a red square moving right fast"])
+    eager = bundle.velocity(x, torch.tensor([0.5]), text)
+    bundle.sparsity_state.pop_density()
+    torch._dynamo.reset()
+    bundle.transformer = torch.compile(bundle.transformer, backend="eager")
+    with torch.no_grad():
+        bundle.velocity(x, torch.tensor([0.5]), text)  # compiles (and fills the layout caches)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                out = bundle.velocity(x, torch.tensor([0.5]), text)
+    torch.testing.assert_close(out, eager)
+    # every layer of every call recorded its density, none lost to the compiled region
+    assert bundle.sparsity_state._density_count == 4 * len(bundle.transformer.blocks)
+    assert bundle.sparsity_state.pop_density() == pytest.approx(0.25, abs=0.02)

@@ -47,6 +47,10 @@ class SparsityState:
             raise ValueError(f"phase must be one of {PHASES}, got {value!r}")
         self._phase = value
 
+    # Bookkeeping outside any compiled graph: traced, the growing count would be a guarded
+    # constant and every layer call would recompile (torch.compile of the blocks fell back to
+    # eager after 8 recompiles at Wan 720p).
+    @torch.compiler.disable
     def record_density(self, density: torch.Tensor | float) -> None:
         """Add one layer's achieved density (a scalar tensor or float); no host sync."""
         if isinstance(density, torch.Tensor):

@@ -186,6 +186,16 @@ def vsa2_parameters(transformer: nn.Module) -> list[nn.Parameter]:
 # Bundle
 
 
+def input_dtype(transformer: nn.Module) -> torch.dtype:
+    """The dtype the DiT takes its inputs in: its patch embedding's.
+
+    Not the first parameter's: diffusers keeps ``scale_shift_table`` and the time embedder in
+    float32 when it loads a bf16 checkpoint. ``transformer`` may be wrapped by DDP or DeepSpeed
+    (both keep the model as ``.module``).
+    """
+    return getattr(transformer, "module", transformer).patch_embedding.weight.dtype
+
+
 def wan_velocity(
     transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, text_emb: torch.Tensor
 ) -> torch.Tensor:
@@ -193,7 +203,7 @@ def wan_velocity(
 
     The timestep is ``sigma * 1000``, as Wan's FlowMatchEulerDiscreteScheduler feeds it.
     """
-    dtype = next(transformer.parameters()).dtype
+    dtype = input_dtype(transformer)
     sigma = sigma.reshape(-1).expand(latents.shape[0])
     out = transformer(
         hidden_states=latents.to(dtype),
@@ -240,7 +250,7 @@ class WanBundle:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        return input_dtype(self.transformer)
 
     def _scale_factors(self) -> tuple[int, int]:
         if self.vae is None:
@@ -418,6 +428,7 @@ __all__ = [
     "WanBundle",
     "WanVSA2AttnProcessor",
     "enable_vsa2",
+    "input_dtype",
     "load_wan_bundle",
     "resolve_dtype",
     "vsa2_parameters",
