@@ -2,14 +2,23 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks, logs under $OUT.
 # Packages missing on that image travel as wheels in .whl/ (omegaconf, diffusers, peft and this
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
-#   bash benchmarks/gpu_session.sh [tests] [attention] [rl] [e2e] [ddp]
+#   bash benchmarks/gpu_session.sh [tests] [attention] [rl] [e2e] [ddp] [ab] [wan] [gpu1] [engines] [resume]
+# (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
+# DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
+# typing_inspection, typing_extensions)
 set -uo pipefail
 OUT=${OUT:-/tmp/vsa2_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+# installed once per machine: parts may run in parallel calls of this script (one per GPU)
+if [ ! -f /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  touch /tmp/site/.installed
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# the Wan-shaped issue-8 runs (benchmarks/wan_shaped_rl.yaml, model from the "wan" part)
+run="train_rl.py --config benchmarks/wan_shaped_rl.yaml model.path=/tmp/wan1.3b"
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests attention rl e2e ddp)
 for part in "${parts[@]}"; do
@@ -37,5 +46,39 @@ for part in "${parts[@]}"; do
       PYTHONSAFEPATH=1 CUDA_VISIBLE_DEVICES=0 timeout 60 python3 train_rl.py $toy out_dir=/tmp/gpu1 \
         2>&1 | tail -3
       cp /tmp/ddp2/metrics.jsonl "$OUT/ddp2_metrics.jsonl"; cp /tmp/gpu1/metrics.jsonl "$OUT/gpu1_metrics.jsonl" ;;
+    ab)  # fine stage of this tree vs the wheel in .whl_base/ (the last commit), same GPU, 720p
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site_base .whl_base/*.whl || exit 1
+      for tree in base new; do
+        site=/tmp/site; [ $tree = base ] && site=/tmp/site_base:/tmp/site
+        PYTHONPATH=$site timeout 150 python3 benchmarks/bench_attention.py --shapes 720p \
+          --kv-blocks 16,64 --sparsities 0.95 --no-flex --out "$OUT/ab_$tree.md" > /dev/null 2>&1
+        echo "-- $tree"; grep "ours\|cudnn" "$OUT/ab_$tree.md"
+      done ;;
+    wan)  # a Wan-1.3B-shaped diffusers folder with random weights for the runs below
+      python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1 || echo "model folder failed" ;;
+    gpu1)  # issue 8 reference: the short Wan-shaped run on one GPU
+      PYTHONSAFEPATH=1 timeout 240 python3 $run out_dir=/tmp/mg/gpu1 > "$OUT/mg_gpu1.log" 2>&1
+      tail -2 "$OUT/mg_gpu1.log" ;;
+    engines)  # the same run on 2 GPUs with DDP, ZeRO-2 and ZeRO-3, then the comparison table
+      for engine in ${ENGINES:-ddp_2gpu zero2 zero3}; do
+        PYTHONSAFEPATH=1 timeout 200 accelerate launch --config_file configs/accelerate/$engine.yaml \
+          $run out_dir=/tmp/mg/$engine > "$OUT/mg_$engine.log" 2>&1; tail -2 "$OUT/mg_$engine.log"
+      done
+      python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/gpu1 ddp=/tmp/mg/ddp_2gpu zero2=/tmp/mg/zero2 \
+        zero3=/tmp/mg/zero3 --out "$OUT/multigpu.md" ;;
+    resume)  # issue 8: a 2-GPU run stopped after step 2 and resumed equals the uninterrupted run
+      [ -d /tmp/wan1.3b ] || python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1
+      for engine in ${ENGINES:-ddp_2gpu zero2}; do
+        [ -d /tmp/mg/$engine ] || PYTHONSAFEPATH=1 timeout 200 accelerate launch --config_file \
+          configs/accelerate/$engine.yaml $run out_dir=/tmp/mg/$engine > "$OUT/mg_$engine.log" 2>&1
+        for steps in 2 3; do
+          PYTHONSAFEPATH=1 timeout 200 accelerate launch --config_file configs/accelerate/$engine.yaml \
+            $run out_dir=/tmp/mg/${engine}_resumed train.num_steps=$steps \
+            >> "$OUT/mg_${engine}_resumed.log" 2>&1; tail -2 "$OUT/mg_${engine}_resumed.log"
+        done
+      done
+      python3 benchmarks/compare_runs.py ddp=/tmp/mg/ddp_2gpu ddp_resumed=/tmp/mg/ddp_2gpu_resumed \
+        zero2=/tmp/mg/zero2 zero2_resumed=/tmp/mg/zero2_resumed --out "$OUT/resume.md" ;;
   esac
 done

@@ -19,6 +19,7 @@ from vsa2_rl.rl.checkpoint import (
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    stage_checkpoint,
 )
 from vsa2_rl.rl.ema import EMA
 
@@ -149,6 +150,25 @@ _KILLED_SAVE = textwrap.dedent(
     save_checkpoint(sys.argv[1], 2, {"model": {"w": torch.full((3,), 2.0)}, "extra": Stall()})
     """
 )
+
+
+def test_staged_checkpoint_commits_files_written_by_other_processes(tmp_path):
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, {"step": 1})
+    staged = stage_checkpoint(root, 2)
+    # a staged directory is not a checkpoint yet
+    assert find_latest(root).name == "step_1"
+    shard = staged / "deepspeed" / "rank1.pt"
+    shard.parent.mkdir()
+    torch.save({"moments": torch.arange(3.0)}, shard)
+    final = save_checkpoint(root, 2, {"step": 2}, staged=staged)
+    assert final == root / "step_2" and not staged.exists()
+    assert find_latest(root) == final and load_checkpoint(final) == {"step": 2}
+    assert torch.equal(torch.load(final / "deepspeed" / "rank1.pt")["moments"], torch.arange(3.0))
+    # only a directory staged under the same checkpoints folder is accepted
+    elsewhere = stage_checkpoint(tmp_path / "other", 3)
+    with pytest.raises(ValueError, match="staged="):
+        save_checkpoint(root, 3, {"step": 3}, staged=elsewhere)
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):

@@ -6,14 +6,16 @@ Layout under a checkpoints directory::
         model.safetensors      # an entry that is a flat {name: tensor} dict (weights, LoRA)
         optimizer.pt           # any other entry (optimizer / LR scheduler states, RNG, python)
         meta.json              # step and the file format of every entry
+        deepspeed/             # DeepSpeed runs only: the engine's per-rank shards (engines.py)
         COMPLETE               # written last: a directory without it is not a checkpoint
     .tmp-step_130-x1y2/        # a save in progress (or killed mid-way): ignored, then removed
 
 A save writes everything into a temporary directory next to the final one, fsyncs every file and
 the directory, and then renames it to ``step_N`` (``rename`` within one filesystem is atomic on
 POSIX), so a crash at any point leaves the previous checkpoints untouched and at worst a temporary
-directory that :func:`find_latest` ignores. One writer per checkpoints directory is assumed (the
-main process); every rank may read.
+directory that :func:`find_latest` ignores. One process commits a checkpoint (the main process);
+other ranks may add files to it while it is staged (:func:`stage_checkpoint`); every rank may
+read.
 
 Weights go to safetensors (no pickle, mmap-able); other states go through ``torch.save`` and are
 loaded with ``weights_only=True`` by default, which covers tensors, numbers, strings and
@@ -102,12 +104,36 @@ def find_latest(checkpoints_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
+def stage_checkpoint(checkpoints_dir: str | os.PathLike, step: int) -> Path:
+    """Create the temporary directory of a save in progress and return it.
+
+    Leftovers of crashed saves are removed first. Other processes may write their own files
+    (e.g. DeepSpeed's per-rank shards) into it before the main process commits it with
+    ``save_checkpoint(..., staged=path)``; until then it is not a checkpoint.
+    """
+    _check_step(step)
+    root = Path(checkpoints_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith(_TEMP_PREFIXES):
+            shutil.rmtree(entry, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; checkpoints are shared read-only
+    return tmp
+
+
 def save_checkpoint(
     checkpoints_dir: str | os.PathLike,
     step: int,
     state: dict[str, Any],
     *,
     keep_last: int | None = None,
+    staged: Path | None = None,
 ) -> Path:
     """Atomically write ``state`` as ``checkpoints_dir/step_{step}`` and return its path.
 
@@ -115,10 +141,10 @@ def save_checkpoint(
     ``{str: Tensor}`` dict goes to ``<name>.safetensors``, anything else to ``<name>.pt``.
     An existing ``step_{step}`` is replaced. Leftovers of crashed saves are removed first.
     ``keep_last=N`` then deletes all but the N highest-step complete checkpoints (the one just
-    written is always kept).
+    written is always kept). ``staged``: a directory from :func:`stage_checkpoint` that other
+    files were written into; it is committed with them (every file in it is fsynced).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    _check_step(step)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     if not isinstance(state, dict) or not state:
@@ -130,13 +156,12 @@ def save_checkpoint(
                 "name) and not be 'meta'"
             )
     root = Path(checkpoints_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for entry in root.iterdir():
-        if entry.is_dir() and entry.name.startswith(_TEMP_PREFIXES):
-            shutil.rmtree(entry, ignore_errors=True)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; checkpoints are shared read-only
+    tmp = staged if staged is not None else stage_checkpoint(root, step)
+    if staged is not None:
+        if Path(staged).parent.resolve() != root.resolve() or not Path(staged).is_dir():
+            raise ValueError(f"staged={staged} is not a directory staged under {root}")
+        for path in sorted(Path(staged).rglob("*")):
+            _fsync_path(path)
     formats = {}
     for name, value in state.items():
         if _is_tensor_dict(value):

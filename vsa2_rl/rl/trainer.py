@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import ConfigError, RunConfig, to_yaml
 from vsa2_rl.eval.sweep import sweep_model
 from vsa2_rl.rewards import RewardMixer, RewardSkip
+from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import (
     GroupedPromptSampler,
     gather_group_rewards,
@@ -47,7 +47,6 @@ from vsa2_rl.runtime import (
     resolve_device,
     resolve_dtype,
     trainable_parameters,
-    trained_state,
 )
 from vsa2_rl.sampling import cfg_velocity, sample, sigma_schedule, step_log_prob
 
@@ -109,6 +108,7 @@ class _Setup:
 
         self.config = config
         self.accelerator = Accelerator(cpu=resolve_device(config.device).type == "cpu")
+        engines.check_options(self.accelerator, config)
         self.device = self.accelerator.device
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.prompts = load_prompts(config, "train")
@@ -128,7 +128,8 @@ class _Setup:
             self.rewards = RewardMixer.from_config(config.rewards)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        self.bundle = build_bundle(config, self.device, self.dtype)
+        with engines.whole_model_loading(self.accelerator):
+            self.bundle = build_bundle(config, self.device, self.dtype)
 
 
 def _reference_policy(bundle, acc, config: RunConfig):
@@ -161,7 +162,8 @@ def _reference_policy(bundle, acc, config: RunConfig):
 
 def _evaluate(setup: _Setup, sparsity: float, ema) -> dict:
     """ODE rewards on the fixed evaluation prompts at ``sparsity`` (EMA weights if kept), run on
-    the unwrapped model of this process (no collectives), as ``eval/*`` metrics."""
+    the unwrapped model of this process (no collectives but ZeRO-3's weight gathers), as
+    ``eval/*`` metrics."""
     config, bundle, acc = setup.config, setup.bundle, setup.accelerator
     live = bundle.transformer
     bundle.transformer = acc.unwrap_model(live)
@@ -193,7 +195,14 @@ def _evaluate(setup: _Setup, sparsity: float, ema) -> dict:
 
 def train(config: RunConfig) -> dict:
     """Runs GRPO fine-tuning; returns a summary (start/end rewards, out_dir)."""
-    from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint, save_checkpoint
+    from accelerate.utils import broadcast_object_list
+
+    from vsa2_rl.rl.checkpoint import (
+        find_latest,
+        load_checkpoint,
+        save_checkpoint,
+        stage_checkpoint,
+    )
     from vsa2_rl.rl.ema import EMA
     from vsa2_rl.rl.schedule import SparsitySchedule
 
@@ -219,6 +228,7 @@ def train(config: RunConfig) -> dict:
     latent_shape = bundle.latent_shape(
         config.model.num_frames, config.model.height, config.model.width
     )
+    engines.configure(acc, config)
     transformer, optimizer = acc.prepare(transformer, optimizer)
     bundle.transformer = transformer
     reference = _reference_policy(bundle, acc, config) if grpo.kl_beta > 0 else None
@@ -249,8 +259,16 @@ def train(config: RunConfig) -> dict:
         resume_from = config.train.resume
     if resume_from:
         restored = load_checkpoint(resume_from)
-        acc.unwrap_model(transformer).load_state_dict(restored["model"], strict=False)
-        optimizer.load_state_dict(restored["optimizer"])
+        if engines.uses_deepspeed(acc):  # weights and optimizer shards, DeepSpeed's own files
+            engines.load_engine_state(acc, resume_from)
+        elif "optimizer" not in restored:
+            raise ConfigError(
+                f"train.resume: {resume_from} was written by a DeepSpeed run (its optimizer "
+                "state is in DeepSpeed shards); resume it with the same DeepSpeed launcher"
+            )
+        else:
+            acc.unwrap_model(transformer).load_state_dict(restored["model"], strict=False)
+            optimizer.load_state_dict(restored["optimizer"])
         lr_schedule.load_state_dict(restored["lr_schedule"])
         if ema is not None:
             ema.load_state_dict(restored["ema"])
@@ -266,7 +284,10 @@ def train(config: RunConfig) -> dict:
     def velocity_fn(text_emb):
         return cfg_velocity(bundle.velocity, text_emb, uncond, samp.guidance_scale)
 
-    if config.eval.every and start_step == 0 and is_main:
+    # evaluation runs on the main process alone, except under ZeRO-3: there the forward gathers
+    # sharded weights, a collective every rank must join (the logger writes on the main only)
+    evaluates = is_main or engines.zero_stage(acc) >= 3
+    if config.eval.every and start_step == 0 and evaluates:
         logger.log(0, _evaluate(setup, schedule(0).eval, ema))
     acc.wait_for_everyone()
 
@@ -276,20 +297,30 @@ def train(config: RunConfig) -> dict:
         if not ((every and step % every == 0) or step == config.train.num_steps):
             return
         acc.wait_for_everyone()
+        weights = engines.model_state(acc, transformer, config)  # every rank: ZeRO-3 gathers
+        entries = {
+            "model": weights,
+            "lr_schedule": lr_schedule.state_dict(),
+            "ema": ema.state_dict() if ema is not None else {},
+            "schedule": schedule.state_dict(),
+            "step": step,
+        }
+        staged = None
+        if engines.uses_deepspeed(acc):
+            # every rank writes its optimizer (and, under ZeRO-3, weight) shards into the
+            # directory the main process staged, which then commits it
+            where = [stage_checkpoint(checkpoints, step) if is_main else None]
+            broadcast_object_list(where)
+            staged = where[0]
+            engines.save_engine_state(acc, staged)
+            acc.wait_for_everyone()
+        else:
+            entries["optimizer"] = optimizer.state_dict()
         if is_main:
             save_checkpoint(
-                checkpoints,
-                step,
-                {
-                    "model": trained_state(acc.unwrap_model(transformer), config),
-                    "optimizer": optimizer.state_dict(),
-                    "lr_schedule": lr_schedule.state_dict(),
-                    "ema": ema.state_dict() if ema is not None else {},
-                    "schedule": schedule.state_dict(),
-                    "step": step,
-                },
-                keep_last=config.train.keep_last,
+                checkpoints, step, entries, keep_last=config.train.keep_last, staged=staged
             )
+        acc.wait_for_everyone()
 
     steps = range(start_step + 1, config.train.num_steps + 1)
     bar = tqdm(steps, desc="GRPO", disable=not (is_main and config.logging.progress))
@@ -373,6 +404,8 @@ def train(config: RunConfig) -> dict:
             metrics[f"reward/{name}"] = values[torch.isfinite(values)].mean().item()
         metrics["train/zero_var_frac"] = acc.gather(zero_var.float()).mean().item()
         metrics["train/dropped_samples"] = int(acc.gather((~scored.valid).float().to(device)).sum())
+        # the advantages every rank trains on, gathered: equal for any number of ranks
+        metrics["train/advantage_abs_mean"] = acc.gather(advantages.abs()).mean().item()
         for chunk, part in zip(chunks, _chunks(len(prompts), grpo.train_batch_size), strict=True):
             chunk.advantages = advantages[part]
 
@@ -392,8 +425,7 @@ def train(config: RunConfig) -> dict:
             optimizer.zero_grad(set_to_none=True)
             for index, (chunk, j) in enumerate(work):
                 last = index == len(work) - 1
-                sync = contextlib.nullcontext() if last else acc.no_sync(transformer)
-                with sync:
+                with engines.accumulation_context(acc, transformer, last):
                     x, x_next = chunk.latents[j], chunk.latents[j + 1]
                     sigma = torch.full((x.shape[0],), float(sigmas[j]), device=device)
                     v = velocity_fn(chunk.text_emb)(x, sigma)
@@ -430,26 +462,29 @@ def train(config: RunConfig) -> dict:
                         )[1]
                         kl = gaussian_kl(mean, ref_mean, std).mean()
                     total = (loss + grpo.kl_beta * kl) / len(work)
-                    acc.backward(total)
+                    engines.backward(acc, total, last)
                 losses.append(loss.detach())
                 kls.append(kl.detach())
                 clip_fracs.append(stats["clip_frac"])
             if not work:
                 continue
-            max_norm = config.train.max_grad_norm or math.inf
-            grad_norm = acc.clip_grad_norm_(params, max_norm)
-            finite = torch.isfinite(torch.stack(losses).sum()) & torch.isfinite(grad_norm)
-            if bool(acc.gather(finite.float().reshape(1)).min() > 0):
-                optimizer.step()
+            stepped, grad_norm = engines.finish_update(
+                acc, optimizer, params, config.train.max_grad_norm, losses
+            )
+            if stepped:
                 if ema is not None:
                     ema.update()
             else:
                 skipped += 1  # a NaN/inf never reaches the weights
             optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(float(grad_norm))
+            grad_norms.append(grad_norm)
         lr_schedule.step()
         state.pop_density()
         metrics["perf/train_s"] = time.perf_counter() - t0
+        if device.type == "cuda":  # the largest per-GPU peak of the iteration over the ranks
+            peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+            metrics["perf/peak_mem_gib"] = acc.gather(peak).max().item()
+            torch.cuda.reset_peak_memory_stats(device)
         metrics["perf/videos_per_s"] = (
             len(prompts) * acc.num_processes / (metrics["perf/rollout_s"] + metrics["perf/train_s"])
         )
@@ -461,7 +496,7 @@ def train(config: RunConfig) -> dict:
         metrics["train/lr"] = lr_schedule.get_last_lr()[0]
         metrics["train/skipped_nonfinite"] = skipped
         last = step == config.train.num_steps
-        if config.eval.every and is_main and (step % config.eval.every == 0 or last):
+        if config.eval.every and evaluates and (step % config.eval.every == 0 or last):
             metrics.update(_evaluate(setup, sparsities.eval, ema))
         acc.wait_for_everyone()
         logger.log(step, metrics)

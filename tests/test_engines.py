@@ -1,0 +1,75 @@
+"""DeepSpeed-specific parts of the training loop that run without DeepSpeed: the config filled in
+before ``accelerator.prepare`` and the options refused under ZeRO-3 (vsa2_rl.rl.engines).
+
+The loop itself under DeepSpeed ZeRO-2/3 needs GPUs (benchmarks/BENCHMARKS.md, issue 8); these
+tests use a stand-in accelerator that carries only what the functions read.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from vsa2_rl.config import ConfigError, load_config
+from vsa2_rl.rl import engines
+
+
+def _accelerator(stage: int | None, ds_config: dict | None = None, precision: str = "bf16"):
+    plugin = None
+    if stage is not None:
+        plugin = SimpleNamespace(zero_stage=stage, deepspeed_config=ds_config or {})
+    state = SimpleNamespace(deepspeed_plugin=plugin)
+    return SimpleNamespace(state=state, mixed_precision=precision)
+
+
+def test_zero_stage_and_uses_deepspeed():
+    assert engines.zero_stage(_accelerator(None)) == 0
+    assert not engines.uses_deepspeed(_accelerator(None))
+    assert engines.zero_stage(_accelerator(3)) == 3 and engines.uses_deepspeed(_accelerator(2))
+
+
+def test_configure_fills_micro_batch_clipping_and_overflow_check():
+    config = load_config(overrides=["train.max_grad_norm=0.5", "grpo.train_batch_size=2"])
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0}
+    engines.configure(_accelerator(2, ds), config)
+    assert ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_clipping"] == 0.5  # train.max_grad_norm is the one key that sets it
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
+    # DeepSpeed itself accepts the section (its config models forbid unknown keys)
+    precision_config = pytest.importorskip("deepspeed.runtime.precision_config")
+    assert precision_config.DeepSpeedBF16Config(**ds["bf16"]).check_grad_overflow
+    # an explicit micro-batch size in the DeepSpeed file is kept
+    ds = {"train_micro_batch_size_per_gpu": 4}
+    engines.configure(_accelerator(3, ds, precision="no"), config)
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and "bf16" not in ds
+    engines.configure(_accelerator(None), config)  # without DeepSpeed: nothing to do
+
+
+def test_zero3_refuses_sharded_ema_and_full_finetune_kl_reference():
+    fine = load_config(overrides=["train.ema_decay=0", "grpo.kl_beta=0"])
+    engines.check_options(_accelerator(3), fine)
+    with pytest.raises(ConfigError, match=r"train\.ema_decay"):
+        engines.check_options(_accelerator(3), load_config(overrides=["train.ema_decay=0.99"]))
+    kl = load_config(overrides=["train.ema_decay=0", "grpo.kl_beta=0.01"])
+    with pytest.raises(ConfigError, match=r"grpo\.kl_beta"):
+        engines.check_options(_accelerator(3), kl)
+    # ZeRO-2 keeps whole parameters on every rank: both are fine there
+    engines.check_options(_accelerator(2), load_config(overrides=["train.ema_decay=0.99"]))
+    engines.check_options(_accelerator(2), kl)
+
+
+def test_whole_model_loading_suspends_transformers_zero3_sharding():
+    """Under ZeRO-3, transformers would shard the frozen text encoder at from_pretrained."""
+    pytest.importorskip("deepspeed")
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    plugin = DeepSpeedPlugin(zero_stage=3)
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+    plugin.set_deepspeed_weakref()
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with engines.whole_model_loading(acc):
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()  # restored for accelerate.prepare
+    finally:
+        unset_hf_deepspeed_config()

@@ -1,0 +1,159 @@
+"""What the training loop does differently under DeepSpeed ZeRO than under DDP / one process.
+
+accelerate hides most of the difference; what it leaves to the loop is gathered here:
+
+* the update: with DDP the loop accumulates gradients over (chunk, timestep) pairs under
+  ``no_sync``, clips, checks that loss and gradient norm are finite on every rank and only then
+  steps. Under DeepSpeed the engine owns accumulation, clipping and the step: the loop marks the
+  last backward of an update as the accumulation boundary, the engine steps inside it, and the
+  bf16 overflow check (``bf16.check_grad_overflow``, switched on here) makes the engine skip the
+  step and clear the gradients when any rank's gradient is not finite, so a NaN never reaches
+  the weights there either;
+* the DeepSpeed config entries a run needs without a dataloader (micro-batch size) and the
+  clipping threshold, taken from ``train.max_grad_norm`` so that one key sets it;
+* states: under ZeRO-3 parameters are sharded, so weights are gathered for checkpoints, and the
+  optimizer state of every rank is saved and restored with DeepSpeed's own checkpoint files
+  (``accelerate``'s ``save_state`` / ``load_state``) inside the atomic checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+
+from vsa2_rl.config import ConfigError, RunConfig
+from vsa2_rl.runtime import trained_state
+
+ENGINE_DIR = "deepspeed"  # DeepSpeed's own files inside a checkpoint directory
+
+
+def zero_stage(acc) -> int:
+    """The DeepSpeed ZeRO stage of this run, 0 when DeepSpeed is not used."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    return int(plugin.zero_stage) if plugin is not None else 0
+
+
+def uses_deepspeed(acc) -> bool:
+    return getattr(acc.state, "deepspeed_plugin", None) is not None
+
+
+def check_options(acc, config: RunConfig) -> None:
+    """Options that cannot work with sharded parameters, refused before any work."""
+    if zero_stage(acc) < 3:
+        return
+    if config.train.ema_decay > 0:
+        raise ConfigError(
+            "train.ema_decay: an EMA of ZeRO-3-sharded parameters is not supported; set "
+            "train.ema_decay=0 or use configs/accelerate/zero2.yaml"
+        )
+    if config.grpo.kl_beta > 0 and not config.model.lora.enabled:
+        raise ConfigError(
+            "grpo.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
+            "which ZeRO-3 cannot make from sharded parameters; set grpo.kl_beta=0, enable "
+            "model.lora (the reference is then the model with adapters off) or use zero2.yaml"
+        )
+
+
+@contextlib.contextmanager
+def whole_model_loading(acc):
+    """Load models whole, even under ZeRO-3.
+
+    With ZeRO-3 on, accelerate registers its DeepSpeed config with transformers, whose
+    ``from_pretrained`` then shards every model it loads (``deepspeed.zero.Init``), including
+    the frozen text encoder that each rank runs on its own. Inside this context models load
+    whole; the DiT is sharded later by ``accelerator.prepare``.
+    """
+    if zero_stage(acc) < 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        acc.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def configure(acc, config: RunConfig) -> None:
+    """Fill the DeepSpeed config before ``accelerator.prepare`` (no-op without DeepSpeed)."""
+    if not uses_deepspeed(acc):
+        return
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    # the loop feeds one chunk per backward and no dataloader tells accelerate the batch size
+    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds["train_micro_batch_size_per_gpu"] = config.grpo.train_batch_size
+    ds["gradient_clipping"] = float(config.train.max_grad_norm or 0.0)
+    if acc.mixed_precision == "bf16":
+        bf16 = ds.setdefault("bf16", {})
+        bf16["enabled"] = True
+        bf16["check_grad_overflow"] = True  # skip the step on a non-finite gradient, as DDP does
+
+
+def accumulation_context(acc, model, last: bool):
+    """DDP: no gradient all-reduce until the last backward of an update. DeepSpeed: none (the
+    engine reduces as it needs)."""
+    if last or uses_deepspeed(acc):
+        return contextlib.nullcontext()
+    return acc.no_sync(model)
+
+
+def backward(acc, loss: torch.Tensor, last: bool) -> None:
+    """One accumulated backward; under DeepSpeed the last one of an update also steps."""
+    if uses_deepspeed(acc):
+        acc.deepspeed_engine_wrapped.backward(loss, sync_gradients=last)
+    else:
+        acc.backward(loss)
+
+
+def finish_update(acc, optimizer, params, max_grad_norm: float, losses) -> tuple[bool, float]:
+    """Apply the accumulated gradients unless something is not finite on some rank.
+
+    Returns ``(stepped, grad_norm)``; ``grad_norm`` is the pre-clipping global norm (nan when
+    DeepSpeed skipped the step before computing it).
+    """
+    if uses_deepspeed(acc):
+        # the engine already stepped (or skipped) inside the boundary backward
+        norm = acc.deepspeed_engine_wrapped.get_global_grad_norm()
+        skipped = bool(getattr(optimizer, "step_was_skipped", False))
+        return not skipped, float(norm) if norm is not None else math.nan
+    grad_norm = acc.clip_grad_norm_(params, max_grad_norm or math.inf)
+    finite = torch.isfinite(torch.stack(losses).sum()) & torch.isfinite(grad_norm)
+    stepped = bool(acc.gather(finite.float().reshape(1)).min() > 0)
+    if stepped:
+        optimizer.step()
+    return stepped, float(grad_norm)
+
+
+def model_state(acc, model, config: RunConfig) -> dict:
+    """The checkpointed weights (see ``runtime.trained_state``); a collective under ZeRO-3,
+    where every rank must call it and only the main process gets the weights."""
+    if zero_stage(acc) < 3:
+        return trained_state(acc.unwrap_model(model), config)
+    full = acc.get_state_dict(model)  # gathers the 16-bit weights onto the main process
+    if not acc.is_main_process:
+        return {}
+    if not config.model.lora.enabled:
+        return full
+    names = {n for n, p in acc.unwrap_model(model).named_parameters() if p.requires_grad}
+    return {k: v for k, v in full.items() if k in names}
+
+
+def save_engine_state(acc, staged: Path) -> None:
+    """Every rank writes DeepSpeed's model/optimizer shards into a checkpoint being staged."""
+    acc.save_state(str(staged / ENGINE_DIR))
+
+
+def load_engine_state(acc, checkpoint: Path) -> None:
+    """Restore what :func:`save_engine_state` wrote (same number of ranks)."""
+    engine_dir = Path(checkpoint) / ENGINE_DIR
+    if not engine_dir.is_dir():
+        raise ConfigError(
+            f"train.resume: {checkpoint} has no {ENGINE_DIR}/ folder: it was not written by a "
+            "DeepSpeed run, so its optimizer state cannot be loaded into one; resume it with "
+            "the launcher that wrote it"
+        )
+    acc.load_state(str(engine_dir))
