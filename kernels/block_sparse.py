@@ -212,6 +212,19 @@ def _bsa_fwd_kernel(
 # -- backward, query-major pass: dQ, d(bias), delta -----------------------------------------------
 
 
+@triton.jit
+def _store_pair_sums(p_out, i_s, n_sel, b_x, G: tl.constexpr, KV_BLOCK: tl.constexpr):
+    """Store the sums of ``b_x`` [Q_TILE, BLOCK_N] over each gathered pair's block (the tile's
+    rows x the segment's keys) at slots ``i_s .. i_s + G`` of the row's list."""
+    if G == 1:
+        # row sums first: in-warp reductions, then one across the rows
+        tl.store(p_out + i_s, tl.sum(tl.sum(b_x, 1), 0).to(p_out.dtype.element_ty))
+    else:
+        o_gs = tl.arange(0, G)
+        b_sum = tl.sum(tl.reshape(tl.sum(b_x, 0), [G, KV_BLOCK]), 1)
+        tl.store(p_out + i_s + o_gs, b_sum.to(p_out.dtype.element_ty), mask=(i_s + o_gs) < n_sel)
+
+
 @triton.autotune(
     configs=_fwd_configs(),
     key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
@@ -229,6 +242,7 @@ def _bsa_bwd_dq_kernel(
     DELTA,
     DQ,
     DBIAS,
+    MASS,
     KV_IDX,
     KV_CNT,
     BIAS,
@@ -274,7 +288,6 @@ def _bsa_bwd_dq_kernel(
     o_n = tl.arange(0, BLOCK_N)
     o_g = o_n // KV_BLOCK
     o_w = o_n % KV_BLOCK
-    o_gs = tl.arange(0, G)
     o_tok_q = i_t.to(tl.int64) * Q_TILE + o_m
 
     # [Q_TILE, HEAD_DIM]
@@ -296,6 +309,7 @@ def _bsa_bwd_dq_kernel(
     p_idx = KV_IDX + i_row * KMAX
     p_bias = BIAS + i_row * KMAX
     p_dbias = DBIAS + i_row * KMAX
+    p_mass = MASS + i_row * KMAX
     n_sel = tl.load(KV_CNT + i_row)
     bias_to_dot = 1.4426950408889634 / qk_scale
 
@@ -324,18 +338,10 @@ def _bsa_bwd_dq_kernel(
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
         if HAS_BIAS:
-            # d(bias) of a pair: dS summed over the tile's rows and the segment's keys
-            if G == 1:
-                # row sums first: in-warp reductions, then one across the rows
-                tl.store(p_dbias + i_s, tl.sum(tl.sum(b_ds, 1), 0).to(DBIAS.dtype.element_ty))
-            else:
-                # [G]
-                b_db = tl.sum(tl.reshape(tl.sum(b_ds, 0), [G, KV_BLOCK]), 1)
-                tl.store(
-                    p_dbias + i_s + o_gs,
-                    b_db.to(DBIAS.dtype.element_ty),
-                    mask=(i_s + o_gs) < n_sel,
-                )
+            # d(bias) of a pair: dS summed over the tile's rows and the segment's keys; and the
+            # pair's probability mass, which bsa_backward uses to restore the softmax identity
+            _store_pair_sums(p_dbias, i_s, n_sel, b_ds, G, KV_BLOCK)
+            _store_pair_sums(p_mass, i_s, n_sel, b_p, G, KV_BLOCK)
 
     p_dq = DQ + i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_q[:, None] * HEAD_DIM + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty))
@@ -582,6 +588,36 @@ def build_kv_major_index(
     return offsets, b_order.to(torch.int32)
 
 
+def _restore_softmax_identity(
+    dbias: torch.Tensor,
+    mass: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q_tile: int,
+) -> torch.Tensor:
+    """Make each query tile's d(bias) sum to what the softmax gradient makes it sum to.
+
+    For every query row, sum_j dS_ij = dLSE_i exactly (sum_j P_ij = 1), so the d(bias) of a
+    tile's pairs add up to the tile's sum of dLSE. With 16-bit inputs the kernel's delta comes
+    from the rounded output O and the rounded P of the forward's PV product, which breaks this
+    by ~1% of |d(bias)| per tile. Harmless for dQ / dK, but d(alpha) = sum d(bias) * log p
+    multiplies the broken sum by the mean log-probability (about -ln(NSEG)), which swamped it
+    (0.73 relative RMS off the float32 path at bf16 on an H200). The excess is taken back from
+    the tile's pairs in proportion to their probability mass, which is how it arose if the
+    per-row error is even across the tile's rows. Float32 inputs change in the last bits only.
+    """
+    B, H, NQ, _ = dbias.shape
+    target = torch.zeros((B, H, NQ), device=dbias.device)
+    if dlse is not None:
+        # rows that saw no valid key have lse = -inf and no d(bias) of their own
+        valid = torch.where(torch.isfinite(lse), dlse.float(), 0.0)
+        target = valid.view(B, H, NQ, q_tile).sum(-1)
+    excess = dbias.float().sum(-1) - target
+    total = mass.sum(-1, keepdim=True)
+    share = torch.where(total > 0, mass / total.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return (dbias.float() - excess[..., None] * share).to(dbias.dtype)
+
+
 def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, device=device, dtype=dtype)
 
@@ -657,10 +693,11 @@ def bsa_backward(
     delta = torch.empty((B, H, S), device=device, dtype=torch.float32)
     # slots past a row's count are never visited by the kernel and keep their zero gradient
     dbias = torch.zeros_like(bias) if has_bias else _dummy(device, torch.float32)
+    mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
     prec = _dot_precision(q.dtype)
 
     _bsa_bwd_dq_kernel[(NQ, B * H)](
-        q, k, v, out, dout, lse, dlse_arg, delta, dq, dbias,
+        q, k, v, out, dout, lse, dlse_arg, delta, dq, dbias, mass,
         kv_indices, kv_counts, bias, lens,
         *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out), *_bhs_strides(dout),
         scale * LOG2E, scale,
@@ -670,6 +707,8 @@ def bsa_backward(
         DOT_PREC=prec,
     )  # fmt: skip
 
+    if has_bias:
+        dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)
     offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
     _bsa_bwd_dkv_kernel[(NSEG, B * H)](
         q, k, v, dout, lse, delta, dk, dv,

@@ -430,3 +430,32 @@ def test_gpu_cuda_graph_capture_has_no_host_sync():
     eager = step()
     for a, b in zip(captured, eager, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_block", [16, 64])
+def test_bias_gradient_keeps_the_softmax_identity_of_each_query_tile(kv_block):
+    """For every query row sum_j dS_ij = dLSE_i (the row's probabilities sum to 1), so a tile's
+    d(bias) adds up to the sum of its rows' dLSE. 16-bit rounding of O breaks that by ~1e-3 of
+    |d(bias)| per tile unless the backward restores it, and d(alpha) = sum d(bias) * log p
+    multiplies the broken sum by the mean log-probability."""
+    from vsa2_rl.kernels import block_sparse_attention
+
+    B, H, S, D, q_tile = 2, 2, 256, 32, 64
+    NQ, NSEG = S // q_tile, S // kv_block
+    KMAX = NSEG // 2
+    q, k, v = (3 * torch.randn(B, H, S, D) for _ in range(3))
+    q, k, v = (x.half() for x in (q, k, v))
+    ids, counts = make_selection(B, H, NQ, NSEG, KMAX)
+    bias = torch.randn(B, H, NQ, KMAX, requires_grad=True)
+    lens = torch.randint(1, kv_block + 1, (NSEG,), dtype=torch.int32)
+    out, lse = block_sparse_attention(
+        q, k, v, ids, counts, bias, kv_block=kv_block, kv_lengths=lens, backend="triton"
+    )
+    g_out, g_lse = torch.randn(out.shape), torch.randn(lse.shape)
+    finite = torch.isfinite(lse)
+    loss = (out.float() * g_out).sum() + torch.where(finite, lse * g_lse, 0.0).sum()
+    (dbias,) = torch.autograd.grad(loss, [bias])
+    tile_sums = torch.where(finite, g_lse, 0.0).view(B, H, NQ, q_tile).sum(-1)
+    torch.testing.assert_close(
+        dbias.sum(-1), tile_sums, rtol=0, atol=1e-5 * float(dbias.abs().max())
+    )
