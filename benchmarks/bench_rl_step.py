@@ -27,7 +27,7 @@ from vsa2_rl.rl.grpo import group_advantages, grpo_loss
 from vsa2_rl.sampling import sample, sigma_schedule, step_log_prob
 
 
-def _model(sparsity: float | None):
+def _model(sparsity: float | None, compile_blocks: bool = False):
     from diffusers import WanTransformer3DModel
 
     from vsa2_rl.attention import SparsityState
@@ -40,6 +40,8 @@ def _model(sparsity: float | None):
     if sparsity is not None:
         state = SparsityState(sparsity=sparsity)
         enable_vsa2(model, VSA2Config(kv_block=64, mode="topk", backend="triton"), state)
+    if compile_blocks:  # as model.compile_blocks=true in the trainer; the warm-up compiles
+        model.compile_repeated_blocks()
     return model, lambda x, s, e: wan_velocity(model, x, s, e)
 
 
@@ -100,12 +102,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="denoising steps per rollout")
     parser.add_argument("--train-steps", type=int, default=5, help="trained steps per video")
     parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
     parser.add_argument("--out", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
     rows = []
     for label, sparsity in (("dense cuDNN", None), (f"VSA2 {args.sparsity} kv64", args.sparsity)):
-        model, velocity = _model(sparsity)
+        model, velocity = _model(sparsity, args.compile)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
             iteration(model, velocity, argparse.Namespace(**{**vars(args), "samples": 1}))
             torch.cuda.reset_peak_memory_stats()
@@ -121,7 +124,8 @@ def main() -> None:
     lines = [
         f"RL iteration, Wan-1.3B shape, {args.resolution}, {args.samples} videos x "
         f"{args.steps} SDE steps, {args.train_steps} trained steps per video, full fine-tuning "
-        f"(AdamW, gradient checkpointing), bf16, {torch.cuda.get_device_name()}, "
+        f"(AdamW, gradient checkpointing{', compiled blocks' if args.compile else ''}), bf16, "
+        f"{torch.cuda.get_device_name()}, "
         f"{datetime.date.today()}",
         "",
         "| attention | rollout s | train s | iteration s | x dense | peak GiB |",

@@ -2,7 +2,8 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks, logs under $OUT.
 # Packages missing on that image travel as wheels in .whl/ (omegaconf, diffusers, peft and this
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
-#   bash benchmarks/gpu_session.sh [tests] [attention] [rl] [e2e] [ddp] [ab] [wan] [gpu1] [engines] [resume]
+#   bash benchmarks/gpu_session.sh [tests] [attention] [rl] [e2e] [compiled] [ddp] [ab] [wan] [gpu1]
+#     [engines] [resume]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -34,6 +35,11 @@ for part in "${parts[@]}"; do
       timeout 80 python3 benchmarks/bench_e2e.py --grids 720p --compile off --forward-only --reps 2 \
         --warmup 1 --only "VSA2 0.95 kv64" \
         --out "$OUT/e2e.md" 2>&1 | tail -20 ;;
+    compiled)  # issues 4 and 6 with torch.compile of the blocks: 720p forward, RL iteration
+      timeout 240 python3 benchmarks/bench_e2e.py --grids 720p --compile on --forward-only \
+        --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8
+      timeout 300 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --compile \
+        --out "$OUT/rl_step_compiled.md" 2>&1 | tail -8 ;;
     ddp)  # the trainer on 2 GPUs (DDP, NCCL) vs 1 GPU, same global batch and seeds (toy model)
       toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy train.num_steps=3
         grpo.prompts_per_step=2 grpo.group_size=4 sampler.num_steps=8 train.checkpoint_every=0

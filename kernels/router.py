@@ -69,7 +69,10 @@ class _TopLogProbs(torch.autograd.Function):
         # whose accumulator starts at (mask - lse), then stays in that one buffer (in place)
         probs = _scores_plus(mask_bias - lse, q_pooled, k_seg_pooled, ctx.scale).exp_()
         grad_scores = probs.mul_(-grad_top.sum(dim=-1, keepdim=True).to(lse.dtype))
-        grad_scores.scatter_add_(-1, top_idx, grad_top.to(lse.dtype))
+        # the ids of a row are distinct, so a gather + scatter adds without the atomics that
+        # make scatter_add_ non-deterministic on the GPU
+        picked = grad_scores.gather(-1, top_idx) + grad_top.to(lse.dtype)
+        grad_scores.scatter_(-1, top_idx, picked)
         # the score scale is applied to the small [.., D] results, not to grad_scores
         grad_q = (grad_scores @ k_seg_pooled.to(lse.dtype)).mul_(ctx.scale)
         grad_k = (grad_scores.transpose(-1, -2) @ q_pooled.to(lse.dtype)).mul_(ctx.scale)

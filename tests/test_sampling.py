@@ -234,3 +234,13 @@ def test_sampler_rejects_bad_arguments():
         sample(fn, noise, sigma_schedule(4), sde_window=(3, 9))
     with pytest.raises(ValueError, match="decreasing"):
         sample(fn, noise, torch.tensor([1.0, 0.5, 0.6, 0.0]))
+
+
+def test_seeded_noise_draws_each_sample_from_its_own_seed():
+    from vsa2_rl.sampling import seeded_noise
+
+    batch = seeded_noise((2, 3), [7, 11, 7])
+    assert batch.shape == (3, 2, 3)
+    assert torch.equal(batch[0], torch.randn(2, 3, generator=torch.Generator().manual_seed(7)))
+    # a sample's noise does not depend on the batch it is drawn in (or on the rank drawing it)
+    assert torch.equal(batch[1], seeded_noise((2, 3), [11])[0]) and torch.equal(batch[0], batch[2])

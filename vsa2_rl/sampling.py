@@ -78,6 +78,17 @@ class Trajectory(NamedTuple):
     sigmas: Tensor  # [N + 1] float32, the schedule used
 
 
+def seeded_noise(shape: tuple[int, ...], seeds: list[int]) -> Tensor:
+    """Initial latents ``[len(seeds), *shape]``, sample i drawn on the CPU from its own seed.
+
+    One generator per sample makes a sample's noise independent of the batch it is drawn in and
+    of the number of ranks that share the batch (and of the device it then moves to).
+    """
+    return torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+    )
+
+
 def sigma_schedule(num_steps: int, shift: float = 1.0) -> Tensor:
     """Shifted flow-matching sigmas, ``[num_steps + 1]`` float32 from 1 down to 0.
 

@@ -103,6 +103,18 @@ class VSA2Attention(nn.Module):
             return x.reshape(batch, layout.padded_len, heads, head_dim).transpose(1, 2)
 
         q, k, v = (heads_first(layout.tile(x)) for x in (query, key, value))  # (B, H, S, D)
+        out = self._sparse_attention(
+            q, k, v, heads_first(gate_coarse).to(q.dtype), heads_first(gate_fine).to(q.dtype),
+            layout,
+        )  # fmt: skip
+        return layout.untile(out.transpose(1, 2)).to(query.dtype)  # (B, N, H, D)
+
+    # Run eagerly inside compiled blocks (a graph break; the kernels are opaque custom ops
+    # anyway): the sparsity is a Python float that the router turns into an output shape, and
+    # once it changes (rollout vs eval, a warm-up) torch.compile would make it symbolic, which
+    # the shape arithmetic cannot take. The density bookkeeping stays out of the graph too.
+    @torch.compiler.disable
+    def _sparse_attention(self, q, k, v, gate_coarse, gate_fine, layout) -> torch.Tensor:
         tile_lengths, seg_lengths = layout.lengths(self.config.kv_block, q.device)
         out, stats = kernels.vsa2_attention(
             q,
@@ -112,14 +124,14 @@ class VSA2Attention(nn.Module):
             seg_lengths=seg_lengths,
             sparsity=self.state.sparsity,
             alpha=self.alpha,
-            gate_coarse=heads_first(gate_coarse).to(q.dtype),
-            gate_fine=heads_first(gate_fine).to(q.dtype),
+            gate_coarse=gate_coarse,
+            gate_fine=gate_fine,
             config=self.config,
             # Known on the host from the layout: saves the kernel a host sync per layer.
             num_valid_segments=-(-layout.num_tokens // self.config.kv_block),
         )
         self.state.record_density(stats.density)
-        return layout.untile(out.transpose(1, 2)).to(query.dtype)  # (B, N, H, D)
+        return out
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, kv_block={self.config.kv_block}"

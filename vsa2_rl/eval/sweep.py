@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import ConfigError, RunConfig, load_config
 from vsa2_rl.eval.media import save_video_grid
 from vsa2_rl.runtime import load_model, load_prompts, resolve_device, resolve_dtype
-from vsa2_rl.sampling import cfg_velocity, sample, sigma_schedule
+from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule
 
 
 @dataclass
@@ -102,12 +102,7 @@ def sweep_model(
     """ODE-samples ``prompts`` at each sparsity; returns the rows and a few videos per sparsity."""
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
-    noise = torch.stack(
-        [
-            torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed + i))
-            for i in range(len(prompts))
-        ]
-    )
+    noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
     sigmas = sigma_schedule(num_steps, shift)
     device = next(bundle.transformer.parameters()).device
     uncond = bundle.encode_prompts([""]) if guidance_scale > 1 else None

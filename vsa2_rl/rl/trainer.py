@@ -48,7 +48,7 @@ from vsa2_rl.runtime import (
     resolve_dtype,
     trainable_parameters,
 )
-from vsa2_rl.sampling import cfg_velocity, sample, sigma_schedule, step_log_prob
+from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule, step_log_prob
 
 
 @dataclass
@@ -64,15 +64,6 @@ class Rollout:
 def _sample_seed(seed: int, step: int, index: int) -> int:
     """A seed per (run seed, step, global sample index): independent of rank count and resume."""
     return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
-
-
-def _initial_noise(shape, seed: int, step: int, indices: list[int]) -> torch.Tensor:
-    return torch.stack(
-        [
-            torch.randn(shape, generator=torch.Generator().manual_seed(_sample_seed(seed, step, i)))
-            for i in indices
-        ]
-    )
 
 
 def _advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tuple:
@@ -216,6 +207,8 @@ def train(config: RunConfig) -> dict:
     if config.model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer, config)
+    if config.model.compile_blocks:  # after LoRA adapters are in place; compiles on first use
+        transformer.compile_repeated_blocks()
 
     optimizer = torch.optim.AdamW(
         params, lr=config.train.learning_rate, weight_decay=config.train.weight_decay
@@ -339,7 +332,9 @@ def train(config: RunConfig) -> dict:
         global_index = [
             acc.process_index * sampler.samples_per_rank + i for i in range(len(prompts))
         ]
-        noise = _initial_noise(latent_shape, config.seed, step, global_index).to(device)
+        noise = seeded_noise(
+            latent_shape, [_sample_seed(config.seed, step, i) for i in global_index]
+        ).to(device)
         generators = [  # per-sample SDE noise: the same whatever the number of ranks
             torch.Generator(device=device).manual_seed(_sample_seed(config.seed + 1, step, i))
             for i in global_index
