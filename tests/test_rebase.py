@@ -6,24 +6,12 @@ import math
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from test_models import TINY_WAN  # the tests folder is on sys.path under pytest
 
 from vsa2_rl.attention import SparsityState
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.wan import vsa2_parameters
-
-TINY_WAN = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
-    "attention_head_dim": 32,
-    "in_channels": 4,
-    "out_channels": 4,
-    "text_dim": 16,
-    "freq_dim": 32,
-    "ffn_dim": 64,
-    "num_layers": 2,
-    "rope_max_seq_len": 32,
-}
 
 
 def _forward(model, inputs):
