@@ -1,6 +1,11 @@
-"""Multi-process training through ``accelerate launch`` (2 CPU processes, gloo): a prompt's K
-samples are split across ranks, advantages come from the gathered group, and the logged numbers
-equal a 1-process run with the same global batch and seeds."""
+"""Multi-process training on 2 CPU processes (gloo): a prompt's K samples are split across
+ranks, advantages come from the gathered group, and the logged numbers equal a 1-process run
+with the same global batch and seeds.
+
+The processes are started by ``torch.distributed.run`` (torchrun), whose environment the
+trainer's ``Accelerator`` picks up. ``accelerate launch`` starts several CPU processes only
+through mpirun; without it, it silently runs one (a multi-CPU config file gave 1 process).
+"""
 
 import json
 import os
@@ -29,14 +34,17 @@ TINY = [
 ]
 
 
-def _run(command, out_dir):
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def _run(command, out_dir, *overrides):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [*command, *TINY, f"out_dir={out_dir}"],
+        [*command, *TINY, f"out_dir={out_dir}", *overrides],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=240,
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -45,19 +53,39 @@ def _run(command, out_dir):
 
 
 def test_two_processes_match_one_process(tmp_path):
-    accelerate = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        os.path.join(REPO, "configs", "accelerate", "cpu_2proc.yaml"),
-        "train_rl.py",
-    ]
     # one prompt, 4 samples: each rank holds 2 samples of the same group
-    two = _run(accelerate, tmp_path / "two")
+    two = _run([*TORCHRUN, "train_rl.py"], tmp_path / "two")
     one = _run([sys.executable, "train_rl.py"], tmp_path / "one")
     assert [r["step"] for r in two] == [1, 2]
     for a, b in zip(one, two, strict=True):
         for key in ("reward/mean", "reward/std", "loss/policy", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (a["step"], key)
         assert b["train/ratio_dev_first"] < 1e-3
+
+
+def constant_on_rank0(videos, prompts, metadata):
+    """Test reward: a constant on rank 0 (its groups have zero variance, so it has nothing to
+    train) and the mean brightness elsewhere."""
+    import torch
+
+    if os.environ.get("WORLD_SIZE") == "2" and os.environ.get("RANK") == "0":  # torchrun sets both
+        return torch.full((videos.shape[0],), 0.5)
+    return videos.float().mean(dim=(1, 2, 3, 4))
+
+
+def test_a_rank_without_trainable_samples_keeps_step_with_the_others(tmp_path):
+    """Every rank must run the same number of backward passes (DDP all-reduces, DeepSpeed
+    reduce-scatters per backward) even when all of one rank's groups have zero variance."""
+    rows = _run(
+        [*TORCHRUN, "train_rl.py"],
+        tmp_path / "two",
+        # 2 prompts x 2 samples: each rank holds one whole group
+        "grpo.prompts_per_step=2",
+        "grpo.group_size=2",
+        "grpo.train_batch_size=1",
+        "rewards.functions=[{name: 'tests.test_distributed:constant_on_rank0'}]",
+    )
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["train/zero_var_frac"] == 0.5  # rank 0's group
+        assert row["train/grad_norm"] > 0 and row["train/skipped_nonfinite"] == 0

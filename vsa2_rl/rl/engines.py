@@ -121,7 +121,8 @@ def finish_update(acc, optimizer, params, max_grad_norm: float, losses) -> tuple
         skipped = bool(getattr(optimizer, "step_was_skipped", False))
         return not skipped, float(norm) if norm is not None else math.nan
     grad_norm = acc.clip_grad_norm_(params, max_grad_norm or math.inf)
-    finite = torch.isfinite(torch.stack(losses).sum()) & torch.isfinite(grad_norm)
+    loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=grad_norm.device)
+    finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
     stepped = bool(acc.gather(finite.float().reshape(1)).min() > 0)
     if stepped:
         optimizer.step()

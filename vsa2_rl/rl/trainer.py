@@ -87,6 +87,51 @@ def _advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tup
     return advantages, zero_var, gathered.all_rewards
 
 
+def _update_plan(acc, chunks: list, timesteps: list[int]) -> tuple[list, float]:
+    """The (chunk, timestep, counted) backward passes of one update and the loss scale.
+
+    Only samples with a non-zero advantage count (a zero-variance group teaches nothing). Every
+    rank must run the same number of backward passes, though: DDP all-reduces in the last one
+    and DeepSpeed reduces in each, so with several processes the other chunks also run, with
+    weight 0, instead of being skipped. The scale ``num_processes / counted passes of all
+    ranks`` makes the rank-averaged gradient the mean over every counted pass, as in a
+    1-process run of the same global batch. Empty when no rank counts a pass.
+    """
+    counted = [bool(chunk.advantages.abs().sum() > 0) for chunk in chunks]
+    local = torch.tensor([float(sum(counted) * len(timesteps))], device=acc.device)
+    total = float(acc.reduce(local, reduction="sum").item())
+    if total == 0:
+        return [], 0.0
+    keep_all = acc.num_processes > 1
+    work = [
+        (chunk, j, flag)
+        for chunk, flag in zip(chunks, counted, strict=True)
+        for j in timesteps
+        if flag or keep_all
+    ]
+    return work, acc.num_processes / total
+
+
+def _update_metrics(acc, device, losses, kls, clip_fracs, ratio_dev_first) -> dict:
+    """Loss statistics over the counted passes of every rank (the main process logs them)."""
+    sums = torch.stack(
+        [
+            torch.stack(values).float().sum() if values else torch.zeros((), device=device)
+            for values in (losses, kls, clip_fracs)
+        ]
+        + [torch.tensor(float(len(losses)), device=device)]
+    ).to(device)
+    sums = acc.reduce(sums, reduction="sum")
+    ratio = acc.gather(torch.tensor([ratio_dev_first or 0.0], device=device))
+    count = max(float(sums[3]), 1.0)
+    return {
+        "loss/policy": float(sums[0]) / count,
+        "loss/kl": float(sums[1]) / count,
+        "train/clip_frac": float(sums[2]) / count,
+        "train/ratio_dev_first": float(ratio.max()),
+    }
+
+
 def _chunks(n: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
@@ -416,9 +461,11 @@ def train(config: RunConfig) -> dict:
         for _epoch in range(grpo.num_inner_epochs):
             order = torch.randperm(len(trainable_steps), generator=step_gen)[:num_train]
             timesteps = sorted(trainable_steps[i] for i in order.tolist())
-            work = [(c, j) for c in chunks for j in timesteps if c.advantages.abs().sum() > 0]
+            work, scale = _update_plan(acc, chunks, timesteps)
+            if not work:
+                continue  # no rank has a sample with a non-zero advantage
             optimizer.zero_grad(set_to_none=True)
-            for index, (chunk, j) in enumerate(work):
+            for index, (chunk, j, counted) in enumerate(work):
                 last = index == len(work) - 1
                 with engines.accumulation_context(acc, transformer, last):
                     x, x_next = chunk.latents[j], chunk.latents[j + 1]
@@ -440,7 +487,7 @@ def train(config: RunConfig) -> dict:
                         clip_range=grpo.clip_range,
                         loss_type=grpo.loss_type,
                     )
-                    if ratio_dev_first is None:
+                    if ratio_dev_first is None and counted:
                         ratio_dev_first = stats["ratio_max_dev"].item()
                     kl = torch.zeros((), device=device)
                     if reference is not None:
@@ -456,13 +503,12 @@ def train(config: RunConfig) -> dict:
                             samp.noise_level,
                         )[1]
                         kl = gaussian_kl(mean, ref_mean, std).mean()
-                    total = (loss + grpo.kl_beta * kl) / len(work)
+                    total = (loss + grpo.kl_beta * kl) * (scale if counted else 0.0)
                     engines.backward(acc, total, last)
-                losses.append(loss.detach())
-                kls.append(kl.detach())
-                clip_fracs.append(stats["clip_frac"])
-            if not work:
-                continue
+                if counted:
+                    losses.append(loss.detach())
+                    kls.append(kl.detach())
+                    clip_fracs.append(stats["clip_frac"])
             stepped, grad_norm = engines.finish_update(
                 acc, optimizer, params, config.train.max_grad_norm, losses
             )
@@ -483,10 +529,7 @@ def train(config: RunConfig) -> dict:
         metrics["perf/videos_per_s"] = (
             len(prompts) * acc.num_processes / (metrics["perf/rollout_s"] + metrics["perf/train_s"])
         )
-        metrics["loss/policy"] = torch.stack(losses).mean().item() if losses else 0.0
-        metrics["loss/kl"] = torch.stack(kls).mean().item() if kls else 0.0
-        metrics["train/clip_frac"] = torch.stack(clip_fracs).mean().item() if clip_fracs else 0.0
-        metrics["train/ratio_dev_first"] = ratio_dev_first if ratio_dev_first is not None else 0.0
+        metrics.update(_update_metrics(acc, device, losses, kls, clip_fracs, ratio_dev_first))
         metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
         metrics["train/lr"] = lr_schedule.get_last_lr()[0]
         metrics["train/skipped_nonfinite"] = skipped
