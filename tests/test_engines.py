@@ -73,3 +73,14 @@ def test_whole_model_loading_suspends_transformers_zero3_sharding():
         assert is_deepspeed_zero3_enabled()  # restored for accelerate.prepare
     finally:
         unset_hf_deepspeed_config()
+
+
+def test_the_14b_recipe_runs_under_zero3(tmp_path):
+    """configs/wan2_1_14b_vsa2_grpo.yaml says to launch it with configs/accelerate/zero3.yaml."""
+    import os
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+    config = load_config(
+        os.path.join(recipe, "wan2_1_14b_vsa2_grpo.yaml"), [f"model.path={tmp_path}"]
+    )
+    engines.check_options(_accelerator(3), config)
