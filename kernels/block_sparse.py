@@ -612,10 +612,11 @@ def _restore_softmax_identity(
         # rows that saw no valid key have lse = -inf and no d(bias) of their own
         valid = torch.where(torch.isfinite(lse), dlse.float(), 0.0)
         target = valid.view(B, H, NQ, q_tile).sum(-1)
-    excess = dbias.float().sum(-1) - target
+    dbias32 = dbias.float()
+    excess = dbias32.sum(-1) - target
     total = mass.sum(-1, keepdim=True)
     share = torch.where(total > 0, mass / total.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return (dbias.float() - excess[..., None] * share).to(dbias.dtype)
+    return (dbias32 - excess[..., None] * share).to(dbias.dtype)
 
 
 def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:

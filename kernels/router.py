@@ -11,9 +11,9 @@ of a ``kv_block``-token segment (VSA's coarse scores, at segment granularity as 
 The sparsity setting caps the budget: ``max_kv = ceil((1 - sparsity) * NSEG_valid)``. Selection
 runs on the device with ``torch.topk`` (best first for ``topp``, in no set order for ``topk``)
 and a cumulative sum over the sorted probabilities: no host sync and no per-token masks, so it
-can be captured in a CUDA graph at fixed shapes. The
-selection itself is not differentiable; ``log_probs`` (the log-softmax at the selected ids) is,
-and the fine stage adds ``alpha * log_probs`` to the logits so router gradients flow through it.
+can be captured in a CUDA graph at fixed shapes. The selection itself is not differentiable;
+``log_probs`` (the log-softmax at the selected ids) is, and the fine stage adds
+``alpha * log_probs`` to the logits so router gradients flow through it.
 """
 
 import math
@@ -189,7 +189,7 @@ def route(
     scale = D**-0.5 if scale is None else scale
 
     seg_lengths = seg_lengths.to(device=q_pooled.device)
-    # -- the KMAX best segments, best first, and their log-softmax over the valid segments ----
+    # -- the KMAX best segments and their log-softmax over the valid segments ----
     # KMAX <= NSEG_valid, so every one of them is a valid segment
     top_log_p, top_idx = _TopLogProbs.apply(
         q_pooled, k_seg_pooled, seg_lengths == 0, kmax, scale, mode == "topp"

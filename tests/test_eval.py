@@ -26,10 +26,6 @@ SMALL = [
 ]
 
 
-def mean_brightness(videos, prompts, metadata):
-    return videos.mean(dim=(1, 2, 3, 4)).float()
-
-
 def broken(videos, prompts, metadata):
     raise RuntimeError("scorer crashed")
 
@@ -39,7 +35,7 @@ def _sweep(bundle, sparsities, seed=7):
         bundle,
         ["a red square moving right fast", "a blue circle moving up slow"],
         sparsities,
-        [get_reward("test_eval:mean_brightness")],
+        [get_reward("test_trainer:brightness")],
         num_steps=3,
         shift=1.0,
         guidance_scale=1.0,

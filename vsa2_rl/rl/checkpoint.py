@@ -156,11 +156,13 @@ def save_checkpoint(
                 "name) and not be 'meta'"
             )
     root = Path(checkpoints_dir)
-    tmp = staged if staged is not None else stage_checkpoint(root, step)
-    if staged is not None:
-        if Path(staged).parent.resolve() != root.resolve() or not Path(staged).is_dir():
+    if staged is None:
+        tmp = stage_checkpoint(root, step)
+    else:
+        tmp = Path(staged)
+        if tmp.parent.resolve() != root.resolve() or not tmp.is_dir():
             raise ValueError(f"staged={staged} is not a directory staged under {root}")
-        for path in sorted(Path(staged).rglob("*")):
+        for path in sorted(tmp.rglob("*")):
             _fsync_path(path)
     formats = {}
     for name, value in state.items():

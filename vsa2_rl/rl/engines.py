@@ -30,14 +30,13 @@ from vsa2_rl.runtime import trained_state
 ENGINE_DIR = "deepspeed"  # DeepSpeed's own files inside a checkpoint directory
 
 
-def zero_stage(acc) -> int:
-    """The DeepSpeed ZeRO stage of this run, 0 when DeepSpeed is not used."""
-    plugin = getattr(acc.state, "deepspeed_plugin", None)
-    return int(plugin.zero_stage) if plugin is not None else 0
-
-
 def uses_deepspeed(acc) -> bool:
     return getattr(acc.state, "deepspeed_plugin", None) is not None
+
+
+def zero_stage(acc) -> int:
+    """The DeepSpeed ZeRO stage of this run, 0 when DeepSpeed is not used."""
+    return int(acc.state.deepspeed_plugin.zero_stage) if uses_deepspeed(acc) else 0
 
 
 def check_options(acc, config: RunConfig) -> None:

@@ -120,7 +120,7 @@ def _update_metrics(acc, device, losses, kls, clip_fracs, ratio_dev_first) -> di
             for values in (losses, kls, clip_fracs)
         ]
         + [torch.tensor(float(len(losses)), device=device)]
-    ).to(device)
+    )
     sums = acc.reduce(sums, reduction="sum")
     ratio = acc.gather(torch.tensor([ratio_dev_first or 0.0], device=device))
     count = max(float(sums[3]), 1.0)
