@@ -236,6 +236,7 @@ def main(argv=None):
         "--no-flex", action="store_true", help="skip FlexAttention (its compile is slow)"
     )
     p.add_argument("--no-full", action="store_true", help="skip the full vsa2_attention op")
+    p.add_argument("--no-fastvideo", action="store_true", help="skip FastVideo's VSA kernel")
     p.add_argument("--profile", action="store_true", help="print per-kernel times of our fwd+bwd")
     p.add_argument("--out", default=None, help="write the markdown table here")
     args = p.parse_args(argv)
@@ -246,7 +247,7 @@ def main(argv=None):
     args.sparsities = [float(x) for x in args.sparsities.split(",")]
     args.kv_blocks = [int(x) for x in args.kv_blocks.split(",")]
     args.full = not args.no_full
-    args.fastvideo = True
+    args.fastvideo = not args.no_fastvideo
     torch.manual_seed(0)
 
     table = Table()

@@ -2,8 +2,9 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks, logs under $OUT.
 # Packages missing on that image travel as wheels in .whl/ (omegaconf, diffusers, peft and this
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
-#   bash benchmarks/gpu_session.sh [tests] [attention] [rl] [e2e] [compiled] [ddp] [ab] [wan] [gpu1]
-#     [engines] [resume]
+#   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
+#     [e2e_compiled] [rl_compiled] [ddp]
+#     [ab] [profile] [wan] [gpu1] [engines] [resume]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -35,11 +36,19 @@ for part in "${parts[@]}"; do
       timeout 80 python3 benchmarks/bench_e2e.py --grids 720p --compile off --forward-only --reps 2 \
         --warmup 1 --only "VSA2 0.95 kv64" \
         --out "$OUT/e2e.md" 2>&1 | tail -20 ;;
-    compiled)  # issues 4 and 6 with torch.compile of the blocks: 720p forward, RL iteration
+    attention_all)  # issue 3's whole table: both Wan shapes, kv 16/32/64, FlexAttention, FastVideo
+      timeout 420 python3 benchmarks/bench_attention.py --out "$OUT/attention_all.md" \
+        > "$OUT/attention_all.log" 2>&1; tail -4 "$OUT/attention_all.log" ;;
+    e2e_all)  # issue 4's table: forward and forward+backward, compiled, 0.875 and 0.95 (GRIDS)
+      timeout 500 python3 benchmarks/bench_e2e.py --grids ${GRIDS:-480p 720p} --compile on \
+        --reps 2 --warmup 1 --only "VSA2 0.875 kv64" "VSA2 0.95 kv64" \
+        --out "$OUT/e2e_all_${GRIDS// /_}.md" > "$OUT/e2e_all.log" 2>&1; tail -8 "$OUT/e2e_all.log" ;;
+    e2e_compiled)  # issue 4 with torch.compile of the blocks: 720p forward
       timeout 240 python3 benchmarks/bench_e2e.py --grids 720p --compile on --forward-only \
-        --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8
+        --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8 ;;
+    rl_compiled)  # issue 6 with torch.compile of the blocks: one RL iteration at 480p
       timeout 300 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --compile \
-        --out "$OUT/rl_step_compiled.md" 2>&1 | tail -8 ;;
+        --out "$OUT/rl_step_compiled.md" > "$OUT/rl_compiled.log" 2>&1; tail -8 "$OUT/rl_compiled.log" ;;
     ddp)  # the trainer on 2 GPUs (DDP, NCCL) vs 1 GPU, same global batch and seeds (toy model)
       toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy train.num_steps=3
         grpo.prompts_per_step=2 grpo.group_size=4 sampler.num_steps=8 train.checkpoint_every=0
@@ -58,9 +67,12 @@ for part in "${parts[@]}"; do
       for tree in base new; do
         site=/tmp/site; [ $tree = base ] && site=/tmp/site_base:/tmp/site
         PYTHONPATH=$site timeout 150 python3 benchmarks/bench_attention.py --shapes 720p \
-          --kv-blocks 16,64 --sparsities 0.95 --no-flex --out "$OUT/ab_$tree.md" > /dev/null 2>&1
+          --kv-blocks 16,64 --sparsities 0.95 --no-flex --no-fastvideo --out "$OUT/ab_$tree.md" > /dev/null 2>&1
         echo "-- $tree"; grep "ours\|cudnn" "$OUT/ab_$tree.md"
       done ;;
+    profile)  # per-kernel device times of the full op (router, pooling, fusion, fine stage)
+      timeout 120 python3 benchmarks/tune_kernels.py --profile --rows 22 > "$OUT/profile.txt" 2>&1
+      tail -3 "$OUT/profile.txt" ;;
     wan)  # a Wan-1.3B-shaped diffusers folder with random weights for the runs below
       python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1 || echo "model folder failed" ;;
     gpu1)  # issue 8 reference: the short Wan-shaped run on one GPU

@@ -30,6 +30,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 
@@ -95,6 +96,19 @@ def _add_column_terms(
     return b_s
 
 
+@triton.jit
+def _load_segment_tma(
+    DESC_K, DESC_V, i_b, i_h, p_seg, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """K and V rows [KV_BLOCK, HEAD_DIM] of the segment whose id is at ``p_seg``, as TMA copies
+    (Hopper's tensor memory accelerator: no per-element addresses in registers). Keys past a
+    partial segment's length are loaded too; the caller's -inf column bias gives them weight 0."""
+    at = [i_b.to(tl.int32), i_h.to(tl.int32), tl.load(p_seg) * KV_BLOCK, 0]
+    b_k = DESC_K.load(at).reshape(KV_BLOCK, HEAD_DIM)
+    b_v = DESC_V.load(at).reshape(KV_BLOCK, HEAD_DIM)
+    return b_k, b_v
+
+
 @triton.autotune(
     configs=_fwd_configs(),
     key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
@@ -105,6 +119,8 @@ def _bsa_fwd_kernel(
     Q,
     K,
     V,
+    DESC_K,
+    DESC_V,
     O,
     LSE,
     KV_IDX,
@@ -131,6 +147,7 @@ def _bsa_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % KV_BLOCK == 0)
@@ -176,13 +193,19 @@ def _bsa_fwd_kernel(
         if HAS_LEN:
             b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
             m_key = m_key & (o_w < b_len)
-        o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
-        # [HEAD_DIM, BLOCK_N]
-        b_kt = tl.load(
-            p_k0 + o_tok_k[None, :] * s_ks + o_d[:, None], mask=m_key[None, :], other=0.0
-        )
-        # [BLOCK_N, HEAD_DIM]
-        b_v = tl.load(p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0)
+        if TMA and G == 1:
+            b_k, b_v = _load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
+            b_kt = tl.trans(b_k)
+        else:
+            o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
+            # [HEAD_DIM, BLOCK_N]
+            b_kt = tl.load(
+                p_k0 + o_tok_k[None, :] * s_ks + o_d[:, None], mask=m_key[None, :], other=0.0
+            )
+            # [BLOCK_N, HEAD_DIM]
+            b_v = tl.load(
+                p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0
+            )
         # -- logits in units of the dot product: the bias enters divided by the scale, so the
         # log2-domain scaling is one fused multiply-add with the row max below ----
         # [Q_TILE, BLOCK_N]
@@ -235,6 +258,8 @@ def _bsa_bwd_dq_kernel(
     Q,
     K,
     V,
+    DESC_K,
+    DESC_V,
     O,
     DO,
     LSE,
@@ -275,6 +300,7 @@ def _bsa_bwd_dq_kernel(
     HAS_LEN: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % KV_BLOCK == 0)
@@ -322,10 +348,17 @@ def _bsa_bwd_dq_kernel(
         if HAS_LEN:
             b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
             m_key = m_key & (o_w < b_len)
-        o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
-        # [BLOCK_N, HEAD_DIM]
-        b_k = tl.load(p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_key[:, None], other=0.0)
-        b_v = tl.load(p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0)
+        if TMA and G == 1:
+            b_k, b_v = _load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
+        else:
+            o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
+            # [BLOCK_N, HEAD_DIM]
+            b_k = tl.load(
+                p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_key[:, None], other=0.0
+            )
+            b_v = tl.load(
+                p_v0 + o_tok_k[:, None] * s_vs + o_d[None, :], mask=m_key[:, None], other=0.0
+            )
         # -- recompute P from the saved lse (logits as in the forward: bias / scale, one FMA) ----
         # [Q_TILE, BLOCK_N]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
@@ -352,10 +385,12 @@ def _bsa_bwd_dq_kernel(
 
 @triton.jit
 def _gather_query_rows(
-    p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
-    Q_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QG: tl.constexpr,
+    p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos,
+    NQ, KMAX,
+    Q_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Rows of the QG selecting tiles at CSR entries [i_p, i_p + QG): q, dO, lse (log2), delta."""
+    """Rows of the QG selecting tiles at CSR entries [i_p, i_p + QG): q, dO, lse (log2), delta.
+    One tile (QG = 1) comes as TMA copies when ``TMA``."""
     ROWS: tl.constexpr = QG * Q_TILE
     o_r = tl.arange(0, ROWS)
     o_d = tl.arange(0, HEAD_DIM)
@@ -366,9 +401,22 @@ def _gather_query_rows(
     b_pair = tl.load(CSR_PAIR + o_ent, mask=m_ent, other=0)
     b_t = (b_pair // KMAX) % NQ
     o_tok_q = b_t.to(tl.int64) * Q_TILE + o_r % Q_TILE
-    # [ROWS, HEAD_DIM]
-    b_q = tl.load(p_q0 + o_tok_q[:, None] * s_qs + o_d[None, :], mask=m_ent[:, None], other=0.0)
-    b_do = tl.load(p_do0 + o_tok_q[:, None] * s_dos + o_d[None, :], mask=m_ent[:, None], other=0.0)
+    if TMA and QG == 1:
+        # the loop visits entries below i_end only, so the one tile is a real one
+        at = [
+            i_b.to(tl.int32),
+            i_h.to(tl.int32),
+            (tl.load(CSR_PAIR + i_p) // KMAX) % NQ * Q_TILE,
+            0,
+        ]
+        b_q = DESC_Q.load(at).reshape(ROWS, HEAD_DIM)
+        b_do = DESC_DO.load(at).reshape(ROWS, HEAD_DIM)
+    else:
+        # [ROWS, HEAD_DIM]
+        b_q = tl.load(p_q0 + o_tok_q[:, None] * s_qs + o_d[None, :], mask=m_ent[:, None], other=0.0)
+        b_do = tl.load(
+            p_do0 + o_tok_q[:, None] * s_dos + o_d[None, :], mask=m_ent[:, None], other=0.0
+        )
     # [ROWS]; rows that saw no valid key have lse = -inf and zero probability everywhere
     b_lse = tl.load(p_lse0 + o_tok_q, mask=m_ent, other=float("-inf"))
     b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
@@ -378,10 +426,10 @@ def _gather_query_rows(
 
 @triton.jit
 def _dkv_key_major_loop(
-    b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
-    s_qs, s_dos, qk_scale, NQ, KMAX,
+    b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
+    CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one segment from transposed scores S^T = K Q^T ([KV_BLOCK, ROWS]).
 
@@ -393,8 +441,8 @@ def _dkv_key_major_loop(
     bias_to_dot = 1.4426950408889634 / qk_scale
     for i_p in range(i_start, i_end, QG):
         b_pair, m_ent, b_q, b_do, b_lse2, b_delta = _gather_query_rows(
-            p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
-            Q_TILE, HEAD_DIM, QG,
+            p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0, CSR_PAIR, i_p, i_end,
+            s_qs, s_dos, NQ, KMAX, Q_TILE, HEAD_DIM, QG, TMA,
         )  # fmt: skip
         # [KV_BLOCK, ROWS]; logits as in the forward (bias / scale, one FMA)
         b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
@@ -413,10 +461,10 @@ def _dkv_key_major_loop(
 
 @triton.jit
 def _dkv_dim_major_loop(
-    b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start, i_end,
-    s_qs, s_dos, qk_scale, NQ, KMAX,
+    b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
+    CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one segment accumulated transposed: dK^T = Q^T dS ([HEAD_DIM, KV_BLOCK]).
 
@@ -428,8 +476,8 @@ def _dkv_dim_major_loop(
     bias_to_dot = 1.4426950408889634 / qk_scale
     for i_p in range(i_start, i_end, QG):
         b_pair, m_ent, b_q, b_do, b_lse2, b_delta = _gather_query_rows(
-            p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, i_p, i_end, s_qs, s_dos, NQ, KMAX,
-            Q_TILE, HEAD_DIM, QG,
+            p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0, CSR_PAIR, i_p, i_end,
+            s_qs, s_dos, NQ, KMAX, Q_TILE, HEAD_DIM, QG, TMA,
         )  # fmt: skip
         # [ROWS, KV_BLOCK]; logits as in the forward (bias / scale, one FMA)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
@@ -457,6 +505,8 @@ def _bsa_bwd_dkv_kernel(
     K,
     V,
     DO,
+    DESC_Q,
+    DESC_DO,
     LSE,
     DELTA,
     DK,
@@ -491,6 +541,7 @@ def _bsa_bwd_dkv_kernel(
     HAS_LEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DIM_MAJOR: tl.constexpr,
+    TMA: tl.constexpr,
     QG: tl.constexpr,
 ):
     i_seg, i_bh = tl.program_id(0), tl.program_id(1)
@@ -528,17 +579,15 @@ def _bsa_bwd_dkv_kernel(
 
     if DIM_MAJOR:
         b_dk, b_dv = _dkv_dim_major_loop(
-            b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start,
-            i_end,
-            s_qs, s_dos, qk_scale, NQ, KMAX,
-            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG,
+            b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
+            p_delta0, CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA,
         )  # fmt: skip
     else:
         b_dk, b_dv = _dkv_key_major_loop(
-            b_k, b_v, m_key, key_partial, p_q0, p_do0, p_lse0, p_delta0, CSR_PAIR, BIAS, i_start,
-            i_end,
-            s_qs, s_dos, qk_scale, NQ, KMAX,
-            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG,
+            b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
+            p_delta0, CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA,
         )  # fmt: skip
 
     o_out = i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_k[:, None] * HEAD_DIM + o_d[None, :]
@@ -619,6 +668,24 @@ def _restore_softmax_identity(
     return (dbias32 - excess[..., None] * share).to(dbias.dtype)
 
 
+def _tma_descriptors(rows: int, *tensors: torch.Tensor) -> tuple[tuple, bool]:
+    """``[1, 1, rows, D]`` TMA descriptors of ``[B, H, S, D]`` tensors and True; or the tensors
+    themselves and False where TMA does not apply (a GPU older than Hopper, a stride or the base
+    address not a multiple of 16 bytes): the kernels then gather rows by pointers."""
+    x = tensors[0]
+    usable = _interpreting() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    usable = usable and all(
+        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+        for t in tensors
+    )
+    if not usable:
+        return tensors, False
+    return tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+        for t in tensors
+    ), True
+
+
 def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, device=device, dtype=dtype)
 
@@ -645,15 +712,16 @@ def bsa_forward(
     kv_counts = kv_counts.contiguous()
     bias = block_bias.contiguous() if block_bias is not None else _dummy(q.device, torch.float32)
     lens = kv_lengths.contiguous() if kv_lengths is not None else _dummy(q.device, torch.int32)
+    (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)
     _bsa_fwd_kernel[(NQ, B * H)](
-        q, k, v, out, lse,
+        q, k, v, desc_k, desc_v, out, lse,
         kv_indices, kv_counts, bias, lens,
         *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v),
         scale * LOG2E,
         H=H, S=S, NQ=NQ, KMAX=KMAX,
         Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
         HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=_dot_precision(q.dtype), TMA=tma,
     )  # fmt: skip
     return out, lse
 
@@ -697,28 +765,30 @@ def bsa_backward(
     mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
     prec = _dot_precision(q.dtype)
 
+    (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)
     _bsa_bwd_dq_kernel[(NQ, B * H)](
-        q, k, v, out, dout, lse, dlse_arg, delta, dq, dbias, mass,
+        q, k, v, desc_k, desc_v, out, dout, lse, dlse_arg, delta, dq, dbias, mass,
         kv_indices, kv_counts, bias, lens,
         *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out), *_bhs_strides(dout),
         scale * LOG2E, scale,
         H=H, S=S, NQ=NQ, KMAX=KMAX,
         Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
         HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None,
-        DOT_PREC=prec,
+        DOT_PREC=prec, TMA=tma,
     )  # fmt: skip
 
     if has_bias:
         dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)
     offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
+    (desc_q, desc_do), tma = _tma_descriptors(q_tile, q, dout)
     _bsa_bwd_dkv_kernel[(NSEG, B * H)](
-        q, k, v, dout, lse, delta, dk, dv,
+        q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv,
         offsets, pairs, bias, lens,
         *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
         scale * LOG2E, scale,
         H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX,
         Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
         HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, DOT_PREC=prec,
-        DIM_MAJOR=kv_block < 64,
+        DIM_MAJOR=kv_block < 64, TMA=tma,
     )  # fmt: skip
     return dq, dk, dv, (dbias if has_bias else None)

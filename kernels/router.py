@@ -9,19 +9,28 @@ of a ``kv_block``-token segment (VSA's coarse scores, at segment granularity as 
   selection, Holtzman et al., 2020), clamped to ``[min_kv, max_kv]``.
 
 The sparsity setting caps the budget: ``max_kv = ceil((1 - sparsity) * NSEG_valid)``. Selection
-runs on the device with ``torch.topk`` (best first for ``topp``, in no set order for ``topk``)
-and a cumulative sum over the sorted probabilities: no host sync and no per-token masks, so it
-can be captured in a CUDA graph at fixed shapes. The selection itself is not differentiable;
-``log_probs`` (the log-softmax at the selected ids) is, and the fine stage adds
+runs on the device: ``topk`` with the Triton kernel of ``topk_log_softmax`` (in no set order;
+``torch.topk`` for rows of more than ``TRITON_TOPK_MAX_SEGMENTS``), ``topp`` with ``torch.topk``
+(best first) and a cumulative sum over the sorted probabilities. No host sync and no per-token
+masks, so it can be captured in a CUDA graph at fixed shapes. The selection itself is not
+differentiable; ``log_probs`` (the log-softmax at the selected ids) is, and the fine stage adds
 ``alpha * log_probs`` to the logits so router gradients flow through it.
 """
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
 
+from .topk import topk_log_softmax
+
 _MODES = ("topk", "topp")
+_BACKENDS = ("auto", "triton", "torch")
+# rows up to this many segments take the Triton top-k: at Wan 720p on an H200 it beat torch.topk
+# plus the lse passes at 1181 segments of 64 keys (1.4 ms) and lost at 4725 segments of 16 keys
+# (6.2 ms: 32 counting passes over 8192 padded entries per row)
+TRITON_TOPK_MAX_SEGMENTS = 2048
 
 
 class RouterOutput(NamedTuple):
@@ -44,22 +53,36 @@ class _TopLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_pooled, k_seg_pooled, invalid, kmax: int, scale: float, best_first: bool):
+    def forward(
+        ctx, q_pooled, k_seg_pooled, invalid, kmax: int, scale: float, best_first: bool,
+        triton_select: bool,
+    ):  # fmt: skip
         compute_dtype = torch.promote_types(q_pooled.dtype, torch.float32)
         mask_bias = _mask_bias(invalid, compute_dtype)
         scores = _scores_plus(mask_bias, q_pooled, k_seg_pooled, scale)  # (B, H, NQ, NSEG)
-        # top-p needs the order; top-k does not, and skipping the sort of the KMAX winners saves
-        # a quarter of the selection time at Wan 720p
-        top_scores, top_idx = torch.topk(scores, kmax, dim=-1, sorted=best_first)
-        # log-sum-exp with the row max from top-k, in place: the scores are not needed any more,
-        # so this costs no [B, H, NQ, NSEG] allocation and one pass fewer than torch.logsumexp.
-        # (The same formula and reductions as torch.logsumexp, so the same bits.)
-        row_max = top_scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(compute_dtype).min)
-        lse = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True).log_().add_(row_max)
+        nseg = scores.shape[-1]
+        if (
+            triton_select
+            and not best_first
+            and compute_dtype == torch.float32
+            and nseg <= TRITON_TOPK_MAX_SEGMENTS
+        ):
+            # top-k in no set order: one read of each row for the threshold, ids and lse
+            top_log_p, top_idx, lse = topk_log_softmax(scores, kmax)
+        else:
+            top_scores, top_idx = torch.topk(scores, kmax, dim=-1, sorted=best_first)
+            # log-sum-exp with the row max from top-k, in place: the scores are not needed any
+            # more, so this costs no [B, H, NQ, NSEG] allocation and one pass fewer than
+            # torch.logsumexp (the same formula and reductions, so the same bits)
+            row_max = top_scores.amax(dim=-1, keepdim=True).clamp(
+                min=torch.finfo(compute_dtype).min
+            )
+            lse = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True).log_().add_(row_max)
+            top_log_p = top_scores - lse
         ctx.save_for_backward(q_pooled, k_seg_pooled, mask_bias, top_idx, lse)
         ctx.scale = scale
         ctx.mark_non_differentiable(top_idx)
-        return top_scores - lse, top_idx
+        return top_log_p, top_idx
 
     @staticmethod
     def backward(ctx, grad_top, _grad_idx):
@@ -76,7 +99,15 @@ class _TopLogProbs(torch.autograd.Function):
         # the score scale is applied to the small [.., D] results, not to grad_scores
         grad_q = (grad_scores @ k_seg_pooled.to(lse.dtype)).mul_(ctx.scale)
         grad_k = (grad_scores.transpose(-1, -2) @ q_pooled.to(lse.dtype)).mul_(ctx.scale)
-        return grad_q.to(q_pooled.dtype), grad_k.to(k_seg_pooled.dtype), None, None, None, None
+        return (
+            grad_q.to(q_pooled.dtype),
+            grad_k.to(k_seg_pooled.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _mask_bias(invalid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -129,6 +160,7 @@ def route(
     min_kv: int,
     scale: float | None = None,
     num_valid_segments: int | None = None,
+    backend: str = "auto",
 ) -> RouterOutput:
     """Select key segments per query tile from pooled queries and keys.
 
@@ -149,12 +181,18 @@ def route(
             for a CPU tensor and one host sync for a device tensor. Pass it (e.g. from the tile
             layout) together with device-resident ``seg_lengths`` to keep the call sync-free
             and CUDA-graph capturable.
+        backend: ``"auto"`` (the Triton top-k of ``topk_log_softmax`` in ``"topk"`` mode on
+            CUDA or under ``TRITON_INTERPRET=1``, for rows of at most
+            ``TRITON_TOPK_MAX_SEGMENTS`` segments), ``"triton"`` (the same rule) or ``"torch"``
+            (``torch.topk`` always).
 
     Returns:
         ``RouterOutput``; ``log_probs`` is float32 and differentiable w.r.t. both pooled inputs.
     """
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r} is unknown; use one of {_MODES}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; use one of {_BACKENDS}")
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity={sparsity} must lie in [0, 1); 0 keeps every segment")
     if not 0.0 < top_p <= 1.0:
@@ -191,8 +229,12 @@ def route(
     seg_lengths = seg_lengths.to(device=q_pooled.device)
     # -- the KMAX best segments and their log-softmax over the valid segments ----
     # KMAX <= NSEG_valid, so every one of them is a valid segment
+    if backend == "auto":
+        triton_select = q_pooled.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    else:
+        triton_select = backend == "triton"
     top_log_p, top_idx = _TopLogProbs.apply(
-        q_pooled, k_seg_pooled, seg_lengths == 0, kmax, scale, mode == "topp"
+        q_pooled, k_seg_pooled, seg_lengths == 0, kmax, scale, mode == "topp", triton_select
     )  # (B, H, NQ, KMAX) each; best first in "topp" mode, in no set order in "topk" mode
     top_log_p = top_log_p.float()
     if mode == "topk":

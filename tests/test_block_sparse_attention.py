@@ -154,6 +154,7 @@ CPU_CASES = [
     pytest.param(1, 2, 192, 64, 64, 16, 5, torch.float32, True, True, id="nq3-kv16-f32"),
     pytest.param(2, 1, 320, 64, 64, 32, 4, torch.float32, True, True, id="nq5-kv32-f32"),
     pytest.param(1, 1, 256, 64, 64, 64, 4, torch.float32, True, False, id="kv64-kmax=nseg-f32"),
+    pytest.param(1, 2, 320, 64, 64, 64, 3, torch.float16, True, True, id="kv64-lens-f16"),
     pytest.param(1, 2, 256, 64, 64, 16, 7, torch.float16, True, True, id="kv16-f16"),
     pytest.param(2, 1, 192, 32, 64, 32, 3, torch.float16, False, False, id="nobias-d32-f16"),
 ]
@@ -167,6 +168,17 @@ def test_matches_float64_reference(B, H, S, D, q_tile, kv_block, KMAX, dtype, bi
         B, H, S, D, q_tile, kv_block, KMAX, dtype, backend, bias=bias, lens=lens
     )
     check(got, ref, counts, 1e-5 if dtype == torch.float32 else 4e-3, q_tile)
+
+
+@pytest.mark.nan_empty
+@pytest.mark.parametrize("kv_block", [16, 64])
+def test_pointer_gather_path_without_tma_matches_float64_reference(kv_block, monkeypatch):
+    # GPUs before Hopper and unaligned strides load rows by pointers instead of TMA copies
+    import vsa2_rl.kernels.block_sparse as block_sparse
+
+    monkeypatch.setattr(block_sparse, "_tma_descriptors", lambda rows, *tensors: (tensors, False))
+    got, ref, counts = run_case(1, 2, 320, 64, 64, kv_block, 5, torch.float32, "triton")
+    check(got, ref, counts, 1e-5, 64)
 
 
 @pytest.mark.nan_empty

@@ -238,8 +238,72 @@ def test_top_log_probs_gradcheck(best_first):
     q, k, seg_lengths = _router_case(nseg=12, nq=3, D=4)
     q.requires_grad_(True)
     k.requires_grad_(True)
-    fn = lambda a, b: _TopLogProbs.apply(a, b, seg_lengths == 0, 4, 0.5, best_first)[0]
+    fn = lambda a, b: _TopLogProbs.apply(a, b, seg_lengths == 0, 4, 0.5, best_first, False)[0]
     assert torch.autograd.gradcheck(fn, (q, k))
+
+
+# -- Triton top-k (topk mode) --------------------------------------------------------------------
+
+
+@pytest.mark.nan_empty
+@pytest.mark.parametrize("kmax", [1, 5, 40])
+def test_triton_topk_keeps_exactly_the_k_largest_with_ties(kmax):
+    from vsa2_rl.kernels.topk import topk_log_softmax
+
+    scores = torch.randn(2, 3, 4, 45)
+    scores[0, 0, 0, :5] = float("-inf")  # masked segments (40 valid remain)
+    scores[0, 1, 2] = 0.25  # a row of ties only
+    scores[1, 2, 3, ::3] = 2.0  # 15 ties at the top
+    log_p, ids, lse = topk_log_softmax(scores, kmax)
+    ref_lse = torch.logsumexp(scores.double(), dim=-1, keepdim=True)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    assert ids.shape == (2, 3, 4, kmax) and (ids.diff(dim=-1) > 0).all(), "distinct, ascending"
+    picked = scores.gather(-1, ids)
+    kth = scores.double().topk(kmax, dim=-1).values[..., -1:]
+    assert (picked.double() >= kth).all(), "a kept score below the k-th largest"
+    torch.testing.assert_close(log_p.double(), picked.double() - ref_lse, rtol=1e-6, atol=1e-6)
+    # ties at the threshold are filled in id order: the all-ties row keeps ids 0 .. kmax - 1
+    assert ids[0, 1, 2].tolist() == list(range(kmax))
+    unique_rows = (scores.sort(dim=-1).values.diff(dim=-1) != 0).all(dim=-1)
+    ref_ids = scores.topk(kmax, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(ids[unique_rows], ref_ids[unique_rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nseg,kmax", [(1181, 59), (4725, 237)])
+def test_gpu_triton_topk_at_wan_720p_sizes(nseg, kmax):
+    from vsa2_rl.kernels.topk import topk_log_softmax
+
+    scores = torch.randn(1, 40, 1181, nseg, device="cuda")
+    log_p, ids, lse = topk_log_softmax(scores, kmax)
+    ref_ids = scores.topk(kmax, dim=-1).indices
+    assert torch.equal(ids, ref_ids.sort(dim=-1).values)
+    ref_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(log_p, scores.gather(-1, ids) - ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_route_topk_triton_selection_equals_torch(sparsity):
+    q, k, seg_lengths = _router_case()
+    q, k = q.float(), k.float()  # float64 scores always take the torch path
+    outs = []
+    for backend in ("triton", "torch"):
+        qb, kb = q.clone().requires_grad_(), k.clone().requires_grad_()
+        out = route(qb, kb, seg_lengths, sparsity=sparsity, mode="topk", top_p=1.0, min_kv=1,
+                    backend=backend)  # fmt: skip
+        order = out.kv_indices.argsort(dim=-1)
+        log_p = out.log_probs.gather(-1, order)
+        grads = torch.autograd.grad(
+            (log_p * torch.linspace(-1, 1, log_p.shape[-1])).sum(), (qb, kb)
+        )
+        outs.append((out.kv_indices.gather(-1, order), log_p, out.density, grads))
+    (ids_t, lp_t, d_t, g_t), (ids_r, lp_r, d_r, g_r) = outs
+    assert torch.equal(ids_t, ids_r)
+    torch.testing.assert_close(lp_t, lp_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_t, d_r)
+    for a, b in zip(g_t, g_r, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_route_rejects_bad_arguments():
@@ -251,6 +315,7 @@ def test_route_rejects_bad_arguments():
         ({"sparsity": -0.1}, "sparsity"),
         ({"top_p": 0.0}, "top_p"),
         ({"min_kv": 0}, "min_kv"),
+        ({"backend": "cuda"}, "backend"),
     ]:
         with pytest.raises(ValueError, match=name):
             route(q, k, seg_lengths, **{**ok, **bad})
