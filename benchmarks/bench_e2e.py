@@ -13,9 +13,9 @@ weights in bf16 and times, at 480p (latent 21x60x104 -> token grid 21x30x52) and
 for dense attention (diffusers' processor, SDPA forced onto cuDNN then flash) and VSA2
 (``vsa2_rl.models.wan.enable_vsa2``, Triton backend, topk router) at sparsity 0.875 and 0.95 with
 key segments of 64 and 16 tokens, each with and without ``torch.compile`` of the transformer
-blocks (diffusers' ``compile_repeated_blocks``). Times are medians over ``--reps`` runs after
-warm-up; speed-ups are against dense attention with the same compile setting. Prints a markdown
-table and writes it to ``--out``.
+blocks (``vsa2_rl.models.wan.compile_blocks``, as ``model.compile_blocks=true`` in training).
+Times are medians over ``--reps`` runs after warm-up; speed-ups are against dense attention with
+the same compile setting. Prints a markdown table and writes it to ``--out``.
 
     python benchmarks/bench_e2e.py --out benchmarks/e2e.md       # full run (about 10 minutes)
     python benchmarks/bench_e2e.py --quick --out quick.md        # 480p, no compile, fewer reps
@@ -75,6 +75,7 @@ def _build(sparsity: float | None, kv_block: int | None, compile_blocks: bool):
 
     from vsa2_rl.attention import SparsityState
     from vsa2_rl.config import VSA2Config
+    from vsa2_rl.models.wan import compile_blocks as compile_wan_blocks
     from vsa2_rl.models.wan import enable_vsa2
 
     torch.manual_seed(0)
@@ -85,7 +86,7 @@ def _build(sparsity: float | None, kv_block: int | None, compile_blocks: bool):
         enable_vsa2(model, config, SparsityState(sparsity=sparsity))
     model.enable_gradient_checkpointing()  # only acts in the forward+backward runs
     if compile_blocks:
-        model.compile_repeated_blocks()
+        compile_wan_blocks(model)
     return model
 
 

@@ -32,7 +32,7 @@ def _model(sparsity: float | None, compile_blocks: bool = False):
 
     from vsa2_rl.attention import SparsityState
     from vsa2_rl.config import VSA2Config
-    from vsa2_rl.models.wan import enable_vsa2, wan_velocity
+    from vsa2_rl.models.wan import compile_blocks, enable_vsa2, wan_velocity
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**WAN_1_3B).to("cuda", torch.bfloat16)
@@ -41,7 +41,7 @@ def _model(sparsity: float | None, compile_blocks: bool = False):
         state = SparsityState(sparsity=sparsity)
         enable_vsa2(model, VSA2Config(kv_block=64, mode="topk", backend="triton"), state)
     if compile_blocks:  # as model.compile_blocks=true in the trainer; the warm-up compiles
-        model.compile_repeated_blocks()
+        compile_blocks(model)
     return model, lambda x, s, e: wan_velocity(model, x, s, e)
 
 

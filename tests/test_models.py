@@ -376,3 +376,36 @@ def test_compiled_vsa2_model_follows_the_sparsity_state_without_recompiling():
     # every layer of every call recorded its density, none lost to the compiled region
     assert state._density_count == 3 * len(bundle.transformer.blocks)
     assert state.pop_density() == pytest.approx((0.25 + 0.1 + 0.25) / 3, abs=0.02)
+
+
+def test_compile_blocks_compiles_vsa2_blocks_whole_only_without_autograd():
+    """compile_blocks: a dense model's blocks compile whole; a VSA2 model's blocks run compiled
+    whole without autograd and, with autograd, eagerly around compiled feed-forward and
+    cross-attention (CUDA's backward of the graph resumed after the VSA2 break is broken). Both
+    paths give the eager model's outputs and gradients."""
+    from vsa2_rl.models.wan import compile_blocks
+
+    dense = compile_blocks(_tiny_wan(torch.float32))
+    assert all(block._compiled_call_impl is not None for block in dense.blocks)
+
+    torch.manual_seed(0)
+    eager = enable_vsa2(
+        _tiny_wan(torch.float32), VSA2Config(backend="torch", mode="topk"),
+        SparsityState(sparsity=0.5),
+    )  # fmt: skip
+    for p in eager.parameters():  # non-zero gates and alpha: the VSA2 parameters matter
+        p.data.add_(0.05 * torch.randn_like(p))
+    model = compile_blocks(copy.deepcopy(eager))
+    block = model.blocks[0]
+    assert block._compiled_call_impl is None, "a VSA2 block must not compile whole for autograd"
+    assert block.ffn._compiled_call_impl is not None and block.attn2._compiled_call_impl is not None
+    inputs = _inputs(dtype=torch.float32, latent_thw=(4, 8, 8), batch=1)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(_run(model, inputs), _run(eager, inputs), rtol=1e-4, atol=1e-4)
+    grads = []
+    for m in (model, eager):
+        _run(m, inputs).square().mean().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)

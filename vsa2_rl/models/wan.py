@@ -182,6 +182,41 @@ def vsa2_parameters(transformer: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in transformer.named_parameters() if ".vsa2." in f".{name}"]
 
 
+def compile_blocks(transformer: nn.Module) -> nn.Module:
+    """Regional ``torch.compile`` of the transformer blocks (``model.compile_blocks``).
+
+    A dense model compiles each block whole (diffusers' ``compile_repeated_blocks``). With VSA2
+    the sparse attention runs eagerly inside the block (a graph break, see
+    ``VSA2Attention._sparse_attention``), and on CUDA the backward of the graph that resumes
+    after it fails in torch 2.10-2.11: AOT autograd hands back a ``[C]`` gradient for the
+    block's ``[1, 1, C]`` modulation chunks, which became inputs of that graph (measured on an
+    H200; pytorch/pytorch#178080 is the same bug). So with VSA2 each block runs compiled whole
+    only without autograd (rollouts, evaluation) and, with autograd (training), eagerly around
+    its compiled feed-forward and cross-attention, which hold no graph break. Compiles on
+    first use; returns the same transformer.
+    """
+    blocks = getattr(transformer, "blocks", None)
+    if blocks is None or not any(hasattr(block.attn1, "vsa2") for block in blocks):
+        transformer.compile_repeated_blocks()
+        return transformer
+    for block in blocks:
+        block.ffn.compile()
+        block.attn2.compile()
+        block.forward = _GradModeForward(torch.compile(block.forward), block.forward)
+    return transformer
+
+
+class _GradModeForward:
+    """A block's forward: ``without_grad`` when autograd is off, ``with_grad`` when it is on."""
+
+    def __init__(self, without_grad, with_grad) -> None:
+        self.without_grad, self.with_grad = without_grad, with_grad
+
+    def __call__(self, *args, **kwargs):
+        forward = self.with_grad if torch.is_grad_enabled() else self.without_grad
+        return forward(*args, **kwargs)
+
+
 # --------------------------------------------------------------------------------------------
 # Bundle
 

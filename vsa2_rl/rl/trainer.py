@@ -233,6 +233,7 @@ def train(config: RunConfig) -> dict:
     """Runs GRPO fine-tuning; returns a summary (start/end rewards, out_dir)."""
     from accelerate.utils import broadcast_object_list
 
+    from vsa2_rl.models.wan import compile_blocks
     from vsa2_rl.rl.checkpoint import (
         find_latest,
         load_checkpoint,
@@ -253,7 +254,7 @@ def train(config: RunConfig) -> dict:
         transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer, config)
     if config.model.compile_blocks:  # after LoRA adapters are in place; compiles on first use
-        transformer.compile_repeated_blocks()
+        compile_blocks(transformer)
 
     optimizer = torch.optim.AdamW(
         params, lr=config.train.learning_rate, weight_decay=config.train.weight_decay
