@@ -111,3 +111,11 @@ def test_wan_recipes_are_valid_configs(recipe, tmp_path):
     config = load_config(os.path.join(REPO, "configs", recipe), [f"model.path={tmp_path}"])
     assert config.model.kind == "wan" and config.model.lora.enabled
     assert config.sparsity.eval < config.sparsity.train
+
+
+def test_toy_motion_recipe_is_a_valid_config():
+    config = load_config(os.path.join(REPO, "configs", "toy_motion.yaml"), [])
+    assert config.model.kind == "toy"
+    assert [f.name for f in config.rewards.functions] == ["dynamic_degree"]
+    # only the first half of the steps is stochastic, so trained steps fall inside that window
+    assert list(config.sampler.sde_window) == [0, 4]
