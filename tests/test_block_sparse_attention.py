@@ -182,6 +182,25 @@ def test_pointer_gather_path_without_tma_matches_float64_reference(kv_block, mon
 
 
 @pytest.mark.nan_empty
+@pytest.mark.parametrize("kv_block", [16, 64])
+def test_dkv_pass_gathering_two_query_tiles_matches_float64_reference(kv_block, monkeypatch):
+    # the GPU autotuner may gather QG = 2 selecting tiles per step of the dK/dV pass (pointer
+    # gathers instead of TMA copies); the interpreter's own config is QG = 1
+    import triton
+
+    import vsa2_rl.kernels.block_sparse as block_sparse
+
+    kernel = block_sparse._bsa_bwd_dkv_kernel
+    monkeypatch.setattr(kernel, "configs", [triton.Config({"QG": 2}, num_warps=4, num_stages=1)])
+    kernel.cache.clear()
+    try:
+        got, ref, counts = run_case(1, 2, 320, 64, 64, kv_block, 5, torch.float32, "triton")
+    finally:
+        kernel.cache.clear()  # the next test must autotune among its own configs again
+    check(got, ref, counts, 1e-5, 64)
+
+
+@pytest.mark.nan_empty
 def test_all_rows_empty_gives_zeros():
     B, H, S, D = 1, 1, 128, 16
     q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
