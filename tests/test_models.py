@@ -382,7 +382,7 @@ def test_compile_blocks_compiles_vsa2_blocks_whole_only_without_autograd():
     """compile_blocks: a dense model's blocks compile whole; a VSA2 model's blocks run compiled
     whole without autograd and, with autograd, eagerly around compiled feed-forward and
     cross-attention (CUDA's backward of the graph resumed after the VSA2 break is broken). Both
-    paths give the eager model's outputs and gradients."""
+    paths give the eager model's outputs and gradients, and so does a deep copy."""
     from vsa2_rl.models.wan import compile_blocks
 
     dense = compile_blocks(_tiny_wan(torch.float32))
@@ -409,3 +409,9 @@ def test_compile_blocks_compiles_vsa2_blocks_whole_only_without_autograd():
         grads.append([p.grad for p in m.parameters()])
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    # a deep copy (full fine-tuning's frozen reference policy) runs its own weights
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+        torch.testing.assert_close(_run(frozen, inputs), _run(eager, inputs), rtol=1e-4, atol=1e-4)

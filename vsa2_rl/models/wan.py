@@ -22,6 +22,7 @@ sigma * 1000 (flow-matching Euler scheduler), and latents de-normalised with the
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -202,19 +203,26 @@ def compile_blocks(transformer: nn.Module) -> nn.Module:
     for block in blocks:
         block.ffn.compile()
         block.attn2.compile()
-        block.forward = _GradModeForward(torch.compile(block.forward), block.forward)
+        block.forward = _GradModeForward(block)
     return transformer
 
 
 class _GradModeForward:
-    """A block's forward: ``without_grad`` when autograd is off, ``with_grad`` when it is on."""
+    """A VSA2 block's forward: compiled whole when autograd is off, the class's own (eager,
+    around compiled sub-modules) when it is on. A deep copy (the frozen reference policy of
+    full fine-tuning) runs the copied block, not the original."""
 
-    def __init__(self, without_grad, with_grad) -> None:
-        self.without_grad, self.with_grad = without_grad, with_grad
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.compiled = torch.compile(type(block).forward)
 
     def __call__(self, *args, **kwargs):
-        forward = self.with_grad if torch.is_grad_enabled() else self.without_grad
-        return forward(*args, **kwargs)
+        if torch.is_grad_enabled():
+            return type(self.block).forward(self.block, *args, **kwargs)
+        return self.compiled(self.block, *args, **kwargs)
+
+    def __deepcopy__(self, memo) -> _GradModeForward:
+        return _GradModeForward(copy.deepcopy(self.block, memo))
 
 
 # --------------------------------------------------------------------------------------------
