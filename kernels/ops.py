@@ -255,7 +255,9 @@ def _check_values(kv_indices, kv_counts, kv_lengths, kv_block, num_segments):
             raise ValueError(f"kv_lengths must lie in [0, kv_block={kv_block}], found {value}")
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for a kernel backend setting: ``"auto"`` is Triton on CUDA
+    tensors or under ``TRITON_INTERPRET=1`` (the rule of every op in this package)."""
     if backend == "auto":
         use_triton = q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
         return "triton" if use_triton else "torch"
@@ -312,7 +314,7 @@ def block_sparse_attention(
     Returns:
         out [B, H, S, D] in q's dtype and lse float32 [B, H, S] (natural log, -inf for empty rows).
     """
-    backend = _resolve_backend(backend, q)
+    backend = resolve_backend(backend, q)
     _check_shapes(q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, backend)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

@@ -16,14 +16,13 @@ backward adds the broadcast pooling gradients to the fine stage's full-size grad
 read and one write per token.
 """
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-_BACKENDS = ("auto", "triton", "torch")
+from .ops import resolve_backend
 
 
 @triton.jit
@@ -339,8 +338,7 @@ def pool_tiles(
         torch path for float64 checks). Length values are checked only when ``lengths`` lives
         on the CPU (and not under ``torch.compile``), so that the call never waits on the device.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown; use one of {_BACKENDS}")
+    backend = resolve_backend(backend, x)
     if x.dim() != 4:
         raise ValueError(f"x must be [B, H, S, D], got shape {tuple(x.shape)}")
     if block < 1 or x.shape[2] % block != 0:
@@ -359,9 +357,6 @@ def pool_tiles(
     if on_host and bool(((lengths < 0) | (lengths > block)).any()):
         raise ValueError(f"lengths must lie in [0, block={block}], got {lengths.tolist()}")
     lengths = lengths.to(device=x.device, dtype=torch.int32)
-    if backend == "auto":
-        use_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        backend = "triton" if use_triton else "torch"
     if backend == "torch":
         return _pool_torch(x, lengths, block)
     return _PoolTiles.apply(x, lengths, block)

@@ -18,15 +18,14 @@ differentiable; ``log_probs`` (the log-softmax at the selected ids) is, and the 
 """
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
 
+from .ops import resolve_backend
 from .topk import topk_log_softmax
 
 _MODES = ("topk", "topp")
-_BACKENDS = ("auto", "triton", "torch")
 # rows up to this many segments take the Triton top-k: at Wan 720p on an H200 it beat torch.topk
 # plus the lse passes at 1181 segments of 64 keys (1.4 ms) and lost at 4725 segments of 16 keys
 # (6.2 ms: 32 counting passes over 8192 padded entries per row)
@@ -191,8 +190,7 @@ def route(
     """
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r} is unknown; use one of {_MODES}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown; use one of {_BACKENDS}")
+    triton_select = resolve_backend(backend, q_pooled) == "triton"
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity={sparsity} must lie in [0, 1); 0 keeps every segment")
     if not 0.0 < top_p <= 1.0:
@@ -229,10 +227,6 @@ def route(
     seg_lengths = seg_lengths.to(device=q_pooled.device)
     # -- the KMAX best segments and their log-softmax over the valid segments ----
     # KMAX <= NSEG_valid, so every one of them is a valid segment
-    if backend == "auto":
-        triton_select = q_pooled.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    else:
-        triton_select = backend == "triton"
     top_log_p, top_idx = _TopLogProbs.apply(
         q_pooled, k_seg_pooled, seg_lengths == 0, kmax, scale, mode == "topp", triton_select
     )  # (B, H, NQ, KMAX) each; best first in "topp" mode, in no set order in "topk" mode

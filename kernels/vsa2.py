@@ -23,7 +23,6 @@ The sparse path does no host sync when the length tensors already live on q's de
 number of valid segments is given, so it can be captured in a CUDA graph at fixed shapes.
 """
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -33,7 +32,7 @@ import triton.language as tl
 
 from vsa2_rl.config import VSA2Config
 
-from .ops import block_sparse_attention
+from .ops import block_sparse_attention, resolve_backend
 from .pooling import PooledQKV, pool_qkv, pool_tiles
 from .router import count_valid_segments, route
 
@@ -272,14 +271,6 @@ def _check_inputs(q, k, v, tile_lengths, seg_lengths, sparsity, alpha, config) -
         raise ValueError(f"alpha must have shape [H] = [{q.shape[1]}], got {tuple(alpha.shape)}")
 
 
-def _use_triton(backend: str, q: torch.Tensor) -> bool:
-    """The rule of ``pool_tiles`` and ``block_sparse_attention``: "auto" is Triton on CUDA or
-    under ``TRITON_INTERPRET=1``."""
-    if backend == "auto":
-        return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return backend == "triton"
-
-
 def _pool(q, k, v, tile_lengths, seg_lengths, q_tile, kv_block, segments, kv_tiles, triton_path):
     """Every mean VSA2 needs, fused on the Triton path, by ``pool_tiles`` on the torch path."""
     if triton_path:
@@ -369,7 +360,7 @@ def vsa2_attention(
         num_valid_segments = count_valid_segments(seg_lengths)
     tile_lengths = tile_lengths.to(device=q.device, dtype=torch.int32)
     seg_lengths = seg_lengths.to(device=q.device, dtype=torch.int32)
-    triton_path = _use_triton(backend, q)
+    triton_path = resolve_backend(backend, q) == "triton"
 
     # one pass over q, k, v for the router's and the coarse stage's means; the fine stage reads
     # the returned aliases, so its gradients and the pooling gradients are summed in one pass
