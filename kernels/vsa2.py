@@ -384,6 +384,7 @@ def vsa2_attention(
             top_p=config.top_p,
             min_kv=config.min_kv,
             num_valid_segments=num_valid_segments,
+            backend=backend,
         )
         bias = alpha.to(torch.float32)[None, :, None, None] * routing.log_probs
         out_fine, _ = block_sparse_attention(

@@ -181,6 +181,24 @@ def test_broadcast_coarse_gate_without_fine_gate_matches_float64_reference():
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_router_follows_the_config_backend(backend, monkeypatch):
+    """config.backend reaches the router: "torch" selects with torch.topk, "triton" with the
+    Triton top-k (here under the interpreter, float32 scores)."""
+    import vsa2_rl.kernels.router as router
+
+    calls = []
+    triton_topk = router.topk_log_softmax
+    monkeypatch.setattr(router, "topk_log_softmax", lambda *a: calls.append(1) or triton_topk(*a))
+    tile_lengths, seg_lengths = _layout([64, 64, 64, 33], 64, 16)
+    q, k, v = _inputs(1, 2, 256, 64, torch.float32)
+    vsa2_attention(
+        q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.5,
+        alpha=torch.zeros(2), config=VSA2Config(backend=backend, mode="topk"),
+    )  # fmt: skip
+    assert bool(calls) == (backend == "triton")
+
+
 def test_router_bias_carries_gradient_to_q_and_k():
     """Through the bias alone: with no coarse stage, dq / dk change when alpha != 0."""
     tile_lengths, seg_lengths = _layout([64, 64, 64, 33], 64, 16)
