@@ -378,40 +378,91 @@ def test_compiled_vsa2_model_follows_the_sparsity_state_without_recompiling():
     assert state.pop_density() == pytest.approx((0.25 + 0.1 + 0.25) / 3, abs=0.02)
 
 
-def test_compile_blocks_compiles_vsa2_blocks_whole_only_without_autograd():
-    """compile_blocks: a dense model's blocks compile whole; a VSA2 model's blocks run compiled
-    whole without autograd and, with autograd, eagerly around compiled feed-forward and
-    cross-attention (CUDA's backward of the graph resumed after the VSA2 break is broken). Both
-    paths give the eager model's outputs and gradients, and so does a deep copy."""
+def _perturbed_vsa2_wan(dtype, device="cpu", sparsity=0.5, backend="torch"):
+    torch.manual_seed(0)
+    model = enable_vsa2(
+        _tiny_wan(dtype).to(device), VSA2Config(backend=backend, mode="topk"),
+        SparsityState(sparsity=sparsity),
+    )  # fmt: skip
+    with torch.no_grad():  # non-zero gates and alpha: the VSA2 parameters matter
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _outputs_and_grads(model, inputs):
+    out = _run(model, inputs)
+    out.float().square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("per_token_temb", [False, True])
+def test_wan_block_forward_equals_diffusers_block_forward(per_token_temb):
+    """The block forward compile_blocks uses for VSA2 is diffusers' forward, rearranged: same
+    output for a Wan2.1 temb [B, 6, C] and a Wan2.2-TI2V per-token temb [B, N, 6, C]."""
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from vsa2_rl.models.wan import wan_block_forward
+
+    dim, heads, tokens = 32, 2, 12
+    block = WanTransformerBlock(dim, 64, heads, cross_attn_norm=True).double()
+    with torch.no_grad():
+        for p in block.parameters():  # affine norms and biases away from their 1 / 0 init
+            p.add_(0.1 * torch.randn_like(p))
+    hidden = torch.randn(2, tokens, dim, dtype=torch.float64)
+    text = torch.randn(2, 5, dim, dtype=torch.float64)
+    temb = torch.randn(2, *((tokens,) if per_token_temb else ()), 6, dim, dtype=torch.float64)
+    angles = torch.randn(1, tokens, 1, dim // heads, dtype=torch.float64)
+    rotary = (angles.cos(), angles.sin())
+    want = block(hidden, text, temb, rotary)
+    got = wan_block_forward(block, hidden, text, temb, rotary)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_compile_blocks_compiles_vsa2_blocks_whole():
+    """compile_blocks: a dense model's blocks compile whole (diffusers); a VSA2 model's blocks
+    run the compiled wan_block_forward with and without autograd, with the eager model's
+    outputs and gradients, and so does a deep copy (full fine-tuning's frozen reference)."""
     from vsa2_rl.models.wan import compile_blocks
 
     dense = compile_blocks(_tiny_wan(torch.float32))
     assert all(block._compiled_call_impl is not None for block in dense.blocks)
 
-    torch.manual_seed(0)
-    eager = enable_vsa2(
-        _tiny_wan(torch.float32), VSA2Config(backend="torch", mode="topk"),
-        SparsityState(sparsity=0.5),
-    )  # fmt: skip
-    for p in eager.parameters():  # non-zero gates and alpha: the VSA2 parameters matter
-        p.data.add_(0.05 * torch.randn_like(p))
+    eager = _perturbed_vsa2_wan(torch.float32)
     model = compile_blocks(copy.deepcopy(eager))
-    block = model.blocks[0]
-    assert block._compiled_call_impl is None, "a VSA2 block must not compile whole for autograd"
-    assert block.ffn._compiled_call_impl is not None and block.attn2._compiled_call_impl is not None
     inputs = _inputs(dtype=torch.float32, latent_thw=(4, 8, 8), batch=1)
     torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     with torch.no_grad():
         torch.testing.assert_close(_run(model, inputs), _run(eager, inputs), rtol=1e-4, atol=1e-4)
-    grads = []
-    for m in (model, eager):
-        _run(m, inputs).square().mean().backward()
-        grads.append([p.grad for p in m.parameters()])
-    for got, want in zip(*grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
-    # a deep copy (full fine-tuning's frozen reference policy) runs its own weights
+    got, want = _outputs_and_grads(model, inputs), _outputs_and_grads(eager, inputs)
+    assert counters["stats"]["unique_graphs"] > 0, "the blocks did not run compiled"
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    for got_grad, want_grad in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-3, atol=1e-5)
     frozen = copy.deepcopy(model).requires_grad_(False)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1)
         torch.testing.assert_close(_run(frozen, inputs), _run(eager, inputs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_compiled_vsa2_blocks_train_on_cuda_like_eager_ones():
+    """On CUDA the backward of diffusers' block forward compiled around the VSA2 graph break
+    fails (a [C] gradient for a [1, 1, C] modulation chunk, pytorch/pytorch#178080); the
+    compiled wan_block_forward trains, with the eager model's gradients (Triton kernels)."""
+    from vsa2_rl.models.wan import compile_blocks
+
+    eager = _perturbed_vsa2_wan(torch.float32, device="cuda", backend="auto")
+    model = compile_blocks(copy.deepcopy(eager))
+    inputs = [x.cuda() for x in _inputs(dtype=torch.float32, latent_thw=(4, 8, 8), batch=1)]
+    torch._dynamo.reset()
+    model.enable_gradient_checkpointing()  # as in the trainer's full fine-tuning
+    got, want = _outputs_and_grads(model, inputs), _outputs_and_grads(eager, inputs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3)
+    for got_grad, want_grad in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-2, atol=1e-3)

@@ -88,8 +88,8 @@ class ModelConfig:
     )
     compile_blocks: bool = _doc(
         "torch.compile every transformer block (diffusers' regional compilation): faster steps "
-        "after the first ones, which compile. With VSA2, training steps compile each block's "
-        "feed-forward and cross-attention only (vsa2_rl.models.wan.compile_blocks says why).",
+        "after the first ones, which compile. The VSA2 call stays eager inside each block "
+        "(vsa2_rl.models.wan.compile_blocks says how).",
         default=False,
     )
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -186,43 +186,82 @@ def vsa2_parameters(transformer: nn.Module) -> list[nn.Parameter]:
 def compile_blocks(transformer: nn.Module) -> nn.Module:
     """Regional ``torch.compile`` of the transformer blocks (``model.compile_blocks``).
 
-    A dense model compiles each block whole (diffusers' ``compile_repeated_blocks``). With VSA2
-    the sparse attention runs eagerly inside the block (a graph break, see
-    ``VSA2Attention._sparse_attention``), and on CUDA the backward of the graph that resumes
-    after it fails in torch 2.10-2.11: AOT autograd hands back a ``[C]`` gradient for the
-    block's ``[1, 1, C]`` modulation chunks, which became inputs of that graph (measured on an
-    H200; pytorch/pytorch#178080 is the same bug). So with VSA2 each block runs compiled whole
-    only without autograd (rollouts, evaluation) and, with autograd (training), eagerly around
-    its compiled feed-forward and cross-attention, which hold no graph break. Compiles on
-    first use; returns the same transformer.
+    A dense model compiles each block whole (diffusers' ``compile_repeated_blocks``). A VSA2
+    block compiles whole too, with and without autograd, but runs :func:`wan_block_forward`
+    instead of diffusers' forward: the VSA2 call is a graph break inside the block (see
+    ``VSA2Attention._sparse_attention``), and with diffusers' forward the graph resumed after
+    it takes four of the six modulation chunks (views of one tensor) as inputs, whose
+    gradients AOT autograd returns as ``[C]`` instead of ``[1, 1, C]`` on CUDA in torch
+    2.10-2.11 (measured on an H200; pytorch/pytorch#178080 is the same bug).
+    ``wan_block_forward`` recomputes those chunks after the break, so no two inputs of the
+    resumed graph alias. Compiles on first use; returns the same transformer.
     """
     blocks = getattr(transformer, "blocks", None)
     if blocks is None or not any(hasattr(block.attn1, "vsa2") for block in blocks):
         transformer.compile_repeated_blocks()
         return transformer
     for block in blocks:
-        block.ffn.compile()
-        block.attn2.compile()
-        block.forward = _GradModeForward(block)
+        block.forward = _CompiledBlockForward(block)
     return transformer
 
 
-class _GradModeForward:
-    """A VSA2 block's forward: compiled whole when autograd is off, the class's own (eager,
-    around compiled sub-modules) when it is on. A deep copy (the frozen reference policy of
-    full fine-tuning) runs the copied block, not the original."""
+def _modulation(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The six modulation tensors of a Wan block (shift, scale, gate of the self-attention, then
+    of the feed-forward), float32, as diffusers 0.42 computes them: from ``temb`` [B, 6, C]
+    (Wan2.1, Wan2.2-14B) as [B, 1, C] each, or from ``temb`` [B, N, 6, C] (Wan2.2-TI2V, one
+    timestep per token) as [B, N, C] each."""
+    if temb.ndim == 4:
+        chunks = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        return tuple(chunk.squeeze(2) for chunk in chunks)
+    return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
+
+
+def _self_attention_input(block: nn.Module, hidden_states, temb) -> torch.Tensor:
+    shift, scale = _modulation(block, temb)[:2]
+    return (block.norm1(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
+
+
+def wan_block_forward(
+    block: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """The math of diffusers' ``WanTransformerBlock.forward`` (0.42), arranged for a graph break
+    in ``attn1``: the modulation chunks are computed before the self-attention only inside a
+    helper and again after it, so none is alive across the break (``compile_blocks`` says
+    why). Equal to diffusers' forward (tests/test_models.py checks it)."""
+    attn_output = block.attn1(
+        _self_attention_input(block, hidden_states, temb), None, None, rotary_emb
+    )
+    _, _, gate, ffn_shift, ffn_scale, ffn_gate = _modulation(block, temb)
+    hidden_states = (hidden_states.float() + attn_output * gate).type_as(hidden_states)
+    norm_hidden_states = block.norm2(hidden_states.float()).type_as(hidden_states)
+    hidden_states = hidden_states + block.attn2(
+        norm_hidden_states, encoder_hidden_states, None, None
+    )
+    norm_hidden_states = (block.norm3(hidden_states.float()) * (1 + ffn_scale) + ffn_shift).type_as(
+        hidden_states
+    )
+    ff_output = block.ffn(norm_hidden_states)
+    return (hidden_states.float() + ff_output.float() * ffn_gate).type_as(hidden_states)
+
+
+class _CompiledBlockForward:
+    """A VSA2 block's forward: ``wan_block_forward`` compiled (every block compiles the same
+    function, so they share its compiled code, as in regional compilation). A deep copy (the
+    frozen reference policy of full fine-tuning) runs the copied block, not the original."""
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
-        self.compiled = torch.compile(type(block).forward)
+        self.compiled = torch.compile(wan_block_forward)
 
     def __call__(self, *args, **kwargs):
-        if torch.is_grad_enabled():
-            return type(self.block).forward(self.block, *args, **kwargs)
         return self.compiled(self.block, *args, **kwargs)
 
-    def __deepcopy__(self, memo) -> _GradModeForward:
-        return _GradModeForward(copy.deepcopy(self.block, memo))
+    def __deepcopy__(self, memo) -> _CompiledBlockForward:
+        return _CompiledBlockForward(copy.deepcopy(self.block, memo))
 
 
 # --------------------------------------------------------------------------------------------
