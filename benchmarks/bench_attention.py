@@ -8,7 +8,9 @@ accumulation is timed) with ``triton.testing.do_bench`` medians at Wan2.1 shapes
   ANCHORS.md note: this torch rejects 64-token BlockMasks);
 * FastVideo VSA (``fastvideo_kernel.video_sparse_attn``) if it imports;
 * our fine stage ``block_sparse_attention`` alone at kv_block 16/32/64, with a per-pair bias;
-* our full VSA2 op ``vsa2_attention`` (coarse + router + fine, topk mode) if it imports.
+* our full VSA2 op ``vsa2_attention`` (coarse + router + fine) if it imports, in router mode
+  ``topk`` and, with ``--router-modes topk,topp``, ``topp`` at top_p 0.9 (the recipes' mode;
+  on random scores it keeps the whole budget, so the two rows differ only in the router).
 
 Selections are random: each query tile keeps ``round((1 - s) * NSEG)`` distinct segments.
 Effective TFLOP/s count only kept blocks (4*B*H*S*keys*D forward, 3.5x that for fwd+bwd).
@@ -174,10 +176,11 @@ def run_ours(args, table, tag, s, kvb, q, k, v, go):
             lambda: torch.autograd.grad(fwd(), (q, k, v, bias), go), f"{tag} s={s} kv{kvb}"
         )
     if args.full:
-        run_full(table, tag, s, kvb, q, k, v, go, flops)
+        for router_mode in args.router_modes:
+            run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops)
 
 
-def run_full(table, tag, s, kvb, q, k, v, go, flops):
+def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops):
     try:
         from vsa2_rl.config import VSA2Config
         from vsa2_rl.kernels import vsa2_attention
@@ -185,7 +188,8 @@ def run_full(table, tag, s, kvb, q, k, v, go, flops):
         print(f"skip full VSA2 op (vsa2_attention not importable: {e})")
         return
     H, S = q.shape[1], q.shape[2]
-    cfg = VSA2Config(q_tile=64, kv_block=kvb, mode="topk")
+    cfg = VSA2Config(q_tile=64, kv_block=kvb, mode=router_mode, top_p=0.9)
+    method = f"ours-full-kv{kvb}" if router_mode == "topk" else f"ours-full-{router_mode}-kv{kvb}"
     tile_len = torch.full((S // 64,), 64, device=q.device, dtype=torch.int32)
     seg_len = torch.full((S // kvb,), kvb, device=q.device, dtype=torch.int32)
     alpha = torch.zeros(H, device=q.device, requires_grad=True)
@@ -199,9 +203,9 @@ def run_full(table, tag, s, kvb, q, k, v, go, flops):
         return out
 
     try:
-        time_fwd_bwd(table, tag, f"ours-full-kv{kvb}", f"{s}", fwd, (q, k, v, alpha), go, flops)
+        time_fwd_bwd(table, tag, method, f"{s}", fwd, (q, k, v, alpha), go, flops)
     except Exception:
-        print(f"full VSA2 op failed at {tag} s={s} kv{kvb}:")
+        print(f"full VSA2 op failed at {tag} s={s} kv{kvb} {router_mode}:")
         traceback.print_exc()
 
 
@@ -237,6 +241,7 @@ def main(argv=None):
     )
     p.add_argument("--no-full", action="store_true", help="skip the full vsa2_attention op")
     p.add_argument("--no-fastvideo", action="store_true", help="skip FastVideo's VSA kernel")
+    p.add_argument("--router-modes", default="topk", help="comma list of topk,topp for the full op")
     p.add_argument("--profile", action="store_true", help="print per-kernel times of our fwd+bwd")
     p.add_argument("--out", default=None, help="write the markdown table here")
     args = p.parse_args(argv)
@@ -246,6 +251,7 @@ def main(argv=None):
         args.shapes, args.kv_blocks, args.no_flex = "480p", "16,64", True
     args.sparsities = [float(x) for x in args.sparsities.split(",")]
     args.kv_blocks = [int(x) for x in args.kv_blocks.split(",")]
+    args.router_modes = args.router_modes.split(",")
     args.full = not args.no_full
     args.fastvideo = not args.no_fastvideo
     torch.manual_seed(0)

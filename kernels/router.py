@@ -9,9 +9,10 @@ of a ``kv_block``-token segment (VSA's coarse scores, at segment granularity as 
   selection, Holtzman et al., 2020), clamped to ``[min_kv, max_kv]``.
 
 The sparsity setting caps the budget: ``max_kv = ceil((1 - sparsity) * NSEG_valid)``. Selection
-runs on the device: ``topk`` with the Triton kernel of ``topk_log_softmax`` (in no set order;
-``torch.topk`` for rows of more than ``TRITON_TOPK_MAX_SEGMENTS``), ``topp`` with ``torch.topk``
-(best first) and a cumulative sum over the sorted probabilities. No host sync and no per-token
+runs on the device with the Triton kernel of ``topk_log_softmax`` (``torch.topk`` for rows of
+more than ``TRITON_TOPK_MAX_SEGMENTS`` segments and on the torch backend): ``topk`` keeps the
+KMAX winners in no set order, ``topp`` sorts them best first and takes a cumulative sum over
+their probabilities. No host sync and no per-token
 masks, so it can be captured in a CUDA graph at fixed shapes. The selection itself is not
 differentiable; ``log_probs`` (the log-softmax at the selected ids) is, and the fine stage adds
 ``alpha * log_probs`` to the logits so router gradients flow through it.
@@ -60,14 +61,12 @@ class _TopLogProbs(torch.autograd.Function):
         mask_bias = _mask_bias(invalid, compute_dtype)
         scores = _scores_plus(mask_bias, q_pooled, k_seg_pooled, scale)  # (B, H, NQ, NSEG)
         nseg = scores.shape[-1]
-        if (
-            triton_select
-            and not best_first
-            and compute_dtype == torch.float32
-            and nseg <= TRITON_TOPK_MAX_SEGMENTS
-        ):
-            # top-k in no set order: one read of each row for the threshold, ids and lse
+        if triton_select and compute_dtype == torch.float32 and nseg <= TRITON_TOPK_MAX_SEGMENTS:
+            # one read of each row for the threshold, ids and lse; ids come ascending
             top_log_p, top_idx, lse = topk_log_softmax(scores, kmax)
+            if best_first:  # a stable sort of the few winners: ties stay in id order
+                top_log_p, order = top_log_p.sort(dim=-1, descending=True, stable=True)
+                top_idx = top_idx.gather(-1, order)
         else:
             top_scores, top_idx = torch.topk(scores, kmax, dim=-1, sorted=best_first)
             # log-sum-exp with the row max from top-k, in place: the scores are not needed any
@@ -119,16 +118,24 @@ def _mask_bias(invalid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _scores_plus(init, q_pooled, k_seg_pooled, scale) -> torch.Tensor:
     """``init + scale * q . k`` as (B, H, NQ, NSEG) in ``init``'s dtype, from one GEMM.
 
-    ``init`` (the [NSEG] mask, or a fresh [B, H, NQ, NSEG] mask minus the row lse, which is
-    then overwritten in place) is the GEMM's starting accumulator (``baddbmm``, beta = 1), so
-    scaling and masking cost no extra pass over the scores as ``* scale`` and ``masked_fill``
-    would.
+    ``init`` (the [NSEG] mask, or a fresh [B, H, NQ, NSEG] mask minus the row lse) is the
+    GEMM's starting accumulator (``baddbmm``, beta = 1), so scaling and masking cost no extra
+    pass over the scores as ``* scale`` and ``masked_fill`` would. Half-precision pooled inputs
+    on CUDA multiply on the tensor cores into a float32 result (``out_dtype``): their products
+    are exact in float32, so this equals the float32 GEMM up to the order of the sums, at a
+    fraction of its time (an H200 has no float32 tensor-core path).
     """
     B, H, NQ, D = q_pooled.shape
     NSEG = k_seg_pooled.shape[2]
-    q3 = q_pooled.reshape(B * H, NQ, D).to(init.dtype)
-    k3 = k_seg_pooled.reshape(B * H, NSEG, D).to(init.dtype).transpose(1, 2)
-    if init.dim() == 4:
+    half_inputs = q_pooled.dtype in (torch.float16, torch.bfloat16) and q_pooled.is_cuda
+    gemm_dtype = q_pooled.dtype if half_inputs else init.dtype
+    q3 = q_pooled.reshape(B * H, NQ, D).to(gemm_dtype)
+    k3 = k_seg_pooled.reshape(B * H, NSEG, D).to(gemm_dtype).transpose(1, 2)
+    if half_inputs:
+        init3 = init.view(B * H, NQ, NSEG) if init.dim() == 4 else init.expand(B * H, NQ, NSEG)
+        out = torch.baddbmm(init3, q3, k3, alpha=scale, out_dtype=init.dtype)
+        return out.view(B, H, NQ, NSEG)
+    if init.dim() == 4:  # in place: init is a fresh buffer
         return init.view(B * H, NQ, NSEG).baddbmm_(q3, k3, alpha=scale).view(B, H, NQ, NSEG)
     return torch.baddbmm(init, q3, k3, alpha=scale).view(B, H, NQ, NSEG)
 
@@ -180,10 +187,9 @@ def route(
             for a CPU tensor and one host sync for a device tensor. Pass it (e.g. from the tile
             layout) together with device-resident ``seg_lengths`` to keep the call sync-free
             and CUDA-graph capturable.
-        backend: ``"auto"`` (the Triton top-k of ``topk_log_softmax`` in ``"topk"`` mode on
-            CUDA or under ``TRITON_INTERPRET=1``, for rows of at most
-            ``TRITON_TOPK_MAX_SEGMENTS`` segments), ``"triton"`` (the same rule) or ``"torch"``
-            (``torch.topk`` always).
+        backend: ``"auto"`` (the Triton top-k of ``topk_log_softmax`` on CUDA or under
+            ``TRITON_INTERPRET=1``, for rows of at most ``TRITON_TOPK_MAX_SEGMENTS``
+            segments), ``"triton"`` (the same rule) or ``"torch"`` (``torch.topk`` always).
 
     Returns:
         ``RouterOutput``; ``log_probs`` is float32 and differentiable w.r.t. both pooled inputs.

@@ -12,8 +12,8 @@ log-sum-exp. It reads each row once and, in registers:
    index order until KMAX are kept: exactly KMAX distinct ids even with ties;
 4. writes the kept ids in ascending id order with their log-softmax values ``score - lse``.
 
-The order of the kept ids is the one "topk" mode leaves open (``RouterOutput``); "topp" needs
-them best first and keeps using ``torch.topk``.
+Ascending ids are a valid order for "topk" mode (``RouterOutput`` leaves it open); "topp" mode
+sorts the KMAX winners best first afterwards (``route``).
 """
 
 from __future__ import annotations

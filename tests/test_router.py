@@ -283,23 +283,53 @@ def test_gpu_triton_topk_at_wan_720p_sizes(nseg, kmax):
     torch.testing.assert_close(log_p, scores.gather(-1, ids) - ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["topk", "topp"])
+def test_gpu_route_of_bf16_pooled_inputs_matches_float64(mode):
+    """On CUDA, bf16 pooled inputs score on the tensor cores into float32 (``out_dtype``):
+    the same selection, log-probabilities and gradients as float64 scores of the same values."""
+    q, k, seg_lengths = _router_case(nseg=300, nq=40, D=128)
+    q, k = q.bfloat16().cuda(), k.bfloat16().cuda()
+    outs = []
+    for qx, kx in ((q, k), (q.double().cpu(), k.double().cpu())):
+        qx, kx = qx.clone().requires_grad_(), kx.clone().requires_grad_()
+        out = route(qx, kx, seg_lengths, sparsity=0.9, mode=mode, top_p=0.6, min_kv=2)
+        weights = torch.linspace(-1, 1, out.log_probs.shape[-1], dtype=out.log_probs.dtype)
+        grads = torch.autograd.grad((out.log_probs * weights.to(qx.device)).sum(), (qx, kx))
+        order = out.kv_indices.argsort(dim=-1)  # topk: no set order
+        outs.append([x.cpu().double() for x in (out.kv_indices.gather(-1, order),
+                     out.log_probs.gather(-1, order), out.kv_counts, *grads)])  # fmt: skip
+    got, want = outs
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[3:], want[3:], strict=True):  # bf16 gradients: 8-bit mantissas
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("mode", ["topk", "topp"])
 @pytest.mark.parametrize("sparsity", [0.5, 0.9])
-def test_route_topk_triton_selection_equals_torch(sparsity):
+def test_route_triton_selection_equals_torch(sparsity, mode):
     q, k, seg_lengths = _router_case()
     q, k = q.float(), k.float()  # float64 scores always take the torch path
     outs = []
     for backend in ("triton", "torch"):
         qb, kb = q.clone().requires_grad_(), k.clone().requires_grad_()
-        out = route(qb, kb, seg_lengths, sparsity=sparsity, mode="topk", top_p=1.0, min_kv=1,
+        out = route(qb, kb, seg_lengths, sparsity=sparsity, mode=mode, top_p=0.6, min_kv=2,
                     backend=backend)  # fmt: skip
-        order = out.kv_indices.argsort(dim=-1)
+        if mode == "topp":  # best first on both paths: the same slots, in the same order
+            order = torch.arange(out.kv_indices.shape[-1]).expand_as(out.kv_indices)
+        else:  # in no set order: compare in id order
+            order = out.kv_indices.argsort(dim=-1)
         log_p = out.log_probs.gather(-1, order)
         grads = torch.autograd.grad(
             (log_p * torch.linspace(-1, 1, log_p.shape[-1])).sum(), (qb, kb)
         )
-        outs.append((out.kv_indices.gather(-1, order), log_p, out.density, grads))
-    (ids_t, lp_t, d_t, g_t), (ids_r, lp_r, d_r, g_r) = outs
+        outs.append((out.kv_indices.gather(-1, order), log_p, out.density, grads, out.kv_counts))
+    (ids_t, lp_t, d_t, g_t, n_t), (ids_r, lp_r, d_r, g_r, n_r) = outs
     assert torch.equal(ids_t, ids_r)
+    assert torch.equal(n_t, n_r)
+    if mode == "topp":  # a real top-p case: the counts vary between rows
+        assert n_r.min() < n_r.max()
     torch.testing.assert_close(lp_t, lp_r, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d_t, d_r)
     for a, b in zip(g_t, g_r, strict=True):
