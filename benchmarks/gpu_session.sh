@@ -67,7 +67,8 @@ for part in "${parts[@]}"; do
       for tree in base new; do
         site=/tmp/site; [ $tree = base ] && site=/tmp/site_base:/tmp/site
         PYTHONPATH=$site timeout 150 python3 benchmarks/bench_attention.py --shapes 720p \
-          --kv-blocks 16,64 --sparsities 0.95 --no-flex --no-fastvideo --out "$OUT/ab_$tree.md" > /dev/null 2>&1
+          --kv-blocks ${KV_BLOCKS:-16,64} --sparsities 0.95 --no-flex --no-fastvideo \
+          --router-modes ${ROUTER_MODES:-topk} --out "$OUT/ab_$tree.md" > /dev/null 2>&1
         echo "-- $tree"; grep "ours\|cudnn" "$OUT/ab_$tree.md"
       done ;;
     profile)  # per-kernel device times of the full op (router, pooling, fusion, fine stage)

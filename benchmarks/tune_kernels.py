@@ -5,7 +5,7 @@ Two parts, both at the Wan2.1-14B 720p shape (B=1, H=40, S=75264, D=128, bf16):
 
 * ``--profile``: per-kernel device time (torch profiler) of one ``vsa2_attention`` forward +
   backward with the coarse stage on, so the router / pooling / fusion overhead around the fine
-  stage can be read kernel by kernel;
+  stage can be read kernel by kernel, then summed by part of the op (``PARTS``);
 * ``--sweep``: each fine-stage kernel (forward, dQ pass, dK/dV pass) pinned in turn to every
   candidate ``triton.Config`` (the others keep their autotuned choice), timed with
   ``triton.testing.do_bench`` medians; prints one line per configuration, best first.
@@ -39,13 +39,55 @@ def inputs(kv_block: int, sparsity: float):
     return q, k, v, ids, counts, bias
 
 
-def profile_full_op(kv_block: int, sparsity: float, rows: int) -> None:
+# kernel-name fragment -> part of the op (first match wins); kernels matching none (elementwise
+# work of the router, the kv-major index sort of the dK/dV pass) count as "other"
+PARTS = (
+    ("_bsa_", "fine stage"),
+    ("_pool_", "pooling"),
+    ("_fusion_", "gated fusion"),
+    ("_topk_", "router top-k"),
+    ("sdpa", "coarse stage (SDPA)"),
+    ("fmha", "coarse stage (SDPA)"),
+    ("flash", "coarse stage (SDPA)"),
+    ("gemm", "router GEMMs"),
+    ("nvjet", "router GEMMs"),
+    ("xmma", "router GEMMs"),
+    ("cutlass", "router GEMMs"),
+)
+
+
+def _device_ms_by_part(prof) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        part = next((p for fragment, p in PARTS if fragment in name), "other")
+        totals[part] = totals.get(part, 0.0) + event.device_time_total / 1e3
+    return totals
+
+
+def _print_parts(totals: dict[str, float]) -> None:
+    """Device time per part and the share of everything but the fine-stage kernels."""
+    whole = sum(totals.values())
+    for part, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {part:24s} {ms:8.2f} ms  {100 * ms / whole:5.1f}%")
+    outside = whole - totals.get("fine stage", 0.0)
+    router_coarse = outside - totals.get("gated fusion", 0.0)
+    print(
+        f"  device time {whole:.2f} ms; outside the fine-stage kernels {outside:.2f} ms = "
+        f"{100 * outside / whole:.1f}%; router + coarse stage (all of it but the gated fusion, "
+        f"'other' included) {router_coarse:.2f} ms = {100 * router_coarse / whole:.1f}%"
+    )
+
+
+def profile_full_op(kv_block: int, sparsity: float, rows: int, mode: str = "topk") -> None:
     from vsa2_rl.config import VSA2Config
     from vsa2_rl.kernels import vsa2_attention
 
     q, k, v, *_ = inputs(kv_block, sparsity)
     go = torch.randn_like(q)
-    cfg = VSA2Config(q_tile=64, kv_block=kv_block, mode="topk")
+    cfg = VSA2Config(q_tile=64, kv_block=kv_block, mode=mode, top_p=0.9)
     tile_len = torch.full((S // 64,), 64, device="cuda", dtype=torch.int32)
     seg_len = torch.full((S // kv_block,), kv_block, device="cuda", dtype=torch.int32)
     alpha = torch.zeros(H, device="cuda", requires_grad=True)
@@ -65,12 +107,15 @@ def profile_full_op(kv_block: int, sparsity: float, rows: int) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(f"\n-- full op fwd+bwd, kv{kv_block}, sparsity {sparsity}: {ms:.2f} ms (median) --")
+    print(
+        f"\n-- full op fwd+bwd, kv{kv_block}, sparsity {sparsity}, {mode}: {ms:.2f} ms (median) --"
+    )
     print(
         prof.key_averages().table(
             sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
         )
     )
+    _print_parts(_device_ms_by_part(prof))
 
 
 def sweep(kv_block: int, sparsity: float, which: str, configs) -> None:
@@ -138,6 +183,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     if args.profile:
         profile_full_op(64, 0.95, args.rows)
+        profile_full_op(64, 0.95, args.rows, mode="topp")
+        profile_full_op(64, 0.875, args.rows)
         profile_full_op(16, 0.95, args.rows)
     if args.sweep:
         sweep(64, 0.95, "fwd", fwd_like_configs())
