@@ -26,7 +26,7 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case $part in
     tests)  # -P: the repo's vsa2_rl/ must not shadow the installed package (kernels live there)
-      timeout 90 python3 -P -m pytest -q -m gpu --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      timeout 240 python3 -P -m pytest -q -m gpu --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     attention)
       timeout 160 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \
         --out "$OUT/attention.md" 2>&1 | tail -60 ;;

@@ -451,18 +451,22 @@ def test_compile_blocks_compiles_vsa2_blocks_whole():
 
 
 @pytest.mark.gpu
-def test_compiled_vsa2_blocks_train_on_cuda_like_eager_ones():
-    """On CUDA the backward of diffusers' block forward compiled around the VSA2 graph break
-    fails (a [C] gradient for a [1, 1, C] modulation chunk, pytorch/pytorch#178080); the
-    compiled wan_block_forward trains, with the eager model's gradients (Triton kernels)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_vsa2_blocks_train_on_cuda_like_eager_ones(dtype):
+    """compile_blocks on CUDA with gradient checkpointing, as the trainer's full fine-tuning
+    runs it: the compiled wan_block_forward trains with the eager model's gradients (Triton
+    kernels); diffusers' forward compiled whole failed there in torch 2.11 (compile_blocks)."""
     from vsa2_rl.models.wan import compile_blocks
 
-    eager = _perturbed_vsa2_wan(torch.float32, device="cuda", backend="auto")
+    eager = _perturbed_vsa2_wan(dtype, device="cuda", backend="auto")
     model = compile_blocks(copy.deepcopy(eager))
-    inputs = [x.cuda() for x in _inputs(dtype=torch.float32, latent_thw=(4, 8, 8), batch=1)]
+    inputs = [x.cuda() for x in _inputs(dtype=dtype, latent_thw=(4, 8, 8), batch=1)]
     torch._dynamo.reset()
-    model.enable_gradient_checkpointing()  # as in the trainer's full fine-tuning
+    for m in (model, eager):
+        m.enable_gradient_checkpointing()
     got, want = _outputs_and_grads(model, inputs), _outputs_and_grads(eager, inputs)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
     for got_grad, want_grad in zip(got[1], want[1], strict=True):
-        torch.testing.assert_close(got_grad, want_grad, rtol=1e-2, atol=1e-3)
+        scale = float(want_grad.abs().max())
+        torch.testing.assert_close(got_grad, want_grad, rtol=tol, atol=tol * scale)
