@@ -175,13 +175,13 @@ def test_topp_selection_properties(sparsity, top_p, min_kv):
         assert row[n:] == [-1] * (kmax - n)
         assert len(set(ids)) == n and all(valid[i] for i in ids)
         probs = log_p[b, h, t].exp()
-        # the selected ids are the n most probable segments, best first
-        assert ids == probs.argsort(descending=True)[:n].tolist()
+        # the selected ids are the n most probable segments, in ascending id order
+        assert ids == sorted(probs.argsort(descending=True)[:n].tolist())
         mass = float(probs[ids].sum())
         if n < kmax:
             assert mass >= top_p - 1e-6
-        if n > min_kv:  # minimal: one fewer segment would not reach top_p
-            assert float(probs[ids[:-1]].sum()) < top_p + 1e-6
+        if n > min_kv:  # minimal: without its least probable segment the set is short of top_p
+            assert mass - float(probs[ids].min()) < top_p + 1e-6
         torch.testing.assert_close(
             out.log_probs[b, h, t, :n].double(), log_p[b, h, t, ids], rtol=1e-5, atol=1e-5
         )
@@ -294,11 +294,12 @@ def test_gpu_route_of_bf16_pooled_inputs_matches_float64(mode):
     for qx, kx in ((q, k), (q.double().cpu(), k.double().cpu())):
         qx, kx = qx.clone().requires_grad_(), kx.clone().requires_grad_()
         out = route(qx, kx, seg_lengths, sparsity=0.9, mode=mode, top_p=0.6, min_kv=2)
-        weights = torch.linspace(-1, 1, out.log_probs.shape[-1], dtype=out.log_probs.dtype)
-        grads = torch.autograd.grad((out.log_probs * weights.to(qx.device)).sum(), (qx, kx))
-        order = out.kv_indices.argsort(dim=-1)  # topk: no set order
-        outs.append([x.cpu().double() for x in (out.kv_indices.gather(-1, order),
-                     out.log_probs.gather(-1, order), out.kv_counts, *grads)])  # fmt: skip
+        order = out.kv_indices.argsort(dim=-1)  # torch.topk: no set order
+        log_p = out.log_probs.gather(-1, order)
+        weights = torch.linspace(-1, 1, log_p.shape[-1], dtype=log_p.dtype, device=qx.device)
+        grads = torch.autograd.grad((log_p * weights).sum(), (qx, kx))
+        outs.append([x.cpu().double() for x in (out.kv_indices.gather(-1, order), log_p,
+                     out.kv_counts, *grads)])  # fmt: skip
     got, want = outs
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
@@ -316,7 +317,7 @@ def test_route_triton_selection_equals_torch(sparsity, mode):
         qb, kb = q.clone().requires_grad_(), k.clone().requires_grad_()
         out = route(qb, kb, seg_lengths, sparsity=sparsity, mode=mode, top_p=0.6, min_kv=2,
                     backend=backend)  # fmt: skip
-        if mode == "topp":  # best first on both paths: the same slots, in the same order
+        if mode == "topp":  # ascending ids on both paths: the same slots, in the same order
             order = torch.arange(out.kv_indices.shape[-1]).expand_as(out.kv_indices)
         else:  # in no set order: compare in id order
             order = out.kv_indices.argsort(dim=-1)
