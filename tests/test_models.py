@@ -450,15 +450,31 @@ def test_compile_blocks_compiles_vsa2_blocks_whole():
         torch.testing.assert_close(_run(frozen, inputs), _run(eager, inputs), rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_vsa2_blocks_compile_once_for_a_new_grid():
+    """The pre-hook puts a new grid's tile/untile indices on the device before the compiled
+    blocks run. Made inside the first block's compiled call instead, they were found cached by
+    the next block (or call), which recompiled; under gradient checkpointing that recompile
+    came at the first block's recompute, whose graph then saved its tensors in another order
+    (CheckpointError on an H200 in float32)."""
+    from vsa2_rl.models.wan import compile_blocks
+
+    model = compile_blocks(_perturbed_vsa2_wan(torch.float32))
+    inputs = _inputs(dtype=torch.float32, latent_thw=(3, 10, 6), batch=1)  # a grid of its own
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = _run(model, inputs)
+        first.square().mean().backward()
+        torch.testing.assert_close(_run(model, inputs), first)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "dtype,checkpointing", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checkpointing", [False, True])
 def test_compiled_vsa2_blocks_train_on_cuda_like_eager_ones(dtype, checkpointing):
-    """compile_blocks on CUDA (Triton kernels), with gradient checkpointing as the trainer's
-    full fine-tuning runs it in bf16: the compiled wan_block_forward trains with the eager
-    model's gradients. (float32 with checkpointing fails torch.utils.checkpoint's recompute
-    check in torch 2.11, with diffusers' forward as well: README, "Compiled blocks".)"""
+    """compile_blocks on CUDA (Triton kernels), also with gradient checkpointing as the
+    trainer's full fine-tuning runs it: the compiled wan_block_forward trains with the eager
+    model's gradients. (float32 with checkpointing raised a CheckpointError before the layout's
+    indices were made outside the compiled blocks.)"""
     from vsa2_rl.models.wan import compile_blocks
 
     eager = _perturbed_vsa2_wan(dtype, device="cuda", backend="auto")

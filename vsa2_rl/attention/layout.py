@@ -128,6 +128,17 @@ class TileLayout:
     def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return self._on_device(("perm",), device, lambda: (self.perm, self.inv_perm))
 
+    def prepare(self, device: torch.device) -> TileLayout:
+        """Put the tile/untile indices on ``device`` now (cached); returns the layout.
+
+        Call it outside compiled code before compiled code tiles on that device: made inside
+        a compiled call, the indices are found cached by the next one, which fails a guard and
+        recompiles; under gradient checkpointing the recompute can then run another graph than
+        the forward did, which ``torch.utils.checkpoint`` rejects.
+        """
+        self._indices(device)
+        return self
+
     def lengths(self, kv_block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tile_lengths, segment_lengths(kv_block))`` on ``device``, cached."""
         return self._on_device(

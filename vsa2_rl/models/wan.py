@@ -85,7 +85,12 @@ class VSA2Context:
         latents = args[0] if args else kwargs["hidden_states"]
         frames, height, width = latents.shape[-3:]
         p_t, p_h, p_w = self.patch_size
-        self.layout = TileLayout.from_grid((frames // p_t, height // p_h, width // p_w))
+        # indices on the device before the (possibly compiled) blocks run: made in the first
+        # compiled block, the next block recompiled, and under gradient checkpointing the
+        # first block's recompute then ran the recompiled graph, which saved its tensors in
+        # another order (torch.utils.checkpoint raised, on an H200 in float32)
+        grid = (frames // p_t, height // p_h, width // p_w)
+        self.layout = TileLayout.from_grid(grid).prepare(latents.device)
 
 
 def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -188,13 +193,14 @@ def compile_blocks(transformer: nn.Module) -> nn.Module:
 
     A dense model compiles each block whole (diffusers' ``compile_repeated_blocks``). A VSA2
     block compiles whole too, with and without autograd, but runs :func:`wan_block_forward`
-    instead of diffusers' forward: the VSA2 call is a graph break inside the block (see
-    ``VSA2Attention._sparse_attention``), and with diffusers' forward the graph resumed after
-    it takes four of the six modulation chunks (views of one tensor) as inputs, whose
-    gradients AOT autograd returns as ``[C]`` instead of ``[1, 1, C]`` on CUDA in torch
-    2.10-2.11 (measured on an H200; pytorch/pytorch#178080 is the same bug).
-    ``wan_block_forward`` recomputes those chunks after the break, so no two inputs of the
-    resumed graph alias. Compiles on first use; returns the same transformer.
+    instead of diffusers' forward. The VSA2 call is a graph break inside the block (see
+    ``VSA2Attention._sparse_attention``); with diffusers' forward, the modulation chunks used
+    after the self-attention become inputs of the graph resumed after the break, and its
+    backward failed at the Wan-1.3B shape in bf16 on an H200 (torch 2.11: a ``[C]`` gradient
+    returned for a ``[1, 1, C]`` chunk; pytorch/pytorch#178080 is the same bug; a two-layer
+    test model does not reproduce it). ``wan_block_forward`` recomputes those chunks after the
+    break (a ``[B, 6, C]`` add), so none crosses it, and trains at that shape
+    (benchmarks/BENCHMARKS.md). Compiles on first use; returns the same transformer.
     """
     blocks = getattr(transformer, "blocks", None)
     if blocks is None or not any(hasattr(block.attn1, "vsa2") for block in blocks):
