@@ -12,10 +12,10 @@ The sparsity setting caps the budget: ``max_kv = ceil((1 - sparsity) * NSEG_vali
 runs on the device with the Triton kernel of ``topk_log_softmax`` (``torch.topk`` for rows of
 more than ``TRITON_TOPK_MAX_SEGMENTS`` segments and on the torch backend): ``topk`` keeps the
 KMAX winners, ``topp`` sorts them best first, takes a cumulative sum over their probabilities
-and keeps the smallest prefix that reaches ``top_p``, returned in ascending id order. No host sync and no per-token
-masks, so it can be captured in a CUDA graph at fixed shapes. The selection itself is not
-differentiable; ``log_probs`` (the log-softmax at the selected ids) is, and the fine stage adds
-``alpha * log_probs`` to the logits so router gradients flow through it.
+and keeps the smallest prefix that reaches ``top_p``, returned in ascending id order. No host
+sync and no per-token masks, so it can be captured in a CUDA graph at fixed shapes. The
+selection itself is not differentiable; ``log_probs`` (the log-softmax at the selected ids) is,
+and the fine stage adds ``alpha * log_probs`` to the logits so router gradients flow through it.
 """
 
 import math
