@@ -44,31 +44,31 @@ class RouterOutput(NamedTuple):
 
 
 class _TopLogProbs(torch.autograd.Function):
-    """The ``kmax`` best segments of each row and their log-softmax, lean in memory.
+    """The selected segments of each row, their log-softmax and their count, lean in memory.
 
-    Plain autograd would keep the full fp32 ``[B, H, NQ, NSEG]`` log-softmax for the backward:
-    0.9 GB per layer for Wan-14B at 720p (H=40, 1176 tiles, 4704 segments). This keeps only the
-    pooled inputs, the selected ids and the row log-sum-exp, and recomputes the scores in the
+    Selects the ``kmax`` best segments of each row and, with ``top_p``, the smallest set of
+    them whose softmax mass reaches ``top_p`` (clamped to ``[min(min_kv, kmax), kmax]``, the
+    count), stored first in ascending id order, the other winners after them. Plain autograd
+    would keep the full fp32 ``[B, H, NQ, NSEG]`` log-softmax for the backward: 0.9 GB per
+    layer for Wan-14B at 720p (H=40, 1176 tiles, 4704 segments). This keeps only the pooled
+    inputs, the selected ids and the row log-sum-exp, and recomputes the scores in the
     backward. Scores are computed in fp32 (float64 for float64 inputs, for gradcheck).
     """
 
     @staticmethod
     def forward(
-        ctx, q_pooled, k_seg_pooled, invalid, kmax: int, scale: float, best_first: bool,
-        triton_select: bool,
+        ctx, q_pooled, k_seg_pooled, invalid, kmax: int, scale: float, top_p: float | None,
+        min_kv: int, triton_select: bool,
     ):  # fmt: skip
         compute_dtype = torch.promote_types(q_pooled.dtype, torch.float32)
         mask_bias = _mask_bias(invalid, compute_dtype)
         scores = _scores_plus(mask_bias, q_pooled, k_seg_pooled, scale)  # (B, H, NQ, NSEG)
         nseg = scores.shape[-1]
         if triton_select and compute_dtype == torch.float32 and nseg <= TRITON_TOPK_MAX_SEGMENTS:
-            # one read of each row for the threshold, ids and lse; ids come ascending
-            top_log_p, top_idx, lse = topk_log_softmax(scores, kmax)
-            if best_first:  # a stable sort of the few winners: ties stay in id order
-                top_log_p, order = top_log_p.sort(dim=-1, descending=True, stable=True)
-                top_idx = top_idx.gather(-1, order)
+            # one read of each row for the threshold, ids, lse and the top-p count
+            top_log_p, top_idx, lse, counts = topk_log_softmax(scores, kmax, top_p, min_kv)
         else:
-            top_scores, top_idx = torch.topk(scores, kmax, dim=-1, sorted=best_first)
+            top_scores, top_idx = torch.topk(scores, kmax, dim=-1, sorted=top_p is not None)
             # log-sum-exp with the row max from top-k, in place: the scores are not needed any
             # more, so this costs no [B, H, NQ, NSEG] allocation and one pass fewer than
             # torch.logsumexp (the same formula and reductions, so the same bits)
@@ -77,13 +77,18 @@ class _TopLogProbs(torch.autograd.Function):
             )
             lse = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True).log_().add_(row_max)
             top_log_p = top_scores - lse
+            counts = None
+            if top_p is not None:  # best first: keep the smallest prefix reaching top_p
+                top_log_p, top_idx, counts = _keep_top_p(top_log_p, top_idx, top_p, min_kv, nseg)
+        if counts is None:
+            counts = torch.full(top_idx.shape[:-1], kmax, dtype=torch.int32, device=top_idx.device)
         ctx.save_for_backward(q_pooled, k_seg_pooled, mask_bias, top_idx, lse)
         ctx.scale = scale
-        ctx.mark_non_differentiable(top_idx)
-        return top_log_p, top_idx
+        ctx.mark_non_differentiable(top_idx, counts)
+        return top_log_p, top_idx, counts
 
     @staticmethod
-    def backward(ctx, grad_top, _grad_idx):
+    def backward(ctx, grad_top, _grad_idx, _grad_counts):
         q_pooled, k_seg_pooled, mask_bias, top_idx, lse = ctx.saved_tensors
         # d log_softmax_j / d s_i = [i == j] - p_i, summed over the selected j:
         # grad_s = p * (-sum_j grad_j) + scatter(grad); p = exp(s - lse) comes out of one GEMM
@@ -97,15 +102,22 @@ class _TopLogProbs(torch.autograd.Function):
         # the score scale is applied to the small [.., D] results, not to grad_scores
         grad_q = (grad_scores @ k_seg_pooled.to(lse.dtype)).mul_(ctx.scale)
         grad_k = (grad_scores.transpose(-1, -2) @ q_pooled.to(lse.dtype)).mul_(ctx.scale)
-        return (
-            grad_q.to(q_pooled.dtype),
-            grad_k.to(k_seg_pooled.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return grad_q.to(q_pooled.dtype), grad_k.to(k_seg_pooled.dtype), *([None] * 6)
+
+
+def _keep_top_p(top_log_p, top_idx, top_p: float, min_kv: int, nseg: int):
+    """Torch path of the top-p selection of ``topk_log_softmax``: from the KMAX winners best
+    first, the count of the smallest prefix whose mass reaches ``top_p`` (clamped to
+    ``[min(min_kv, KMAX), KMAX]``), and the winners reordered as the kept ids ascending, then
+    the others."""
+    kmax = top_idx.shape[-1]
+    probs = top_log_p.exp()
+    # slot j is kept iff the mass of the better slots is still short of top_p
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    counts = (mass_before < top_p).sum(dim=-1).clamp(min=min(min_kv, kmax), max=kmax)
+    kept = torch.arange(kmax, device=top_idx.device) < counts[..., None]
+    order = torch.where(kept, top_idx, top_idx + nseg).argsort(dim=-1)
+    return top_log_p.gather(-1, order), top_idx.gather(-1, order), counts.to(torch.int32)
 
 
 def _mask_bias(invalid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -208,7 +220,7 @@ def route(
             f"q_pooled and k_seg_pooled must be [B, H, N, D], got shapes "
             f"{tuple(q_pooled.shape)} and {tuple(k_seg_pooled.shape)}"
         )
-    B, H, NQ, D = q_pooled.shape
+    B, H, _, D = q_pooled.shape
     NSEG = k_seg_pooled.shape[2]
     if k_seg_pooled.shape[:2] != (B, H) or k_seg_pooled.shape[3] != D:
         raise ValueError(
@@ -231,30 +243,16 @@ def route(
     scale = D**-0.5 if scale is None else scale
 
     seg_lengths = seg_lengths.to(device=q_pooled.device)
-    # -- the KMAX best segments and their log-softmax over the valid segments ----
-    # KMAX <= NSEG_valid, so every one of them is a valid segment
-    top_log_p, top_idx = _TopLogProbs.apply(
-        q_pooled, k_seg_pooled, seg_lengths == 0, kmax, scale, mode == "topp", triton_select
-    )  # (B, H, NQ, KMAX) each; best first in "topp" mode; ascending ids (Triton) or no set
-    # order (torch.topk) in "topk" mode
+    # -- the selected segments and their log-softmax over the valid segments ----
+    # KMAX <= NSEG_valid, so every one of them is a valid segment. Slots < count are used:
+    # all KMAX in "topk" mode (ascending ids on the Triton path, no set order with torch.topk),
+    # the top-p set in ascending id order in "topp" mode
+    top_log_p, top_idx, counts = _TopLogProbs.apply(
+        q_pooled, k_seg_pooled, seg_lengths == 0, kmax, scale,
+        top_p if mode == "topp" else None, min_kv, triton_select,
+    )  # fmt: skip
     top_log_p = top_log_p.float()
-    if mode == "topk":
-        counts = torch.full((B, H, NQ), kmax, dtype=torch.int32, device=q_pooled.device)
-    else:
-        # slot j is kept iff the mass of the better slots is still short of top_p: this keeps
-        # the smallest prefix that reaches top_p (or all KMAX slots if the prefix would be longer)
-        probs = top_log_p.detach().exp()
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        counts = (mass_before < top_p).sum(dim=-1).clamp(min=min(min_kv, kmax), max=kmax)
-        counts = counts.to(torch.int32)
-
     used = torch.arange(kmax, device=q_pooled.device) < counts[..., None]  # (B, H, NQ, KMAX)
-    if mode == "topp":
-        # the kept slots (a prefix) in ascending id order, unused ones after them: the fine
-        # stage then walks a row's segments in memory order, as in "topk" mode on the Triton
-        # path (best first, it ran 6% slower at Wan 720p on an H200)
-        order = torch.where(used, top_idx, NSEG).argsort(dim=-1)
-        top_idx, top_log_p = top_idx.gather(-1, order), top_log_p.gather(-1, order)
     kv_indices = torch.where(used, top_idx.to(torch.int32), -1)
     log_probs = torch.where(used, top_log_p, 0.0)
 

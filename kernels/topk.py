@@ -10,10 +10,14 @@ log-sum-exp. It reads each row once and, in registers:
    order-preserving unsigned integers (32 counting passes over the row, no sort);
 3. keeps every score above that threshold and, of the scores equal to it, the first ones in
    index order until KMAX are kept: exactly KMAX distinct ids even with ties;
-4. writes the kept ids in ascending id order with their log-softmax values ``score - lse``.
+4. writes the kept ids in ascending id order with their log-softmax values ``score - lse``;
+5. for the router's "topp" mode, reads the KMAX winners back, sorts them best first in
+   registers (``tl.sort`` of (score key, id) packed into one integer), counts the smallest
+   prefix whose probability mass reaches top_p, and rewrites the winners as the kept ids
+   ascending followed by the others ascending.
 
-Ascending ids are a valid order for "topk" mode (``RouterOutput`` leaves it open); "topp" mode
-sorts the KMAX winners best first afterwards (``route``).
+In "topp" mode this replaced a sort of the winners, a cumulative sum and a second sort back to
+id order in torch (the fine stage runs faster over segments in id order).
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ def _ordered_bits(x):
 
 @triton.jit
 def _topk_log_softmax_kernel(
-    SCORES, TOP_LOGP, TOP_IDX, LSE, NSEG, KMAX,
-    NSEG_PAD: tl.constexpr,
+    SCORES, TOP_LOGP, TOP_IDX, LSE, COUNTS, NSEG, KMAX, TOP_P, MIN_KV,
+    NSEG_PAD: tl.constexpr, KMAX_PAD: tl.constexpr, TOPP: tl.constexpr,
 ):  # fmt: skip
     i_row = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, NSEG_PAD)
@@ -63,17 +67,56 @@ def _topk_log_softmax_kernel(
     o_out = tl.cumsum(m_keep.to(tl.int32), 0) - 1
     tl.store(TOP_IDX + i_row * KMAX + o_out, o_s.to(tl.int64), mask=m_keep)
     tl.store(TOP_LOGP + i_row * KMAX + o_out, b_x - b_lse, mask=m_keep)
+    if TOPP:
+        _keep_top_p(SCORES, TOP_LOGP, TOP_IDX, COUNTS, i_row, b_lse, NSEG, KMAX, TOP_P, MIN_KV,
+                    NSEG_PAD, KMAX_PAD)  # fmt: skip
+
+
+@triton.jit
+def _keep_top_p(
+    SCORES, TOP_LOGP, TOP_IDX, COUNTS, i_row, b_lse, NSEG, KMAX, TOP_P, MIN_KV,
+    NSEG_PAD: tl.constexpr, KMAX_PAD: tl.constexpr,
+):  # fmt: skip
+    """Top-p among the row's KMAX winners, stored ascending: the smallest set of best winners
+    whose probability mass reaches TOP_P, clamped to [min(MIN_KV, KMAX), KMAX], rewritten as
+    those ids ascending, then the other winners ascending, with the count in COUNTS."""
+    tl.debug_barrier()  # the winners stored above are read back by other threads
+    o_k = tl.arange(0, KMAX_PAD)
+    m_k = o_k < KMAX
+    b_id = tl.load(TOP_IDX + i_row * KMAX + o_k, mask=m_k, other=0)
+    b_key = tl.where(m_k, _ordered_bits(tl.load(TOP_LOGP + i_row * KMAX + o_k, mask=m_k)), 0)
+    # best first, ties in id order: sort (key, NSEG_PAD - 1 - id) descending as one integer
+    b_pack = (b_key.to(tl.uint64) << 32) | (NSEG_PAD - 1 - b_id).to(tl.uint64)
+    b_best = NSEG_PAD - 1 - (tl.sort(b_pack, descending=True) & 0xFFFFFFFF).to(tl.int64)
+    b_p = tl.where(m_k, tl.exp(tl.load(SCORES + i_row * NSEG + b_best, mask=m_k) - b_lse), 0.0)
+    # slot j is kept iff the mass of the better slots is still short of TOP_P
+    n_keep = tl.sum(((tl.cumsum(b_p, 0) - b_p < TOP_P) & m_k).to(tl.int32), 0)
+    n_keep = tl.minimum(tl.maximum(n_keep, tl.minimum(MIN_KV, KMAX)), KMAX)
+    # kept ids ascending, then the other winners ascending (padding last)
+    b_rank = tl.where(o_k < n_keep, 0, 1) + tl.where(m_k, 0, 1)
+    b_pack = (b_rank.to(tl.uint64) << 32) | b_best.to(tl.uint64)
+    b_out = (tl.sort(b_pack) & 0xFFFFFFFF).to(tl.int64)
+    b_logp = tl.load(SCORES + i_row * NSEG + b_out, mask=m_k) - b_lse
+    tl.debug_barrier()  # every thread has read the winners before they are overwritten
+    tl.store(TOP_IDX + i_row * KMAX + o_k, b_out, mask=m_k)
+    tl.store(TOP_LOGP + i_row * KMAX + o_k, b_logp, mask=m_k)
+    tl.store(COUNTS + i_row, n_keep)
 
 
 def topk_log_softmax(
-    scores: torch.Tensor, kmax: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``kmax`` largest entries of each row of float32 ``scores [..., NSEG]``.
+    scores: torch.Tensor, kmax: int, top_p: float | None = None, min_kv: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ``kmax`` largest entries of each row of float32 ``scores [..., NSEG]``, and with
+    ``top_p`` the nucleus among them.
 
-    Returns ``(log_probs, ids, lse)``: ``log_probs`` float32 ``[..., kmax]`` = score - lse at
-    the kept ids; ``ids`` int64 ``[..., kmax]``, distinct, ascending; ``lse`` float32
-    ``[..., 1]`` the row log-sum-exp. Every row needs at least ``kmax`` scores above -inf
-    (the router's budget never exceeds its valid segments). No host synchronisation.
+    Returns ``(log_probs, ids, lse, counts)``: ``log_probs`` float32 ``[..., kmax]`` = score -
+    lse at the kept ids; ``ids`` int64 ``[..., kmax]``, distinct, ascending; ``lse`` float32
+    ``[..., 1]`` the row log-sum-exp. With ``top_p``, ``counts`` int32 ``[...]`` is the size of
+    the smallest set of best winners whose softmax mass reaches ``top_p`` (ties in id order),
+    clamped to ``[min(min_kv, kmax), kmax]``, and the first ``counts`` slots of a row hold that
+    set, ascending, the rest the other winners, ascending; without it ``counts`` is None. Every
+    row needs at least ``kmax`` scores above -inf (the router's budget never exceeds its valid
+    segments). No host synchronisation.
     """
     if scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32, got {scores.dtype}")
@@ -85,9 +128,14 @@ def topk_log_softmax(
     log_probs = torch.empty((*scores.shape[:-1], kmax), device=scores.device)
     ids = torch.empty((*scores.shape[:-1], kmax), device=scores.device, dtype=torch.int64)
     lse = torch.empty((*scores.shape[:-1], 1), device=scores.device)
+    counts = None
+    if top_p is not None:
+        counts = torch.empty(scores.shape[:-1], device=scores.device, dtype=torch.int32)
     nseg_pad = triton.next_power_of_2(nseg)
     _topk_log_softmax_kernel[(rows,)](
-        scores, log_probs, ids, lse, nseg, kmax,
-        NSEG_PAD=nseg_pad, num_warps=4 if nseg_pad <= 2048 else 8,
+        scores, log_probs, ids, lse, counts, nseg, kmax,
+        1.0 if top_p is None else float(top_p), min_kv,
+        NSEG_PAD=nseg_pad, KMAX_PAD=triton.next_power_of_2(kmax), TOPP=top_p is not None,
+        num_warps=4 if nseg_pad <= 2048 else 8,
     )  # fmt: skip
-    return log_probs, ids, lse
+    return log_probs, ids, lse, counts

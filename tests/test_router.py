@@ -230,15 +230,15 @@ def test_log_probs_gradient_matches_float64_reference():
     torch.testing.assert_close(gk, rk, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("best_first", [True, False])
-def test_top_log_probs_gradcheck(best_first):
+@pytest.mark.parametrize("top_p", [None, 0.6])
+def test_top_log_probs_gradcheck(top_p):
     """The memory-lean autograd Function behind log_probs, in float64 (it recomputes scores)."""
     from vsa2_rl.kernels.router import _TopLogProbs
 
     q, k, seg_lengths = _router_case(nseg=12, nq=3, D=4)
     q.requires_grad_(True)
     k.requires_grad_(True)
-    fn = lambda a, b: _TopLogProbs.apply(a, b, seg_lengths == 0, 4, 0.5, best_first, False)[0]
+    fn = lambda a, b: _TopLogProbs.apply(a, b, seg_lengths == 0, 4, 0.5, top_p, 1, False)[0]
     assert torch.autograd.gradcheck(fn, (q, k))
 
 
@@ -254,7 +254,8 @@ def test_triton_topk_keeps_exactly_the_k_largest_with_ties(kmax):
     scores[0, 0, 0, :5] = float("-inf")  # masked segments (40 valid remain)
     scores[0, 1, 2] = 0.25  # a row of ties only
     scores[1, 2, 3, ::3] = 2.0  # 15 ties at the top
-    log_p, ids, lse = topk_log_softmax(scores, kmax)
+    log_p, ids, lse, counts = topk_log_softmax(scores, kmax)
+    assert counts is None
     ref_lse = torch.logsumexp(scores.double(), dim=-1, keepdim=True)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
     assert ids.shape == (2, 3, 4, kmax) and (ids.diff(dim=-1) > 0).all(), "distinct, ascending"
@@ -269,18 +270,65 @@ def test_triton_topk_keeps_exactly_the_k_largest_with_ties(kmax):
     assert torch.equal(ids[unique_rows], ref_ids[unique_rows])
 
 
+def _top_p_reference(scores, kmax, top_p, min_kv):
+    """float64 top-p among the kmax best (ties in id order): expected ids (kept ascending, then
+    the other winners ascending), counts, and the rows whose boundary lies within 1e-5 of
+    top_p (where float32 sums may round either way)."""
+    s64 = scores.double()
+    order = torch.sort(-s64, dim=-1, stable=True).indices[..., :kmax]  # best first, ties by id
+    probs = (s64.gather(-1, order) - torch.logsumexp(s64, dim=-1, keepdim=True)).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    counts = (mass_before < top_p).sum(dim=-1).clamp(min(min_kv, kmax), kmax)
+    kept = torch.arange(kmax) < counts[..., None].cpu()
+    ranked = torch.where(kept.to(order.device), order, order + scores.shape[-1]).sort().values
+    ids = torch.where(ranked >= scores.shape[-1], ranked - scores.shape[-1], ranked)
+    near = ((mass_before - top_p).abs() < 1e-5).any(dim=-1)
+    return ids, counts, near
+
+
+@pytest.mark.nan_empty
+@pytest.mark.parametrize(
+    "kmax,top_p,min_kv", [(8, 0.5, 1), (8, 0.999, 1), (8, 1e-3, 3), (1, 0.9, 2)]
+)
+def test_triton_top_p_keeps_the_smallest_best_set_reaching_top_p(kmax, top_p, min_kv):
+    from vsa2_rl.kernels.topk import topk_log_softmax
+
+    scores = torch.randn(2, 3, 4, 45) * 2
+    scores[0, 0, 0, :5] = float("-inf")  # masked segments
+    scores[0, 1, 2] = 0.25  # a row of ties only
+    scores[1, 2, 3, ::3] = 2.0  # ties at the top
+    log_p, ids, _, counts = topk_log_softmax(scores, kmax, top_p, min_kv)
+    ref_ids, ref_counts, near = _top_p_reference(scores, kmax, top_p, min_kv)
+    assert near.float().mean() < 0.1
+    assert torch.equal(counts[~near], ref_counts[~near].to(torch.int32))
+    assert torch.equal(ids[~near], ref_ids[~near])
+    ref_lse = torch.logsumexp(scores.double(), dim=-1, keepdim=True)
+    torch.testing.assert_close(
+        log_p.double(), scores.gather(-1, ids) - ref_lse, rtol=1e-6, atol=1e-6
+    )
+    # the all-ties row: equal probabilities 1/45 each, so top_p is reached after ceil(45 * p)
+    assert ids[0, 1, 2, : int(counts[0, 1, 2])].tolist() == list(range(int(counts[0, 1, 2])))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("nseg,kmax", [(1181, 59), (4725, 237)])
 def test_gpu_triton_topk_at_wan_720p_sizes(nseg, kmax):
     from vsa2_rl.kernels.topk import topk_log_softmax
 
     scores = torch.randn(1, 40, 1181, nseg, device="cuda")
-    log_p, ids, lse = topk_log_softmax(scores, kmax)
+    log_p, ids, lse, _ = topk_log_softmax(scores, kmax)
     ref_ids = scores.topk(kmax, dim=-1).indices
     assert torch.equal(ids, ref_ids.sort(dim=-1).values)
     ref_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(log_p, scores.gather(-1, ids) - ref_lse, rtol=1e-5, atol=1e-5)
+    if nseg <= 2048:  # the router's top-p runs in this kernel for such rows
+        scores = scores[:, :8] * 4  # peaked rows: top-p sets smaller than the budget
+        log_p, ids, lse, counts = topk_log_softmax(scores, kmax, 0.9, 2)
+        ref_ids, ref_counts, near = _top_p_reference(scores, kmax, 0.9, 2)
+        assert near.float().mean() < 0.01 and ref_counts.float().mean() < kmax
+        assert torch.equal(counts[~near], ref_counts[~near].to(torch.int32))
+        assert torch.equal(ids[~near], ref_ids[~near])
 
 
 @pytest.mark.gpu
