@@ -769,8 +769,8 @@ def bsa_backward(
     _bsa_bwd_dq_kernel[(NQ, B * H)](
         q, k, v, desc_k, desc_v, out, dout, lse, dlse_arg, delta, dq, dbias, mass,
         kv_indices, kv_counts, bias, lens,
-        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out), *_bhs_strides(dout),
-        scale * LOG2E, scale,
+        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out),
+        *_bhs_strides(dout), scale * LOG2E, scale,
         H=H, S=S, NQ=NQ, KMAX=KMAX,
         Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
         HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None,

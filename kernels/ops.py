@@ -1,4 +1,5 @@
-"""Public entry point of the VSA2 fine stage: ``block_sparse_attention`` (DESIGN.md "Kernel contract").
+"""Public entry point of the VSA2 fine stage: ``block_sparse_attention`` (DESIGN.md, "Kernel
+contract").
 
 The Triton path is registered as two ``torch.library.custom_op``s (forward and backward) with fake
 implementations and an autograd formula, so ``torch.compile`` traces it as opaque ops without a
@@ -179,8 +180,8 @@ def _check_shapes(
     KMAX = kv_indices.shape[3]
     if B * H * NQ * KMAX >= 2**31:
         raise ValueError(
-            f"kv_indices has {B * H * NQ * KMAX} entries; the kernel's int32 pair ids need < 2**31: "
-            "split the batch or heads"
+            f"kv_indices has {B * H * NQ * KMAX} entries; the kernel's int32 pair ids need "
+            "< 2**31: split the batch or heads"
         )
     if not isinstance(kv_counts, torch.Tensor) or kv_counts.dtype != torch.int32:
         got = kv_counts.dtype if isinstance(kv_counts, torch.Tensor) else type(kv_counts).__name__

@@ -139,8 +139,9 @@ def _pool_qkv_fwd_kernel(
     SEGMENTS: tl.constexpr,
     KV_TILES: tl.constexpr,
 ):
-    # one program per (query tile, head, batch). Each token of q, k and v is read once: the tile means of q (and of k, v for the coarse
-    # stage) and the segment means of k (router) come out of the same loads.
+    # one program per (query tile, head, batch). Each token of q, k and v is read once: the
+    # tile means of q (and of k, v for the coarse stage) and the segment means of k (router)
+    # come out of the same loads.
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_t = tl.load(tlen_ptr + i_t)
     # divide (not multiply by a reciprocal) as pool_tiles does, to give the same bits
