@@ -450,6 +450,35 @@ def test_compile_blocks_compiles_vsa2_blocks_whole():
         torch.testing.assert_close(_run(frozen, inputs), _run(eager, inputs), rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_vsa2_blocks_with_lora_adapters_match_eager_and_switch_them_off():
+    """The recipes' LoRA runs: compiled VSA2 blocks with peft adapters give the eager model's
+    outputs and gradients, and with the adapters disabled (the KL reference policy) its
+    adapter-free outputs."""
+    from peft import LoraConfig
+
+    from vsa2_rl.models.wan import compile_blocks
+
+    eager = _perturbed_vsa2_wan(torch.float32)
+    eager.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"]))
+    with torch.no_grad():  # non-zero adapters (peft starts lora_B at 0)
+        for name, p in eager.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model = compile_blocks(copy.deepcopy(eager))
+    inputs = _inputs(dtype=torch.float32, latent_thw=(4, 8, 8), batch=1)
+    torch._dynamo.reset()
+    got, want = _outputs_and_grads(model, inputs), _outputs_and_grads(eager, inputs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for got_grad, want_grad in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        for m in (model, eager):
+            m.disable_adapters()
+        adapters_off = _run(model, inputs)
+        torch.testing.assert_close(adapters_off, _run(eager, inputs), rtol=1e-5, atol=1e-5)
+        assert (adapters_off - want[0]).abs().max() > 1e-2, "the adapters must matter here"
+
+
 def test_compiled_vsa2_blocks_compile_once_for_a_new_grid():
     """The pre-hook puts a new grid's tile/untile indices on the device before the compiled
     blocks run. Made inside the first block's compiled call instead, they were found cached by

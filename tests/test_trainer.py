@@ -188,11 +188,15 @@ def test_empty_prompt_file_is_rejected_before_any_work(tmp_path):
     assert not os.path.exists(config.out_dir)
 
 
-def test_compiled_blocks_train_like_eager_ones(tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_compiled_blocks_train_like_eager_ones(tmp_path, lora):
     """model.compile_blocks=true (torch.compile of every block, inductor) changes the speed, not
     the run: same rewards, same first-minibatch ratio, nearly the same update; and the blocks
-    keep working when the sparsity changes between rollout/training and evaluation."""
+    keep working when the sparsity changes between rollout/training and evaluation. With LoRA
+    (the recipes' setting) the KL reference runs the same compiled blocks, adapters off."""
     common = ("train.num_steps=1", "eval.every=1", "eval.num_prompts=2")
+    if lora:
+        common += ("model.lora.enabled=true", "grpo.kl_beta=0.1")
     eager = _config(tmp_path, *common, name="eager")
     compiled = _config(tmp_path, *common, "model.compile_blocks=true", name="compiled")
     assert compiled.sparsity.train != compiled.sparsity.eval
@@ -200,6 +204,12 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path):
     train(compiled)
     rows_e, rows_c = _rows(eager.out_dir), _rows(compiled.out_dir)
     assert rows_c[-1]["train/ratio_dev_first"] < 1e-3
-    for key in ("reward/mean", "reward/std", "train/grad_norm", "eval/reward"):
+    for key in ("reward/mean", "reward/std", "eval/reward"):
         assert rows_c[-1][key] == pytest.approx(rows_e[-1][key], rel=1e-3), key
     assert rows_c[0]["eval/reward"] == pytest.approx(rows_e[0]["eval/reward"], rel=1e-3)
+    # the update: each group's two samples pull in nearly opposite directions, so the summed
+    # gradient magnifies float differences of the compiled kernels; the LoRA gradient, the
+    # smaller difference, varied by 0.2-0.5% between runs (test_models checks the compiled
+    # LoRA model's own gradients to 1e-5)
+    rel = 1e-2 if lora else 1e-3
+    assert rows_c[-1]["train/grad_norm"] == pytest.approx(rows_e[-1]["train/grad_norm"], rel=rel)
