@@ -204,12 +204,13 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path, lora):
     train(compiled)
     rows_e, rows_c = _rows(eager.out_dir), _rows(compiled.out_dir)
     assert rows_c[-1]["train/ratio_dev_first"] < 1e-3
-    for key in ("reward/mean", "reward/std", "eval/reward"):
+    # before the update: the rollout and the first evaluation
+    for key in ("reward/mean", "reward/std"):
         assert rows_c[-1][key] == pytest.approx(rows_e[-1][key], rel=1e-3), key
     assert rows_c[0]["eval/reward"] == pytest.approx(rows_e[0]["eval/reward"], rel=1e-3)
-    # the update: each group's two samples pull in nearly opposite directions, so the summed
-    # gradient magnifies float differences of the compiled kernels; the LoRA gradient, the
-    # smaller difference, varied by 0.2-0.5% between runs (test_models checks the compiled
-    # LoRA model's own gradients to 1e-5)
-    rel = 1e-2 if lora else 1e-3
-    assert rows_c[-1]["train/grad_norm"] == pytest.approx(rows_e[-1]["train/grad_norm"], rel=rel)
+    # the update and the evaluation after it: each group's two samples pull in nearly opposite
+    # directions, so the summed gradient magnifies float differences of the compiled kernels;
+    # with LoRA both varied by 0.2-0.5% between runs (test_models checks the compiled LoRA
+    # model's own gradients to 1e-4)
+    for key in ("train/grad_norm", "eval/reward"):
+        assert rows_c[-1][key] == pytest.approx(rows_e[-1][key], rel=1e-2 if lora else 1e-3), key
