@@ -110,11 +110,12 @@ def topk_log_softmax(
     ``top_p`` the nucleus among them.
 
     Returns ``(log_probs, ids, lse, counts)``: ``log_probs`` float32 ``[..., kmax]`` = score -
-    lse at the kept ids; ``ids`` int64 ``[..., kmax]``, distinct, ascending; ``lse`` float32
-    ``[..., 1]`` the row log-sum-exp. With ``top_p``, ``counts`` int32 ``[...]`` is the size of
-    the smallest set of best winners whose softmax mass reaches ``top_p`` (ties in id order),
-    clamped to ``[min(min_kv, kmax), kmax]``, and the first ``counts`` slots of a row hold that
-    set, ascending, the rest the other winners, ascending; without it ``counts`` is None. Every
+    lse at the kept ids; ``ids`` int64 ``[..., kmax]``, distinct (ascending without ``top_p``);
+    ``lse`` float32 ``[..., 1]`` the row log-sum-exp. With ``top_p``, ``counts`` int32 ``[...]``
+    is the size of the smallest set of best winners whose softmax mass reaches ``top_p`` (ties
+    in id order), clamped to ``[min(min_kv, kmax), kmax]``, and the first ``counts`` slots of a
+    row hold that set, ascending, the rest the other winners, ascending; without it ``counts``
+    is None. Every
     row needs at least ``kmax`` scores above -inf (the router's budget never exceeds its valid
     segments). No host synchronisation.
     """
