@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
-#     [ab] [profile] [wan] [gpu1] [engines] [resume]
+#     [ab] [host_ab] [profile] [wan] [gpu1] [engines] [resume]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -70,6 +70,17 @@ for part in "${parts[@]}"; do
           --kv-blocks ${KV_BLOCKS:-16,64} --sparsities 0.95 --no-flex --no-fastvideo \
           --router-modes ${ROUTER_MODES:-topk} --out "$OUT/ab_$tree.md" > /dev/null 2>&1
         echo "-- $tree"; grep "ours\|cudnn" "$OUT/ab_$tree.md"
+      done ;;
+    host_ab)  # wall / host-issue / device time of the full op, last commit vs this tree
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site_base .whl_base/*.whl || exit 1
+      for case in ${HOST_CASES:-480p:16 720p:64}; do
+        for tree in base new; do
+          site=/tmp/site; [ $tree = base ] && site=/tmp/site_base:/tmp/site
+          echo "-- $tree $case"
+          PYTHONPATH=$site timeout 100 python3 benchmarks/tune_kernels.py --host \
+            --shape ${case%:*} --kv-block ${case#*:} --mode topp 2>/dev/null | grep "^|" | tail -2
+        done
       done ;;
     profile)  # per-kernel device times of the full op (router, pooling, fusion, fine stage)
       timeout 120 python3 benchmarks/tune_kernels.py --profile --rows 22 > "$OUT/profile.txt" 2>&1

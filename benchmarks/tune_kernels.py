@@ -6,24 +6,34 @@ Two parts, both at the Wan2.1-14B 720p shape (B=1, H=40, S=75264, D=128, bf16):
 * ``--profile``: per-kernel device time (torch profiler) of one ``vsa2_attention`` forward +
   backward with the coarse stage on, so the router / pooling / fusion overhead around the fine
   stage can be read kernel by kernel, then summed by part of the op (``PARTS``);
+* ``--host``: at a chosen shape (``--shape``), kv_block and router mode, the forward alone and
+  forward + backward of ``vsa2_attention``: wall time per call (``do_bench``), the host time of
+  issuing one call (no synchronisation), and the device time summed by part. Where the host
+  time exceeds the device time, the op is launch-bound and the wall time is host time;
 * ``--sweep``: each fine-stage kernel (forward, dQ pass, dK/dV pass) pinned in turn to every
   candidate ``triton.Config`` (the others keep their autotuned choice), timed with
   ``triton.testing.do_bench`` medians; prints one line per configuration, best first.
 
     python benchmarks/tune_kernels.py --profile --sweep
+    python benchmarks/tune_kernels.py --host --shape 480p --kv-block 16 --mode topp
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
+import pstats
 import sys
+import time
 
 import torch
 import triton
 from triton.testing import do_bench
 
 B, H, S, D = 1, 40, 75264, 128
+# (H, S) of the Wan shapes; the default (B, H, S, D) above is 720p
+SHAPES = {"480p": (12, 32768), "720p": (40, 75264)}
 
 
 def inputs(kv_block: int, sparsity: float):
@@ -81,7 +91,9 @@ def _print_parts(totals: dict[str, float]) -> None:
     )
 
 
-def profile_full_op(kv_block: int, sparsity: float, rows: int, mode: str = "topk") -> None:
+def full_op_calls(kv_block: int, sparsity: float, mode: str):
+    """(forward, forward + backward) of ``vsa2_attention`` with the coarse stage on, at the
+    module-level (B, H, S, D), device-resident lengths (no host sync)."""
     from vsa2_rl.config import VSA2Config
     from vsa2_rl.kernels import vsa2_attention
 
@@ -93,12 +105,64 @@ def profile_full_op(kv_block: int, sparsity: float, rows: int, mode: str = "topk
     alpha = torch.zeros(H, device="cuda", requires_grad=True)
     gate_c = torch.full((B, H, S, D), 0.1, device="cuda", dtype=q.dtype, requires_grad=True)
 
-    def step():
+    def forward():
         out, _ = vsa2_attention(
             q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=sparsity,
             alpha=alpha, gate_coarse=gate_c, config=cfg, num_valid_segments=S // kv_block,
         )  # fmt: skip
-        torch.autograd.grad(out, (q, k, v, alpha, gate_c), go)
+        return out
+
+    def step():
+        torch.autograd.grad(forward(), (q, k, v, alpha, gate_c), go)
+
+    return forward, step
+
+
+def _host_ms(fn, calls: int = 20) -> float:
+    """Mean host time of issuing ``fn`` (no synchronisation inside the timed span)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def _device_parts(fn) -> dict[str, float]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return _device_ms_by_part(prof)
+
+
+def host_vs_device(kv_block: int, sparsity: float, mode: str) -> None:
+    """Wall, host-issue and device time of the full op, forward alone and forward + backward."""
+    forward, step = full_op_calls(kv_block, sparsity, mode)
+
+    def forward_no_grad():
+        with torch.no_grad():
+            forward()
+
+    print(f"\n-- full op at H={H} S={S}, kv{kv_block}, sparsity {sparsity}, {mode} --")
+    print("| call | wall ms | host-issue ms | device ms | device ms by part |")
+    print("|---|---|---|---|---|")
+    for label, fn in (("forward (no grad)", forward_no_grad), ("forward + backward", step)):
+        fn()
+        fn()
+        wall = do_bench(fn, warmup=5, rep=50, return_mode="median")
+        host = _host_ms(fn)
+        parts = _device_parts(fn)
+        by_part = ", ".join(f"{p} {ms:.3f}" for p, ms in sorted(parts.items(), key=lambda x: -x[1]))
+        print(f"| {label} | {wall:.3f} | {host:.3f} | {sum(parts.values()):.3f} | {by_part} |")
+    # where the host time of the forward goes: Python functions by own time, 20 calls
+    profiler = cProfile.Profile()
+    profiler.runcall(_host_ms, forward_no_grad)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
+def profile_full_op(kv_block: int, sparsity: float, rows: int, mode: str = "topk") -> None:
+    _, step = full_op_calls(kv_block, sparsity, mode)
 
     step()
     step()
@@ -177,10 +241,19 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--rows", type=int, default=28, help="kernels listed per profile")
+    p.add_argument("--host", action="store_true", help="host vs device time of the full op")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="720p", help="for --host")
+    p.add_argument("--kv-block", type=int, default=16, help="for --host")
+    p.add_argument("--mode", choices=("topk", "topp"), default="topp", help="for --host")
+    p.add_argument("--sparsity", type=float, default=0.95, help="for --host")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("tune_kernels.py needs a CUDA device")
     torch.manual_seed(0)
+    if args.host:
+        global H, S
+        H, S = SHAPES[args.shape]
+        host_vs_device(args.kv_block, args.sparsity, args.mode)
     if args.profile:
         profile_full_op(64, 0.95, args.rows)
         profile_full_op(64, 0.95, args.rows, mode="topp")

@@ -134,7 +134,6 @@ def _pool_qkv_fwd_kernel(
     Q_TILE: tl.constexpr,
     KV_BLOCK: tl.constexpr,
     BQ: tl.constexpr,
-    BKV: tl.constexpr,
     BD: tl.constexpr,
     SEGMENTS: tl.constexpr,
     KV_TILES: tl.constexpr,
@@ -142,6 +141,7 @@ def _pool_qkv_fwd_kernel(
     # one program per (query tile, head, batch). Each token of q, k and v is read once: the
     # tile means of q (and of k, v for the coarse stage) and the segment means of k (router)
     # come out of the same loads.
+    tl.static_assert(BQ == Q_TILE, "q_tile must be a power of two")
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_t = tl.load(tlen_ptr + i_t)
     # divide (not multiply by a reciprocal) as pool_tiles does, to give the same bits
@@ -149,7 +149,6 @@ def _pool_qkv_fwd_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     o_q = tl.arange(0, BQ)
-    o_kv = tl.arange(0, BKV)
     i_b64, i_h64 = i_b.to(tl.int64), i_h.to(tl.int64)
     row0 = i_t.to(tl.int64) * Q_TILE
     o_row = ((i_b64 * H + i_h) * NQ + i_t) * D + o_d
@@ -172,34 +171,34 @@ def _pool_qkv_fwd_kernel(
             vt_ptr + o_row, (tl.sum(b_v, axis=0) / n_t_div).to(vt_ptr.dtype.element_ty), mask=m_d
         )
     if SEGMENTS or KV_TILES:
-        # [BD] running sum of the tile's valid keys, built from the segment loads
-        b_kt = tl.zeros([BD], dtype=tl.float32)
-        for j in tl.static_range(Q_TILE // KV_BLOCK):
-            i_s = i_t * (Q_TILE // KV_BLOCK) + j
-            n_s = tl.load(slen_ptr + i_s)
-            m_seg = (o_kv < n_s) & (o_kv < KV_BLOCK)
-            m_in_tile = (j * KV_BLOCK + o_kv < n_t) & (o_kv < KV_BLOCK)
-            m_load = m_seg
-            if KV_TILES:
-                m_load = m_seg | m_in_tile
-            r_k = row0 + j * KV_BLOCK + o_kv[:, None]
-            p_k = (
-                k_ptr
-                + i_b64 * stride_kb
-                + i_h64 * stride_kh
-                + r_k * stride_ks
-                + o_d[None, :] * stride_kd
-            )
-            # [BKV, BD]
-            b_k = tl.load(p_k, mask=m_load[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-            if SEGMENTS:
-                b_ks = tl.sum(tl.where(m_seg[:, None], b_k, 0.0), axis=0)
-                b_ks = b_ks / tl.maximum(n_s, 1).to(tl.float32)
-                p_ks = ((i_b64 * H + i_h) * (NQ * (Q_TILE // KV_BLOCK)) + i_s) * D + o_d
-                tl.store(ks_ptr + p_ks, b_ks.to(ks_ptr.dtype.element_ty), mask=m_d)
-            if KV_TILES:
-                b_kt += tl.sum(tl.where(m_in_tile[:, None], b_k, 0.0), axis=0)
+        # the tile's keys in one load (BQ = Q_TILE, both powers of two); row r of the tile is
+        # key r % KV_BLOCK of the tile's segment r // KV_BLOCK
+        NSEGT: tl.constexpr = Q_TILE // KV_BLOCK
+        i_s0 = i_t * NSEGT
+        n_s_row = tl.load(slen_ptr + i_s0 + o_q // KV_BLOCK)
+        m_seg = (o_q % KV_BLOCK) < n_s_row
+        m_in_tile = o_q < n_t
+        m_load = m_seg
         if KV_TILES:
+            m_load = m_seg | m_in_tile
+        p_k = (
+            k_ptr
+            + i_b64 * stride_kb
+            + i_h64 * stride_kh
+            + r_q * stride_ks
+            + o_d[None, :] * stride_kd
+        )
+        # [BQ, BD]
+        b_k = tl.load(p_k, mask=m_load[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        if SEGMENTS:
+            # [NSEGT, BD] segment means
+            b_ks = tl.sum(tl.reshape(tl.where(m_seg[:, None], b_k, 0.0), [NSEGT, KV_BLOCK, BD]), 1)
+            o_j = tl.arange(0, NSEGT)
+            b_ks = b_ks / tl.maximum(tl.load(slen_ptr + i_s0 + o_j), 1).to(tl.float32)[:, None]
+            p_ks = ((i_b64 * H + i_h) * (NQ * NSEGT) + i_s0 + o_j[:, None]) * D + o_d[None, :]
+            tl.store(ks_ptr + p_ks, b_ks.to(ks_ptr.dtype.element_ty), mask=m_d[None, :])
+        if KV_TILES:
+            b_kt = tl.sum(tl.where(m_in_tile[:, None], b_k, 0.0), axis=0)
             tl.store(kt_ptr + o_row, (b_kt / n_t_div).to(kt_ptr.dtype.element_ty), mask=m_d)
 
 
@@ -397,8 +396,7 @@ class _PoolQKV(torch.autograd.Function):
             q, k, v, tile_lengths, seg_lengths, q_tiles, k_segs, k_tiles, v_tiles,
             *q.stride(), *k.stride(), *v.stride(), H, NQ, D,
             Q_TILE=q_tile, KV_BLOCK=kv_block, BQ=triton.next_power_of_2(q_tile),
-            BKV=triton.next_power_of_2(kv_block), BD=triton.next_power_of_2(D),
-            SEGMENTS=segments, KV_TILES=kv_tiles,
+            BD=triton.next_power_of_2(D), SEGMENTS=segments, KV_TILES=kv_tiles,
         )  # fmt: skip
         ctx.save_for_backward(tile_lengths, seg_lengths)
         ctx.q_tile, ctx.kv_block = q_tile, kv_block
@@ -463,8 +461,9 @@ def pool_qkv(
         kv_tiles: also pool k and v per tile (``k_tiles``, ``v_tiles``, the coarse stage's).
 
     Returns:
-        ``PooledQKV``; each mean equals ``pool_tiles`` with the Triton backend on the same
-        blocks (fp32 accumulation, x's dtype). Use the returned ``q``, ``k``, ``v`` in place of
+        ``PooledQKV``; fp32 accumulation, x's dtype. The tile means of q equal ``pool_tiles``
+        with the Triton backend bit for bit; the means of k and v (reduced from one load of the
+        tile's keys) agree with it up to the order of the float32 sums. Use the returned ``q``, ``k``, ``v`` in place of
         the inputs downstream: their gradients and the pooling gradients then meet in one pass.
     """
     return PooledQKV(

@@ -6,8 +6,10 @@ KMAX=59; this kernel: 1.4 ms including the log-sum-exp), followed by the passes 
 log-sum-exp. It reads each row once and, in registers:
 
 1. computes the row log-sum-exp (max, then sum of exp);
-2. finds the KMAX-th largest score exactly by a bitwise binary search over the scores mapped to
-   order-preserving unsigned integers (32 counting passes over the row, no sort);
+2. finds a threshold for the KMAX largest scores exactly by a bitwise binary search over the
+   scores mapped to order-preserving unsigned integers (one counting pass over the row per bit,
+   no sort), stopping once exactly KMAX scores reach it (about 16 of the 32 bits with distinct
+   scores; all 32 only where ties straddle the KMAX-th place);
 3. keeps every score above that threshold and, of the scores equal to it, the first ones in
    index order until KMAX are kept: exactly KMAX distinct ids even with ties;
 4. writes the kept ids in ascending id order with their log-softmax values ``score - lse``;
@@ -50,14 +52,22 @@ def _topk_log_softmax_kernel(
     b_lse = b_max + tl.log(tl.sum(tl.exp(b_x - b_max), 0))
     tl.store(LSE + i_row, b_lse)
 
-    # -- the KMAX-th largest key: the largest t with count(key >= t) >= KMAX, bit by bit ----
+    # -- a threshold t with count(key >= t) = KMAX if one exists, else the KMAX-th largest key:
+    # the largest t with count(key >= t) >= KMAX, bit by bit from the top, stopping as soon as
+    # exactly KMAX keys reach t (about 16 of the 32 bits for distinct scores; every key kept
+    # then lies at or above t, so the selection below is the same as with the exact key) ----
     # padding gets key 0, below every real score (-inf maps to 0x007FFFFF), so it never counts
+    # past the first bit
     b_key = tl.where(m_s, _ordered_bits(b_x), tl.zeros([NSEG_PAD], tl.uint32))
     b_thr = tl.zeros([], tl.uint32)
-    for i_bit in tl.static_range(31, -1, -1):
-        b_try = b_thr | tl.full([], 1 << i_bit, tl.uint32)
-        n_ge = tl.sum((b_key >= b_try).to(tl.int32), 0)
-        b_thr = tl.where(n_ge >= KMAX, b_try, b_thr)
+    n_ge = tl.full([], NSEG_PAD, tl.int32)  # count(key >= 0)
+    i_bit = tl.full([], 31, tl.int32)
+    while (i_bit >= 0) & (n_ge != KMAX):
+        b_try = b_thr | (tl.full([], 1, tl.uint32) << i_bit.to(tl.uint32))
+        n_try = tl.sum((b_key >= b_try).to(tl.int32), 0)
+        b_thr = tl.where(n_try >= KMAX, b_try, b_thr)
+        n_ge = tl.where(n_try >= KMAX, n_try, n_ge)
+        i_bit -= 1
 
     # -- keep all keys above it, and ties in id order up to KMAX ----
     m_above = b_key > b_thr

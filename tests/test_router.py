@@ -85,7 +85,9 @@ def test_pool_qkv_matches_pool_tiles_and_adds_gradients(q_tile, kv_block):
         q, k, v, tlen, slen, q_tile=q_tile, kv_block=kv_block, segments=True, kv_tiles=True
     )
     assert torch.equal(pooled.q_tiles, pool_tiles(q, tlen, q_tile, backend="triton"))
-    assert torch.equal(pooled.k_segs, pool_tiles(k, slen, kv_block, backend="triton"))
+    torch.testing.assert_close(
+        pooled.k_segs, pool_tiles(k, slen, kv_block, backend="triton"), rtol=1e-6, atol=1e-7
+    )
     ref_means = [
         _pool_reference(x.detach(), lens, block)
         for x, lens, block in (
