@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
-#     [ab] [host_ab] [profile] [wan] [gpu1] [engines] [resume]
+#     [ab] [host_ab] [profile] [wan] [resume_toy] [gpu1] [engines] [resume]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -97,6 +97,20 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/gpu1 ddp=/tmp/mg/ddp_2gpu zero2=/tmp/mg/zero2 \
         zero3=/tmp/mg/zero3 --out "$OUT/multigpu.md" ;;
+    resume_toy)  # issue 8 on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and
+      # resumed equals the uninterrupted 3-step run
+      toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy grpo.prompts_per_step=2
+        grpo.group_size=4 sampler.num_steps=8 train.checkpoint_every=1 logging.progress=false"
+      printf 'rewards:\n  functions:\n    - name: image_quality\n' > /tmp/toy_gpu.yaml
+      for engine in ${ENGINES:-zero3}; do
+        for run in full:3 resumed:2 resumed:3; do
+          PYTHONSAFEPATH=1 timeout 90 accelerate launch --config_file configs/accelerate/$engine.yaml \
+            train_rl.py $toy out_dir=/tmp/rt/${engine}_${run%:*} train.num_steps=${run#*:} \
+            >> "$OUT/rt_$engine.log" 2>&1; echo "$engine $run rc=$?"
+        done
+        python3 benchmarks/compare_runs.py $engine=/tmp/rt/${engine}_full \
+          ${engine}_resumed=/tmp/rt/${engine}_resumed --out "$OUT/resume_toy_$engine.md"
+      done ;;
     resume)  # issue 8: a 2-GPU run stopped after step 2 and resumed equals the uninterrupted run
       [ -d /tmp/wan1.3b ] || python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1
       for engine in ${ENGINES:-ddp_2gpu zero2}; do
