@@ -1,15 +1,17 @@
 """GPU tuning aid for the VSA2 kernels: where the full op spends its time, and which launch
 configuration each fine-stage kernel runs best with.
 
-Two parts, both at the Wan2.1-14B 720p shape (B=1, H=40, S=75264, D=128, bf16):
+Three parts, at the Wan2.1-14B 720p shape (B=1, H=40, S=75264, D=128, bf16) unless ``--host``
+is given another one:
 
 * ``--profile``: per-kernel device time (torch profiler) of one ``vsa2_attention`` forward +
   backward with the coarse stage on, so the router / pooling / fusion overhead around the fine
   stage can be read kernel by kernel, then summed by part of the op (``PARTS``);
-* ``--host``: at a chosen shape (``--shape``), kv_block and router mode, the forward alone and
-  forward + backward of ``vsa2_attention``: wall time per call (``do_bench``), the host time of
-  issuing one call (no synchronisation), and the device time summed by part. Where the host
-  time exceeds the device time, the op is launch-bound and the wall time is host time;
+* ``--host``: at a chosen shape (``--shape``, 480p = Wan2.1-1.3B: H=12, S=32768), kv_block and
+  router mode, the forward alone and forward + backward of ``vsa2_attention``: wall time per
+  call (``do_bench``), the host time of issuing one call (no synchronisation), and the device
+  time summed by part. Where the host time exceeds the device time, the op is launch-bound and
+  the wall time is host time;
 * ``--sweep``: each fine-stage kernel (forward, dQ pass, dK/dV pass) pinned in turn to every
   candidate ``triton.Config`` (the others keep their autotuned choice), timed with
   ``triton.testing.do_bench`` medians; prints one line per configuration, best first.
@@ -31,12 +33,13 @@ import torch
 import triton
 from triton.testing import do_bench
 
-B, H, S, D = 1, 40, 75264, 128
-# (H, S) of the Wan shapes; the default (B, H, S, D) above is 720p
+B, D = 1, 128
+# (heads, tokens) of the Wan shapes: Wan2.1-1.3B at 480p, Wan2.1-14B at 720p
 SHAPES = {"480p": (12, 32768), "720p": (40, 75264)}
 
 
-def inputs(kv_block: int, sparsity: float):
+def inputs(kv_block: int, sparsity: float, shape: str = "720p"):
+    H, S = SHAPES[shape]
     q, k, v = (
         torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
@@ -91,13 +94,14 @@ def _print_parts(totals: dict[str, float]) -> None:
     )
 
 
-def full_op_calls(kv_block: int, sparsity: float, mode: str):
-    """(forward, forward + backward) of ``vsa2_attention`` with the coarse stage on, at the
-    module-level (B, H, S, D), device-resident lengths (no host sync)."""
+def full_op_calls(kv_block: int, sparsity: float, mode: str, shape: str = "720p"):
+    """(forward, forward + backward) of ``vsa2_attention`` with the coarse stage on, at a Wan
+    shape, device-resident lengths (no host sync)."""
     from vsa2_rl.config import VSA2Config
     from vsa2_rl.kernels import vsa2_attention
 
-    q, k, v, *_ = inputs(kv_block, sparsity)
+    H, S = SHAPES[shape]
+    q, k, v, *_ = inputs(kv_block, sparsity, shape)
     go = torch.randn_like(q)
     cfg = VSA2Config(q_tile=64, kv_block=kv_block, mode=mode, top_p=0.9)
     tile_len = torch.full((S // 64,), 64, device="cuda", dtype=torch.int32)
@@ -136,15 +140,16 @@ def _device_parts(fn) -> dict[str, float]:
     return _device_ms_by_part(prof)
 
 
-def host_vs_device(kv_block: int, sparsity: float, mode: str) -> None:
+def host_vs_device(kv_block: int, sparsity: float, mode: str, shape: str) -> None:
     """Wall, host-issue and device time of the full op, forward alone and forward + backward."""
-    forward, step = full_op_calls(kv_block, sparsity, mode)
+    forward, step = full_op_calls(kv_block, sparsity, mode, shape)
+    H, S = SHAPES[shape]
 
     def forward_no_grad():
         with torch.no_grad():
             forward()
 
-    print(f"\n-- full op at H={H} S={S}, kv{kv_block}, sparsity {sparsity}, {mode} --")
+    print(f"\n-- full op at {shape} (H={H} S={S}), kv{kv_block}, sparsity {sparsity}, {mode} --")
     print("| call | wall ms | host-issue ms | device ms | device ms by part |")
     print("|---|---|---|---|---|")
     for label, fn in (("forward (no grad)", forward_no_grad), ("forward + backward", step)):
@@ -251,9 +256,7 @@ def main(argv=None) -> None:
         sys.exit("tune_kernels.py needs a CUDA device")
     torch.manual_seed(0)
     if args.host:
-        global H, S
-        H, S = SHAPES[args.shape]
-        host_vs_device(args.kv_block, args.sparsity, args.mode)
+        host_vs_device(args.kv_block, args.sparsity, args.mode, args.shape)
     if args.profile:
         profile_full_op(64, 0.95, args.rows)
         profile_full_op(64, 0.95, args.rows, mode="topp")
