@@ -106,6 +106,13 @@ def _pool_bwd_kernel(
 
 
 @triton.jit
+def _rows_ptr(x_ptr, i_b, i_h, rows, o_d, stride_b, stride_h, stride_s, stride_d):
+    """Pointers [len(rows), len(o_d)] to tokens ``rows`` (a column vector) of batch ``i_b``,
+    head ``i_h`` of a strided [B, H, S, D] tensor."""
+    return x_ptr + i_b * stride_b + i_h * stride_h + rows * stride_s + o_d[None, :] * stride_d
+
+
+@triton.jit
 def _pool_qkv_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -155,17 +162,11 @@ def _pool_qkv_fwd_kernel(
     # [BQ, BD]: the same reduction shape as pool_tiles, so the means match it bit for bit
     m_tile = ((o_q < n_t) & (o_q < Q_TILE))[:, None] & m_d[None, :]
     r_q = row0 + o_q[:, None]
-    p_q = q_ptr + i_b64 * stride_qb + i_h64 * stride_qh + r_q * stride_qs + o_d[None, :] * stride_qd
+    p_q = _rows_ptr(q_ptr, i_b64, i_h64, r_q, o_d, stride_qb, stride_qh, stride_qs, stride_qd)
     b_q = tl.load(p_q, mask=m_tile, other=0.0).to(tl.float32)
     tl.store(qt_ptr + o_row, (tl.sum(b_q, axis=0) / n_t_div).to(qt_ptr.dtype.element_ty), mask=m_d)
     if KV_TILES:
-        p_v = (
-            v_ptr
-            + i_b64 * stride_vb
-            + i_h64 * stride_vh
-            + r_q * stride_vs
-            + o_d[None, :] * stride_vd
-        )
+        p_v = _rows_ptr(v_ptr, i_b64, i_h64, r_q, o_d, stride_vb, stride_vh, stride_vs, stride_vd)
         b_v = tl.load(p_v, mask=m_tile, other=0.0).to(tl.float32)
         tl.store(
             vt_ptr + o_row, (tl.sum(b_v, axis=0) / n_t_div).to(vt_ptr.dtype.element_ty), mask=m_d
@@ -181,13 +182,7 @@ def _pool_qkv_fwd_kernel(
         m_load = m_seg
         if KV_TILES:
             m_load = m_seg | m_in_tile
-        p_k = (
-            k_ptr
-            + i_b64 * stride_kb
-            + i_h64 * stride_kh
-            + r_q * stride_ks
-            + o_d[None, :] * stride_kd
-        )
+        p_k = _rows_ptr(k_ptr, i_b64, i_h64, r_q, o_d, stride_kb, stride_kh, stride_ks, stride_kd)
         # [BQ, BD]
         b_k = tl.load(p_k, mask=m_load[:, None] & m_d[None, :], other=0.0).to(tl.float32)
         if SEGMENTS:
