@@ -133,11 +133,12 @@ def _host_ms(fn, calls: int = 20) -> float:
     return host
 
 
-def _device_parts(fn) -> dict[str, float]:
+def _profiled(fn):
+    """The torch profiler's record (device kernels) of one call of ``fn``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return _device_ms_by_part(prof)
+    return prof
 
 
 def host_vs_device(kv_block: int, sparsity: float, mode: str, shape: str) -> None:
@@ -157,7 +158,7 @@ def host_vs_device(kv_block: int, sparsity: float, mode: str, shape: str) -> Non
         fn()
         wall = do_bench(fn, warmup=5, rep=50, return_mode="median")
         host = _host_ms(fn)
-        parts = _device_parts(fn)
+        parts = _device_ms_by_part(_profiled(fn))
         by_part = ", ".join(f"{p} {ms:.3f}" for p, ms in sorted(parts.items(), key=lambda x: -x[1]))
         print(f"| {label} | {wall:.3f} | {host:.3f} | {sum(parts.values()):.3f} | {by_part} |")
     # where the host time of the forward goes: Python functions by own time, 20 calls
@@ -173,9 +174,7 @@ def profile_full_op(kv_block: int, sparsity: float, rows: int, mode: str = "topk
     step()
     torch.cuda.synchronize()
     ms = do_bench(step, warmup=3, rep=20, return_mode="median")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
+    prof = _profiled(step)
     print(
         f"\n-- full op fwd+bwd, kv{kv_block}, sparsity {sparsity}, {mode}: {ms:.2f} ms (median) --"
     )

@@ -458,8 +458,9 @@ def pool_qkv(
     Returns:
         ``PooledQKV``; fp32 accumulation, x's dtype. The tile means of q equal ``pool_tiles``
         with the Triton backend bit for bit; the means of k and v (reduced from one load of the
-        tile's keys) agree with it up to the order of the float32 sums. Use the returned ``q``, ``k``, ``v`` in place of
-        the inputs downstream: their gradients and the pooling gradients then meet in one pass.
+        tile's keys) agree with it up to the order of the float32 sums. Use the returned ``q``,
+        ``k``, ``v`` in place of the inputs downstream: their gradients and the pooling
+        gradients then meet in one pass.
     """
     return PooledQKV(
         *_PoolQKV.apply(q, k, v, tile_lengths, seg_lengths, q_tile, kv_block, segments, kv_tiles)
