@@ -97,6 +97,9 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/gpu1 ddp=/tmp/mg/ddp_2gpu zero2=/tmp/mg/zero2 \
         zero3=/tmp/mg/zero3 --out "$OUT/multigpu.md" ;;
+    gluon)  # branch gluon-fwd: the Gluon forward / dQ pass, GPU tests against Triton, then timings
+      timeout 120 python3 -P -m pytest -q -m gpu tests/test_block_sparse_gluon.py 2>&1 | tail -15
+      timeout 150 python3 benchmarks/bench_gluon.py 2>&1 | tail -15 ;;
     resume_toy)  # issue 8 on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and
       # resumed equals the uninterrupted 3-step run
       toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy grpo.prompts_per_step=2
