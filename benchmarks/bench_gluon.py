@@ -1,6 +1,6 @@
-"""Experimental (branch gluon-fwd): the Gluon fine-stage forward and dQ pass against the Triton
-kernels at the Wan2.1-14B 720p shape (H=40, S=75264, D=128, bf16), kv_block 64, sparsity 0.95
-and 0.875.
+"""Experimental (branch gluon-fwd): the Gluon fine-stage forward, dQ and dK/dV passes against
+the Triton kernels at the Wan2.1-14B 720p shape (H=40, S=75264, D=128, bf16), kv_block 64,
+sparsity 0.95 and 0.875.
 
     python benchmarks/bench_gluon.py
 """
@@ -10,7 +10,11 @@ from triton.testing import do_bench
 
 from vsa2_rl.kernels import block_sparse as bs
 from vsa2_rl.kernels.block_sparse import bsa_forward
-from vsa2_rl.kernels.block_sparse_gluon import bsa_backward_dq_gluon, bsa_forward_gluon
+from vsa2_rl.kernels.block_sparse_gluon import (
+    bsa_backward_dkv_gluon,
+    bsa_backward_dq_gluon,
+    bsa_forward_gluon,
+)
 
 
 def time_sparsity(q, k, v, sparsity: float) -> None:
@@ -38,6 +42,31 @@ def time_sparsity(q, k, v, sparsity: float) -> None:
             dout, None, q, k, v, out, lse, ids, counts, bias, None, D**-0.5, *st
         )
     report(runs, ref_dq, 1.5 * flops, sparsity)
+    # dK/dV pass, from the dQ pass's delta and the kv-major index
+    delta = triton_dq(dout, q, k, v, out, lse, ids, counts, bias)[1]
+    offsets, pairs = bs.build_kv_major_index(ids, counts, S // 64)
+    ref_dk = triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, ids.shape[-1], bias)[0]
+    runs = {"dkv triton": lambda: triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, keep, bias)}
+    for stages in (3, 2):
+        runs[f"dkv gluon {stages}"] = lambda st=stages: bsa_backward_dkv_gluon(
+            dout, q, k, v, lse, delta, offsets, pairs, keep, bias, None, D**-0.5, st
+        )
+    report(runs, ref_dk, 2.0 * flops, sparsity)
+
+
+def triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, kmax, bias):
+    B, H, S, D = q.shape
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    (desc_q, desc_do), tma = bs._tma_descriptors(64, q, dout)
+    bs._bsa_bwd_dkv_kernel[(S // 64, B * H)](
+        q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv, offsets, pairs, bias,
+        bs._dummy(q.device, torch.int32),
+        *bs._bhs_strides(q), *bs._bhs_strides(k), *bs._bhs_strides(v), *bs._bhs_strides(dout),
+        D**-0.5 * bs.LOG2E, D**-0.5,
+        H=H, S=S, NQ=S // 64, NSEG=S // 64, KMAX=kmax, Q_TILE=64, KV_BLOCK=64, HEAD_DIM=D,
+        HAS_BIAS=True, HAS_LEN=False, DOT_PREC="ieee", DIM_MAJOR=False, TMA=tma,
+    )  # fmt: skip
+    return dk, dv
 
 
 def triton_dq(dout, q, k, v, out, lse, ids, counts, bias):

@@ -385,3 +385,181 @@ def bsa_backward_dq_gluon(
         K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
     return dq, delta, (dbias if has_bias else None), (mass if has_bias else None)
+
+
+@gluon.jit
+def _issue_tile_load(
+    q_desc, do_desc, q_ring, do_ring, bars, CSR_PAIR, row_base, i_start, i_local, n_ent, NQ, KMAX,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """TMA copies of the q and dO rows of the query tile at CSR entry ``i_start + i_local`` into
+    stage ``i_local % STAGES`` of both rings (none past the segment's entries)."""
+    pred = i_local < n_ent
+    pair = gl.load(CSR_PAIR + i_start + i_local, mask=pred, other=0)
+    row = row_base + (pair // KMAX) % NQ * q_desc.block_type.shape[0]
+    bar = bars.index(i_local % STAGES)
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(
+        q_desc, [row, 0], bar, q_ring.index(i_local % STAGES), pred=pred
+    )
+    tma.async_copy_global_to_shared(
+        do_desc, [row, 0], bar, do_ring.index(i_local % STAGES), pred=pred
+    )
+
+
+@gluon.jit
+def _bsa_bwd_dkv_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CSR_OFF, CSR_PAIR, BIAS, KV_LEN,
+    qk_scale, scale, S, NQ, NSEG, KMAX,
+    HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
+    Q_STAGES: gl.constexpr, BLOCK: gl.constexpr,
+):  # fmt: skip
+    """dK/dV pass of ``block_sparse._bsa_bwd_dkv_kernel`` (key-major, kv_block 64): one program
+    per key segment walks the query tiles that selected it (the CSR index of
+    ``build_kv_major_index``). Per tile i: P^T and dS^T of tile i while dV += P^T_{i-1} dO_{i-1}
+    and dK += dS^T_{i-1} Q_{i-1} run; then S^T_{i+1} = K Q_{i+1}^T, dP^T_{i+1} = V dO_{i+1}^T,
+    dV and dK of tile i, waiting for the first two only. Q_i and dO_i are read until the dK/dV
+    products of tile i finish (step 2 of tile i + 1): three stages keep a tile of distance."""
+    gl.static_assert(Q_STAGES >= 2)
+    i_seg = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    row_base = i_bh * S
+
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
+    qrow_st: gl.constexpr = gl.SliceLayout(0, st_layout)
+    key_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_acc: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK, HEAD_DIM], v_desc.layout)
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES, BLOCK, HEAD_DIM], q_desc.layout)
+    do_ring = gl.allocate_shared_memory(do_desc.dtype, [Q_STAGES, BLOCK, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(Q_STAGES):
+        mbarrier.init(q_bars.index(s), count=1)
+    fence_async_shared()
+
+    i_csr = i_bh.to(gl.int64) * NSEG + i_seg
+    i_start = gl.load(CSR_OFF + i_csr)
+    n_ent = gl.load(CSR_OFF + i_csr + 1) - i_start
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row_base + i_seg * BLOCK, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row_base + i_seg * BLOCK, 0], kv_bar, v_smem)
+    for s in gl.static_range(Q_STAGES):
+        _issue_tile_load(
+            q_desc, do_desc, q_ring, do_ring, q_bars, CSR_PAIR, row_base, i_start, s, n_ent, NQ,
+            KMAX, Q_STAGES,
+        )  # fmt: skip
+
+    bias_to_dot = 1.4426950408889634 / qk_scale
+    o_r = gl.arange(0, BLOCK, layout=qrow_st)
+    if HAS_LEN:
+        # keys past a partial segment's length get no probability
+        m_key = gl.expand_dims(gl.arange(0, BLOCK, layout=key_st) < gl.load(KV_LEN + i_seg), 1)
+    zero_st = gl.zeros([BLOCK, BLOCK], gl.float32, layout=st_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=acc_layout))
+
+    # S^T_0, dP^T_0 (a segment no tile selected computes them from empty stages, unread)
+    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(q_bars.index(0), 0, pred=n_ent > 0)
+    st_cur = warpgroup_mma(
+        k_smem, q_ring.index(0).permute((1, 0)), zero_st, use_acc=False, is_async=True
+    )
+    dpt_cur = warpgroup_mma(
+        v_smem, do_ring.index(0).permute((1, 0)), zero_st, use_acc=False, is_async=True
+    )
+    st_cur, dpt_cur = warpgroup_mma_wait(num_outstanding=0, deps=(st_cur, dpt_cur))
+    for i in range(n_ent):
+        # -- 1. P^T and dS^T of tile i while the dV / dK products of tile i - 1 run ----
+        pair = gl.load(CSR_PAIR + i_start + i)
+        tok = (row_base + (pair // KMAX) % NQ * BLOCK + o_r).to(gl.int64)
+        b_lse = gl.load(LSE + tok)
+        # rows that saw no valid key have lse = -inf and zero probability everywhere
+        b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
+        b_delta = gl.load(DELTA + tok)
+        b_st = st_cur
+        if HAS_BIAS:
+            b_st = b_st + gl.load(BIAS + pair) * bias_to_dot
+        b_pt = gl.exp2(b_st * qk_scale - gl.expand_dims(b_lse2, 0))
+        if HAS_LEN:
+            b_pt = gl.where(m_key, b_pt, 0.0)
+        b_dst = b_pt * (dpt_cur - gl.expand_dims(b_delta, 0))
+        pt_op = gl.convert_layout(b_pt.to(q_desc.dtype), op_layout)
+        dst_op = gl.convert_layout(b_dst.to(q_desc.dtype), op_layout)
+        # -- 2. those products are done: refill tile i - 1's stage ----
+        dk_t, dv_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        if i > 0:
+            _issue_tile_load(
+                q_desc, do_desc, q_ring, do_ring, q_bars, CSR_PAIR, row_base, i_start,
+                i - 1 + Q_STAGES, n_ent, NQ, KMAX, Q_STAGES,
+            )  # fmt: skip
+        # -- 3. S^T, dP^T of tile i + 1 (the last tile's again at the end: nothing refills its
+        # stage), then dV, dK of tile i; wait for the first two only ----
+        i_next = gl.minimum(i + 1, n_ent - 1)
+        _wait_slot(q_bars, i_next, Q_STAGES)
+        st_next = warpgroup_mma(
+            k_smem, q_ring.index(i_next % Q_STAGES).permute((1, 0)), zero_st, use_acc=False,
+            is_async=True,
+        )  # fmt: skip
+        dpt_next = warpgroup_mma(
+            v_smem, do_ring.index(i_next % Q_STAGES).permute((1, 0)), zero_st, use_acc=False,
+            is_async=True,
+        )  # fmt: skip
+        dv = warpgroup_mma(pt_op, do_ring.index(i % Q_STAGES), dv_t, is_async=True)
+        dk = warpgroup_mma(dst_op, q_ring.index(i % Q_STAGES), dk_t, is_async=True)
+        st_cur, dpt_cur = warpgroup_mma_wait(num_outstanding=2, deps=(st_next, dpt_next))
+    dk_t, dv_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    mbarrier.invalidate(kv_bar)
+    for s in gl.static_range(Q_STAGES):
+        mbarrier.invalidate(q_bars.index(s))
+
+    o_w = gl.arange(0, BLOCK, layout=key_acc)
+    o_d = gl.arange(0, HEAD_DIM, layout=col_acc)
+    tok_k = (row_base + i_seg * BLOCK + o_w).to(gl.int64)
+    p_out = gl.expand_dims(tok_k, 1) * HEAD_DIM + gl.expand_dims(o_d, 0)
+    gl.store(DK + p_out, (dk_t * scale).to(k_desc.dtype))
+    gl.store(DV + p_out, dv_t.to(v_desc.dtype))
+
+
+def bsa_backward_dkv_gluon(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    offsets: torch.Tensor,
+    pairs: torch.Tensor,
+    kmax: int,
+    block_bias: torch.Tensor | None,
+    kv_lengths: torch.Tensor | None,
+    scale: float,
+    q_stages: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dK/dV pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper,
+    given the dQ pass's delta, ``build_kv_major_index``'s (offsets, pairs) and KMAX."""
+    B, H, S, D = q.shape
+    NQ = NSEG = S // BLOCK
+    q_desc, k_desc, v_desc, do_desc = _descriptors(q, k, v, dout)
+    dk = torch.empty((B, H, S, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, H, S, D), device=q.device, dtype=v.dtype)
+    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
+    bias = block_bias.contiguous() if block_bias is not None else dummy
+    lens = kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32)
+    _bsa_bwd_dkv_gluon_kernel[(NSEG, B * H)](
+        q_desc, k_desc, v_desc, do_desc, lse.contiguous(), delta, dk, dv, offsets, pairs, bias,
+        lens, scale * 1.4426950408889634, scale, S, NQ, NSEG, kmax,
+        HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
+        Q_STAGES=q_stages, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+    return dk, dv
