@@ -99,7 +99,14 @@ for part in "${parts[@]}"; do
         zero3=/tmp/mg/zero3 --out "$OUT/multigpu.md" ;;
     gluon)  # branch gluon-fwd: the Gluon forward / dQ pass, GPU tests against Triton, then timings
       timeout 120 python3 -P -m pytest -q -m gpu tests/test_block_sparse_gluon.py 2>&1 | tail -15
-      timeout 150 python3 benchmarks/bench_gluon.py 2>&1 | tail -15 ;;
+      timeout 150 python3 benchmarks/bench_gluon.py 2>&1 | tail -15
+      # the whole op with the Gluon kernels switched in, against the Triton ones, same machine
+      for gluon in 0 1; do
+        VSA2_RL_GLUON=$gluon timeout 150 python3 benchmarks/bench_attention.py --shapes 720p \
+          --kv-blocks 64 --sparsities 0.95,0.875 --no-flex --no-fastvideo \
+          --out "$OUT/gluon_$gluon.md" > /dev/null 2>&1
+        echo "-- VSA2_RL_GLUON=$gluon"; grep "ours\|cudnn" "$OUT/gluon_$gluon.md"
+      done ;;
     resume_toy)  # issue 8 on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and
       # resumed equals the uninterrupted 3-step run
       toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy grpo.prompts_per_step=2

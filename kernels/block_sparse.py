@@ -690,6 +690,19 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, device=device, dtype=dtype)
 
 
+def _gluon_wanted(q: torch.Tensor, q_tile: int, kv_block: int) -> bool:
+    """Experimental switch (branch gluon-fwd): ``VSA2_RL_GLUON=1`` routes kv_block = q_tile = 64
+    bf16/fp16 calls on Hopper to the Gluon kernels of ``block_sparse_gluon``."""
+    return (
+        os.environ.get("VSA2_RL_GLUON", "0") == "1"
+        and q.is_cuda
+        and torch.cuda.get_device_capability(q.device)[0] == 9
+        and q_tile == kv_block == 64
+        and q.shape[-1] in (64, 128)
+        and q.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
 def bsa_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -703,6 +716,10 @@ def bsa_forward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns (out [B,H,S,D] in q's dtype, lse float32 [B,H,S])."""
+    if _gluon_wanted(q, q_tile, kv_block):
+        from .block_sparse_gluon import bsa_forward_gluon
+
+        return bsa_forward_gluon(q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, scale)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
@@ -743,6 +760,20 @@ def bsa_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the dQ/d(bias) pass, build the kv-major index, launch the dK/dV pass."""
+    if _gluon_wanted(q, q_tile, kv_block):
+        from .block_sparse_gluon import bsa_backward_dkv_gluon, bsa_backward_dq_gluon
+
+        dq, delta, dbias, mass = bsa_backward_dq_gluon(
+            dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths, scale
+        )
+        if dbias is not None:
+            dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)
+        offsets, pairs = build_kv_major_index(kv_indices, kv_counts, q.shape[2] // kv_block)
+        dk, dv = bsa_backward_dkv_gluon(
+            dout, q, k, v, lse, delta, offsets, pairs, kv_indices.shape[3], block_bias,
+            kv_lengths, scale,
+        )  # fmt: skip
+        return dq, dk, dv, dbias
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
