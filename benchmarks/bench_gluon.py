@@ -47,9 +47,11 @@ def time_sparsity(q, k, v, sparsity: float) -> None:
     offsets, pairs = bs.build_kv_major_index(ids, counts, S // 64)
     ref_dk = triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, ids.shape[-1], bias)[0]
     runs = {"dkv triton": lambda: triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, keep, bias)}
-    for stages in (3, 2):
-        runs[f"dkv gluon {stages}"] = lambda st=stages: bsa_backward_dkv_gluon(
-            dout, q, k, v, lse, delta, offsets, pairs, keep, bias, None, D**-0.5, st
+    for stages, warps in ((3, 4), (2, 4), (3, 8), (2, 8)):
+        runs[f"dkv gluon {stages} stages {warps} warps"] = lambda st=stages, w=warps: (
+            bsa_backward_dkv_gluon(
+                dout, q, k, v, lse, delta, offsets, pairs, keep, bias, None, D**-0.5, st, w
+            )
         )
     report(runs, ref_dk, 2.0 * flops, sparsity)
 

@@ -412,24 +412,27 @@ def _bsa_bwd_dkv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CSR_OFF, CSR_PAIR, BIAS, KV_LEN,
     qk_scale, scale, S, NQ, NSEG, KMAX,
     HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
-    Q_STAGES: gl.constexpr, BLOCK: gl.constexpr,
+    Q_STAGES: gl.constexpr, WARPS: gl.constexpr, BLOCK: gl.constexpr,
 ):  # fmt: skip
     """dK/dV pass of ``block_sparse._bsa_bwd_dkv_kernel`` (key-major, kv_block 64): one program
     per key segment walks the query tiles that selected it (the CSR index of
     ``build_kv_major_index``). Per tile i: P^T and dS^T of tile i while dV += P^T_{i-1} dO_{i-1}
     and dK += dS^T_{i-1} Q_{i-1} run; then S^T_{i+1} = K Q_{i+1}^T, dP^T_{i+1} = V dO_{i+1}^T,
     dV and dK of tile i, waiting for the first two only. Q_i and dO_i are read until the dK/dV
-    products of tile i finish (step 2 of tile i + 1): three stages keep a tile of distance."""
+    products of tile i finish (step 2 of tile i + 1): three stages keep a tile of distance.
+    With WARPS = 8 two warpgroups split every product along N (half the accumulator registers
+    each; P^T and dS^T then cross warpgroups through shared memory)."""
     gl.static_assert(Q_STAGES >= 2)
     i_seg = gl.program_id(0)
     i_bh = gl.program_id(1)
     row_base = i_bh * S
 
+    WG: gl.constexpr = WARPS // 4
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK // WG, 16]
     )
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, HEAD_DIM // WG, 16]
     )
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
@@ -545,6 +548,7 @@ def bsa_backward_dkv_gluon(
     kv_lengths: torch.Tensor | None,
     scale: float,
     q_stages: int = 3,
+    warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dK/dV pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper,
     given the dQ pass's delta, ``build_kv_major_index``'s (offsets, pairs) and KMAX."""
@@ -560,6 +564,6 @@ def bsa_backward_dkv_gluon(
         q_desc, k_desc, v_desc, do_desc, lse.contiguous(), delta, dk, dv, offsets, pairs, bias,
         lens, scale * 1.4426950408889634, scale, S, NQ, NSEG, kmax,
         HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
-        Q_STAGES=q_stages, BLOCK=BLOCK, num_warps=4,
+        Q_STAGES=q_stages, WARPS=warps, BLOCK=BLOCK, num_warps=warps,
     )  # fmt: skip
     return dk, dv

@@ -69,9 +69,9 @@ def test_gluon_dq_pass_matches_triton_kernel(stages, with_lengths):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("q_stages", [3, 2])
+@pytest.mark.parametrize("q_stages,warps", [(3, 4), (2, 4), (2, 8)])
 @pytest.mark.parametrize("with_lengths", [False, True])
-def test_gluon_dkv_pass_matches_triton_kernel(q_stages, with_lengths):
+def test_gluon_dkv_pass_matches_triton_kernel(q_stages, warps, with_lengths):
     from vsa2_rl.kernels.block_sparse import build_kv_major_index
     from vsa2_rl.kernels.block_sparse_gluon import bsa_backward_dkv_gluon
 
@@ -84,7 +84,8 @@ def test_gluon_dkv_pass_matches_triton_kernel(q_stages, with_lengths):
     delta = (dout.float() * out.float()).sum(-1)
     offsets, pairs = build_kv_major_index(ids, counts, q.shape[2] // 64)
     dk, dv = bsa_backward_dkv_gluon(
-        dout, q, k, v, lse, delta, offsets, pairs, ids.shape[-1], bias, lengths, scale, q_stages
-    )
+        dout, q, k, v, lse, delta, offsets, pairs, ids.shape[-1], bias, lengths, scale, q_stages,
+        warps,
+    )  # fmt: skip
     torch.testing.assert_close(dk.float(), ref_dk.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dv.float(), ref_dv.float(), rtol=2e-2, atol=2e-2)
