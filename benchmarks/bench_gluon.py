@@ -1,20 +1,20 @@
-"""Experimental (branch gluon-fwd): the Gluon fine-stage forward, dQ and dK/dV passes against
-the Triton kernels at the Wan2.1-14B 720p shape (H=40, S=75264, D=128, bf16), kv_block 64,
-sparsity 0.95 and 0.875.
+"""The Hopper Gluon fine-stage forward and dQ pass against the Triton kernels at the
+Wan2.1-14B 720p shape (H=40, S=75264, D=128, bf16), kv_block 64, sparsity 0.95 and 0.875, for
+every kernel setting offered (ring stages, Q in registers, register cap).
 
     python benchmarks/bench_gluon.py
 """
+
+import os
 
 import torch
 from triton.testing import do_bench
 
 from vsa2_rl.kernels import block_sparse as bs
 from vsa2_rl.kernels.block_sparse import bsa_forward
-from vsa2_rl.kernels.block_sparse_gluon import (
-    bsa_backward_dkv_gluon,
-    bsa_backward_dq_gluon,
-    bsa_forward_gluon,
-)
+from vsa2_rl.kernels.block_sparse_gluon import bsa_backward_dq_gluon, bsa_forward_gluon
+
+os.environ["VSA2_RL_GLUON"] = "0"  # bsa_forward below is the Triton kernel
 
 
 def time_sparsity(q, k, v, sparsity: float) -> None:
@@ -26,11 +26,18 @@ def time_sparsity(q, k, v, sparsity: float) -> None:
     bias = 0.1 * torch.randn(B, H, nq, keep, device="cuda")
     flops = 4.0 * B * H * S * keep * 64 * D
     ref, _ = bsa_forward(q, k, v, ids, counts, bias, None, 64, 64, D**-0.5)
+    # every segment full: the kernels' length masks cost what they cost in the model, no more
+    lens = torch.full((nseg,), 64, device="cuda", dtype=torch.int32)
     runs = {"fwd triton": lambda: bsa_forward(q, k, v, ids, counts, bias, None, 64, 64, D**-0.5)}
-    for stages in ((1, 2), (2, 2)):
-        runs[f"fwd gluon {stages}"] = lambda st=stages: bsa_forward_gluon(
-            q, k, v, ids, counts, bias, None, D**-0.5, *st
-        )
+    runs["fwd triton, lengths"] = lambda: bsa_forward(
+        q, k, v, ids, counts, bias, lens, 64, 64, D**-0.5
+    )
+    for k_stages, v_stages in ((1, 2), (2, 2)):
+        for lengths in (None, lens):
+            tag = f"fwd gluon ({k_stages}, {v_stages}){', lengths' if lengths is not None else ''}"
+            runs[tag] = lambda st=(k_stages, v_stages), ln=lengths: bsa_forward_gluon(
+                q, k, v, ids, counts, bias, ln, D**-0.5, *st
+            )
     report(runs, ref, flops, sparsity)
     # dQ pass: the Triton kernel launched as bsa_backward does, without the dK/dV pass
     out, lse = bsa_forward(q, k, v, ids, counts, bias, None, 64, 64, D**-0.5)
@@ -38,37 +45,27 @@ def time_sparsity(q, k, v, sparsity: float) -> None:
     ref_dq = triton_dq(dout, q, k, v, out, lse, ids, counts, bias)[0]
     runs = {"dq triton": lambda: triton_dq(dout, q, k, v, out, lse, ids, counts, bias)}
     for stages in ((3, 1), (2, 1)):
-        runs[f"dq gluon {stages}"] = lambda st=stages: bsa_backward_dq_gluon(
-            dout, None, q, k, v, out, lse, ids, counts, bias, None, D**-0.5, *st
-        )
-    report(runs, ref_dq, 1.5 * flops, sparsity)
-    # dK/dV pass, from the dQ pass's delta and the kv-major index
-    delta = triton_dq(dout, q, k, v, out, lse, ids, counts, bias)[1]
-    offsets, pairs = bs.build_kv_major_index(ids, counts, S // 64)
-    ref_dk = triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, ids.shape[-1], bias)[0]
-    runs = {"dkv triton": lambda: triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, keep, bias)}
-    for stages, warps in ((3, 4), (2, 4), (3, 8), (2, 8)):
-        runs[f"dkv gluon {stages} stages {warps} warps"] = lambda st=stages, w=warps: (
-            bsa_backward_dkv_gluon(
-                dout, q, k, v, lse, delta, offsets, pairs, keep, bias, None, D**-0.5, st, w
+        for lengths in (None, lens):
+            tag = f"dq gluon {stages}{', lengths' if lengths is not None else ''}"
+            runs[tag] = lambda st=stages, ln=lengths: gluon_dq(
+                dout, q, k, v, out, lse, ids, counts, bias, ln, *st
             )
-        )
-    report(runs, ref_dk, 2.0 * flops, sparsity)
+    report(runs, ref_dq, 1.5 * flops, sparsity)
 
 
-def triton_dkv(dout, q, k, v, lse, delta, offsets, pairs, kmax, bias):
+def gluon_dq(dout, q, k, v, out, lse, ids, counts, bias, lengths, k_stages, v_stages):
     B, H, S, D = q.shape
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    (desc_q, desc_do), tma = bs._tma_descriptors(64, q, dout)
-    bs._bsa_bwd_dkv_kernel[(S // 64, B * H)](
-        q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv, offsets, pairs, bias,
-        bs._dummy(q.device, torch.int32),
-        *bs._bhs_strides(q), *bs._bhs_strides(k), *bs._bhs_strides(v), *bs._bhs_strides(dout),
-        D**-0.5 * bs.LOG2E, D**-0.5,
-        H=H, S=S, NQ=S // 64, NSEG=S // 64, KMAX=kmax, Q_TILE=64, KV_BLOCK=64, HEAD_DIM=D,
-        HAS_BIAS=True, HAS_LEN=False, DOT_PREC="ieee", DIM_MAJOR=False, TMA=tma,
+    grads = (
+        torch.empty_like(q),
+        torch.empty((B, H, S), device=q.device),
+        torch.zeros_like(bias),
+        torch.zeros_like(bias),
+    )
+    bsa_backward_dq_gluon(
+        dout, None, q, k, v, out, lse, ids, counts, bias, lengths, D**-0.5, grads, k_stages,
+        v_stages,
     )  # fmt: skip
-    return dk, dv
+    return grads
 
 
 def triton_dq(dout, q, k, v, out, lse, ids, counts, bias):

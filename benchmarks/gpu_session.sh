@@ -97,10 +97,11 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/gpu1 ddp=/tmp/mg/ddp_2gpu zero2=/tmp/mg/zero2 \
         zero3=/tmp/mg/zero3 --out "$OUT/multigpu.md" ;;
-    gluon)  # branch gluon-fwd: the Gluon forward / dQ pass, GPU tests against Triton, then timings
-      timeout 120 python3 -P -m pytest -q -m gpu tests/test_block_sparse_gluon.py 2>&1 | tail -15
-      timeout 150 python3 benchmarks/bench_gluon.py 2>&1 | tail -15
-      # the whole op with the Gluon kernels switched in, against the Triton ones, same machine
+    gluon)  # the Gluon kernels: GPU tests (all), per-kernel timings, whole op with and without
+      timeout 240 python3 -P -m pytest -q -m gpu --tb=short ${GLUON_TESTS:-tests} > "$OUT/gpu_tests.log" 2>&1
+      tail -25 "$OUT/gpu_tests.log"
+      timeout 150 python3 benchmarks/bench_gluon.py > "$OUT/gluon_bench.log" 2>&1
+      tail -25 "$OUT/gluon_bench.log"
       for gluon in 0 1; do
         VSA2_RL_GLUON=$gluon timeout 150 python3 benchmarks/bench_attention.py --shapes 720p \
           --kv-blocks 64 --sparsities 0.95,0.875 --no-flex --no-fastvideo \

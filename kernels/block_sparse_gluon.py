@@ -37,18 +37,31 @@ BLOCK = 64  # query rows per tile = keys per segment
 
 
 @gluon.jit
-def _issue_load(desc, ring, bars, p_idx, row_base, i_slot, n_sel, STAGES: gl.constexpr):
-    """TMA copy of the rows of the segment in the row's slot ``i_slot`` into its stage
+def _segment(p_idx, i_slot, n_sel):
+    """The segment id in slot ``i_slot`` of a row (0 past the row's count). The loops load these
+    (and the slots' bias and length) an iteration before they need them: nothing pipelines the
+    scalar loads of a Gluon loop, and a load waited for at once stalls the warpgroup."""
+    return gl.load(p_idx + i_slot, mask=i_slot < n_sel, other=0)
+
+
+@gluon.jit
+def _issue_load(desc, ring, bars, seg, i_b, i_h, i_slot, n_sel, STAGES: gl.constexpr):
+    """TMA copy of the rows of segment ``seg``, in the row's slot ``i_slot``, into its stage
     ``i_slot % STAGES`` of ``ring`` (no copy past the row's count); the stage's barrier tracks
     it, with phase ``(i_slot // STAGES) & 1``."""
     pred = i_slot < n_sel
-    seg = gl.load(p_idx + i_slot, mask=pred, other=0)
     bar = bars.index(i_slot % STAGES)
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(
-        desc, [row_base + seg * desc.block_type.shape[0], 0], bar, ring.index(i_slot % STAGES),
+        desc, [i_b, i_h, seg * desc.block_type.shape[2], 0], bar, ring.index(i_slot % STAGES),
         pred=pred,
     )  # fmt: skip
+
+
+@gluon.jit
+def _mat(ring, stage):
+    """The ``[rows, D]`` matrix of one ``[1, 1, rows, D]`` TMA stage of a ring."""
+    return ring.index(stage).reshape([ring.shape[3], ring.shape[4]])
 
 
 @gluon.jit
@@ -58,7 +71,7 @@ def _wait_slot(bars, i_slot, STAGES: gl.constexpr):
 
 @gluon.jit
 def _bsa_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, O, LSE, KV_IDX, KV_CNT, BIAS, KV_LEN, qk_scale, S, NQ, KMAX,
+    q_desc, k_desc, v_desc, O, LSE, KV_IDX, KV_CNT, BIAS, KV_LEN, qk_scale, H, S, NQ, KMAX,
     HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
     K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
 ):  # fmt: skip
@@ -70,6 +83,8 @@ def _bsa_fwd_gluon_kernel(
     i_bh = gl.program_id(1)
     i_row = i_bh.to(gl.int64) * NQ + i_t
     row_base = i_bh * S
+    i_b = i_bh // H
+    i_h = i_bh % H
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
@@ -83,9 +98,14 @@ def _bsa_fwd_gluon_kernel(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK, HEAD_DIM], q_desc.layout)
-    k_ring = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, 1, BLOCK, HEAD_DIM], q_desc.layout)
+    q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
+    k_ring = gl.allocate_shared_memory(
+        k_desc.dtype, [K_STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout
+    )
+    v_ring = gl.allocate_shared_memory(
+        v_desc.dtype, [V_STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout
+    )
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
@@ -100,11 +120,11 @@ def _bsa_fwd_gluon_kernel(
     p_idx = KV_IDX + i_row * KMAX
     p_bias = BIAS + i_row * KMAX
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row_base + i_t * BLOCK, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     for s in gl.static_range(K_STAGES):
-        _issue_load(k_desc, k_ring, k_bars, p_idx, row_base, s, n_sel, K_STAGES)
+        _issue_load(k_desc, k_ring, k_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, K_STAGES)
     for s in gl.static_range(V_STAGES):
-        _issue_load(v_desc, v_ring, v_bars, p_idx, row_base, s, n_sel, V_STAGES)
+        _issue_load(v_desc, v_ring, v_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, V_STAGES)
     mbarrier.wait(q_bar, 0)
 
     bias_to_dot = 1.4426950408889634 / qk_scale
@@ -113,47 +133,65 @@ def _bsa_fwd_gluon_kernel(
     m_i = gl.full([BLOCK], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK], gl.float32, layout=row_s)
     acc = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=o_layout))
+    # the register operand P of the product in flight: carried until the wait for that product,
+    # so that the next P cannot take its registers while the tensor cores still read them
+    p_prev = gl.zeros([BLOCK, BLOCK], q_desc.dtype, layout=p_layout)
 
     # S_0 (a row without slots computes it from an empty stage and never reads it)
     mbarrier.wait(k_bars.index(0), 0, pred=n_sel > 0)
     s_cur = warpgroup_mma(
-        q_smem, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
-    _issue_load(k_desc, k_ring, k_bars, p_idx, row_base, K_STAGES, n_sel, K_STAGES)
+    seg = _segment(p_idx, K_STAGES, n_sel)
+    _issue_load(k_desc, k_ring, k_bars, seg, i_b, i_h, K_STAGES, n_sel, K_STAGES)
+    # loaded an iteration ahead: the segments of the next V and K refills, slot j's bias and
+    # length, and the segment of slot j + 1 (whose length is loaded during slot j)
+    seg_v = _segment(p_idx, V_STAGES, n_sel)
+    seg_k = _segment(p_idx, K_STAGES + 1, n_sel)
+    if HAS_BIAS:
+        bias_j = gl.load(p_bias, mask=n_sel > 0, other=0.0)
+    if HAS_LEN:
+        len_j = gl.load(KV_LEN + _segment(p_idx, 0, n_sel))
+        seg_ahead = _segment(p_idx, 1, n_sel)
     for j in range(n_sel):
         # -- 1. softmax of S_j while O += P_{j-1} V_{j-1} runs ----
         b_s = s_cur
         if HAS_BIAS:
-            b_s = b_s + gl.load(p_bias + j).to(gl.float32) * bias_to_dot
+            b_s = b_s + bias_j.to(gl.float32) * bias_to_dot
+            bias_j = gl.load(p_bias + j + 1, mask=j + 1 < n_sel, other=0.0)
         if HAS_LEN:
-            n_key = gl.load(KV_LEN + gl.load(p_idx + j))
-            b_s = gl.where(gl.expand_dims(o_col < n_key, 0), b_s, float("-inf"))
+            b_s = gl.where(gl.expand_dims(o_col < len_j, 0), b_s, float("-inf"))
+            len_j = gl.load(KV_LEN + seg_ahead)
+            seg_ahead = _segment(p_idx, j + 2, n_sel)
         m_new = gl.maximum(m_i, gl.max(b_s, 1) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(m_safe, 1))
         alpha = gl.exp2(m_i - m_safe)
         l_i = l_i * alpha + gl.sum(b_p, 1)
         m_i = m_new
-        p_op = gl.convert_layout(b_p.to(q_desc.dtype), p_layout)
         # -- 2. that product is done: rescale O, refill V_{j-1}'s stage ----
-        acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+        p_op = gl.convert_layout(b_p.to(q_desc.dtype), p_layout)
         acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         if j > 0:
-            _issue_load(v_desc, v_ring, v_bars, p_idx, row_base, j - 1 + V_STAGES, n_sel, V_STAGES)
+            _issue_load(v_desc, v_ring, v_bars, seg_v, i_b, i_h, j - 1 + V_STAGES, n_sel, V_STAGES)
+            seg_v = _segment(p_idx, j + V_STAGES, n_sel)
         # -- 3. S_{j+1} (the last slot's again at the end: nothing refills its stage), then
         # O += P_j V_j; wait for S_{j+1} only and refill its K stage ----
         i_next = gl.minimum(j + 1, n_sel - 1)
         _wait_slot(k_bars, i_next, K_STAGES)
         s_next = warpgroup_mma(
-            q_smem, k_ring.index(i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
+            q_mat, _mat(k_ring, i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
             is_async=True,
         )  # fmt: skip
         _wait_slot(v_bars, j, V_STAGES)
-        acc = warpgroup_mma(p_op, v_ring.index(j % V_STAGES), acc_t, is_async=True)
+        acc = warpgroup_mma(p_op, _mat(v_ring, j % V_STAGES), acc_t, is_async=True)
+        p_prev = p_op
         s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-        _issue_load(k_desc, k_ring, k_bars, p_idx, row_base, j + 1 + K_STAGES, n_sel, K_STAGES)
-    acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j + 1 + K_STAGES, n_sel, K_STAGES)
+        seg_k = _segment(p_idx, j + 2 + K_STAGES, n_sel)
+    acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(K_STAGES):
         mbarrier.invalidate(k_bars.index(s))
@@ -174,12 +212,13 @@ def _bsa_fwd_gluon_kernel(
 
 
 def _descriptors(*tensors: torch.Tensor):
-    """``[BLOCK, D]`` TMA descriptors over ``[B * H * S, D]`` views of contiguous tensors."""
-    B, H, S, D = tensors[0].shape
+    """``[1, 1, BLOCK, D]`` TMA descriptors of ``[B, H, S, D]`` tensors (any strides that are
+    multiples of 16 bytes, the last dimension contiguous: ``gluon_applicable`` checks)."""
+    D = tensors[0].shape[-1]
     dtype = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], dtype)
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, D], dtype)
     return tuple(
-        TensorDescriptor.from_tensor(x.contiguous().view(B * H * S, D), [BLOCK, D], layout)
+        TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK, D], layout)
         for x in tensors
     )
 
@@ -207,7 +246,7 @@ def bsa_forward_gluon(
     lens = kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32)
     _bsa_fwd_gluon_kernel[(NQ, B * H)](
         q_desc, k_desc, v_desc, out, lse, kv_indices.contiguous(), kv_counts.contiguous(), bias,
-        lens, scale * 1.4426950408889634, S, NQ, KMAX,
+        lens, scale * 1.4426950408889634, H, S, NQ, KMAX,
         HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
         K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
@@ -217,7 +256,7 @@ def bsa_forward_gluon(
 @gluon.jit
 def _bsa_bwd_dq_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, O, LSE, DLSE, DELTA, DQ, DBIAS, MASS, KV_IDX, KV_CNT, BIAS,
-    KV_LEN, qk_scale, scale, S, NQ, KMAX,
+    KV_LEN, qk_scale, scale, H, S, NQ, KMAX,
     HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
     HAS_DLSE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     BLOCK: gl.constexpr,
@@ -230,6 +269,8 @@ def _bsa_bwd_dq_gluon_kernel(
     i_bh = gl.program_id(1)
     i_row = i_bh.to(gl.int64) * NQ + i_t
     row_base = i_bh * S
+    i_b = i_bh // H
+    i_h = i_bh % H
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
@@ -243,10 +284,16 @@ def _bsa_bwd_dq_gluon_kernel(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK, HEAD_DIM], do_desc.layout)
-    k_ring = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, 1, BLOCK, HEAD_DIM], q_desc.layout)
+    q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [1, 1, BLOCK, HEAD_DIM], do_desc.layout)
+    do_mat = do_smem.reshape([BLOCK, HEAD_DIM])
+    k_ring = gl.allocate_shared_memory(
+        k_desc.dtype, [K_STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout
+    )
+    v_ring = gl.allocate_shared_memory(
+        v_desc.dtype, [V_STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout
+    )
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
@@ -263,12 +310,12 @@ def _bsa_bwd_dq_gluon_kernel(
     p_dbias = DBIAS + i_row * KMAX
     p_mass = MASS + i_row * KMAX
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row_base + i_t * BLOCK, 0], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [row_base + i_t * BLOCK, 0], q_bar, do_smem)
+    tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, do_smem)
     for s in gl.static_range(K_STAGES):
-        _issue_load(k_desc, k_ring, k_bars, p_idx, row_base, s, n_sel, K_STAGES)
+        _issue_load(k_desc, k_ring, k_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, K_STAGES)
     for s in gl.static_range(V_STAGES):
-        _issue_load(v_desc, v_ring, v_bars, p_idx, row_base, s, n_sel, V_STAGES)
+        _issue_load(v_desc, v_ring, v_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, V_STAGES)
 
     # -- delta = rowsum(dO * O) - dLSE, the softmax-backward row constant; lse in log2 units ----
     o_m = gl.arange(0, BLOCK, layout=row_o)
@@ -276,7 +323,7 @@ def _bsa_bwd_dq_gluon_kernel(
     tok_o = (row_base + i_t * BLOCK + o_m).to(gl.int64)
     p_rows = gl.expand_dims(tok_o, 1) * HEAD_DIM + gl.expand_dims(o_d, 0)
     mbarrier.wait(q_bar, 0)
-    b_do = do_smem.load(o_layout).to(gl.float32)
+    b_do = do_mat.load(o_layout).to(gl.float32)
     b_delta = gl.sum(b_do * gl.load(O + p_rows).to(gl.float32), 1)
     if HAS_DLSE:
         b_delta -= gl.load(DLSE + tok_o)
@@ -291,53 +338,69 @@ def _bsa_bwd_dq_gluon_kernel(
     o_col = gl.arange(0, BLOCK, layout=col_s)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
     acc = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=o_layout))
+    # the register operand dS of the product in flight, kept alive until its wait (as P forward)
+    ds_prev = gl.zeros([BLOCK, BLOCK], q_desc.dtype, layout=ds_layout)
 
     # S_0, dP_0 (a row without slots computes them from empty stages and never reads them)
     mbarrier.wait(k_bars.index(0), 0, pred=n_sel > 0)
     mbarrier.wait(v_bars.index(0), 0, pred=n_sel > 0)
     s_cur = warpgroup_mma(
-        q_smem, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     dp_cur = warpgroup_mma(
-        do_smem, v_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        do_mat, _mat(v_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur, dp_cur))
-    _issue_load(v_desc, v_ring, v_bars, p_idx, row_base, V_STAGES, n_sel, V_STAGES)
+    seg = _segment(p_idx, V_STAGES, n_sel)
+    _issue_load(v_desc, v_ring, v_bars, seg, i_b, i_h, V_STAGES, n_sel, V_STAGES)
+    # loaded an iteration ahead, as in the forward
+    seg_k = _segment(p_idx, K_STAGES, n_sel)
+    seg_v = _segment(p_idx, V_STAGES + 1, n_sel)
+    if HAS_BIAS:
+        bias_j = gl.load(p_bias, mask=n_sel > 0, other=0.0)
+    if HAS_LEN:
+        len_j = gl.load(KV_LEN + _segment(p_idx, 0, n_sel))
+        seg_ahead = _segment(p_idx, 1, n_sel)
     for j in range(n_sel):
         # -- 1. P and dS of slot j while dQ += dS_{j-1} K_{j-1} runs ----
         b_s = s_cur
         if HAS_BIAS:
-            b_s = b_s + gl.load(p_bias + j).to(gl.float32) * bias_to_dot
+            b_s = b_s + bias_j.to(gl.float32) * bias_to_dot
+            bias_j = gl.load(p_bias + j + 1, mask=j + 1 < n_sel, other=0.0)
         if HAS_LEN:
-            n_key = gl.load(KV_LEN + gl.load(p_idx + j))
-            b_s = gl.where(gl.expand_dims(o_col < n_key, 0), b_s, float("-inf"))
+            b_s = gl.where(gl.expand_dims(o_col < len_j, 0), b_s, float("-inf"))
+            len_j = gl.load(KV_LEN + seg_ahead)
+            seg_ahead = _segment(p_idx, j + 2, n_sel)
         b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(b_lse2, 1))
         b_ds = b_p * (dp_cur - gl.expand_dims(b_delta, 1))
         if HAS_BIAS:
             gl.store(p_dbias + j, gl.sum(gl.sum(b_ds, 1), 0))
             gl.store(p_mass + j, gl.sum(gl.sum(b_p, 1), 0))
-        ds_op = gl.convert_layout(b_ds.to(q_desc.dtype), ds_layout)
         # -- 2. that product is done: refill K_{j-1}'s stage ----
-        acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
+        ds_op = gl.convert_layout(b_ds.to(q_desc.dtype), ds_layout)
         if j > 0:
-            _issue_load(k_desc, k_ring, k_bars, p_idx, row_base, j - 1 + K_STAGES, n_sel, K_STAGES)
+            _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j - 1 + K_STAGES, n_sel, K_STAGES)
+            seg_k = _segment(p_idx, j + K_STAGES, n_sel)
         # -- 3. S_{j+1}, dP_{j+1} (the last slot's again at the end: nothing refills its
         # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s stage ----
         i_next = gl.minimum(j + 1, n_sel - 1)
         _wait_slot(k_bars, i_next, K_STAGES)
         _wait_slot(v_bars, i_next, V_STAGES)
         s_next = warpgroup_mma(
-            q_smem, k_ring.index(i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
+            q_mat, _mat(k_ring, i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
             is_async=True,
         )  # fmt: skip
         dp_next = warpgroup_mma(
-            do_smem, v_ring.index(i_next % V_STAGES).permute((1, 0)), zero_s, use_acc=False,
+            do_mat, _mat(v_ring, i_next % V_STAGES).permute((1, 0)), zero_s, use_acc=False,
             is_async=True,
         )  # fmt: skip
-        acc = warpgroup_mma(ds_op, k_ring.index(j % K_STAGES), acc_t, is_async=True)
+        acc = warpgroup_mma(ds_op, _mat(k_ring, j % K_STAGES), acc_t, is_async=True)
+        ds_prev = ds_op
         s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, dp_next))
-        _issue_load(v_desc, v_ring, v_bars, p_idx, row_base, j + 1 + V_STAGES, n_sel, V_STAGES)
-    acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _issue_load(v_desc, v_ring, v_bars, seg_v, i_b, i_h, j + 1 + V_STAGES, n_sel, V_STAGES)
+        seg_v = _segment(p_idx, j + 2 + V_STAGES, n_sel)
+    acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(K_STAGES):
         mbarrier.invalidate(k_bars.index(s))
@@ -359,211 +422,27 @@ def bsa_backward_dq_gluon(
     block_bias: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
     scale: float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     k_stages: int = 3,
     v_stages: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper:
-    (dq, delta, raw d(bias), pair mass); ``bsa_backward`` then restores the softmax identity of
-    d(bias) and runs the dK/dV pass."""
+) -> None:
+    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper. Writes
+    ``grads`` = (dq [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias), pair mass), the
+    last two zero-filled by the caller (any 1-element tensors without a bias); ``bsa_backward``
+    then restores the softmax identity of d(bias) and runs the dK/dV pass."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
+    dq, delta, dbias, mass = grads
     q_desc, k_desc, v_desc, do_desc = _descriptors(q, k, v, dout)
-    dq = torch.empty((B, H, S, D), device=q.device, dtype=q.dtype)
-    delta = torch.empty((B, H, S), device=q.device, dtype=torch.float32)
     dummy = torch.empty(1, device=q.device, dtype=torch.float32)
-    has_bias = block_bias is not None
-    bias = block_bias.contiguous() if has_bias else dummy
-    dbias = torch.zeros_like(bias) if has_bias else dummy
-    mass = torch.zeros(bias.shape, device=q.device) if has_bias else dummy
-    lens = kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32)
     _bsa_bwd_dq_gluon_kernel[(NQ, B * H)](
         q_desc, k_desc, v_desc, do_desc, out.contiguous(), lse.contiguous(),
         dlse.contiguous() if dlse is not None else dummy, delta, dq, dbias, mass,
-        kv_indices.contiguous(), kv_counts.contiguous(), bias, lens,
-        scale * 1.4426950408889634, scale, S, NQ, KMAX,
-        HEAD_DIM=D, HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None,
-        K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
-    )  # fmt: skip
-    return dq, delta, (dbias if has_bias else None), (mass if has_bias else None)
-
-
-@gluon.jit
-def _issue_tile_load(
-    q_desc, do_desc, q_ring, do_ring, bars, CSR_PAIR, row_base, i_start, i_local, n_ent, NQ, KMAX,
-    STAGES: gl.constexpr,
-):  # fmt: skip
-    """TMA copies of the q and dO rows of the query tile at CSR entry ``i_start + i_local`` into
-    stage ``i_local % STAGES`` of both rings (none past the segment's entries)."""
-    pred = i_local < n_ent
-    pair = gl.load(CSR_PAIR + i_start + i_local, mask=pred, other=0)
-    row = row_base + (pair // KMAX) % NQ * q_desc.block_type.shape[0]
-    bar = bars.index(i_local % STAGES)
-    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(
-        q_desc, [row, 0], bar, q_ring.index(i_local % STAGES), pred=pred
-    )
-    tma.async_copy_global_to_shared(
-        do_desc, [row, 0], bar, do_ring.index(i_local % STAGES), pred=pred
-    )
-
-
-@gluon.jit
-def _bsa_bwd_dkv_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CSR_OFF, CSR_PAIR, BIAS, KV_LEN,
-    qk_scale, scale, S, NQ, NSEG, KMAX,
-    HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
-    Q_STAGES: gl.constexpr, WARPS: gl.constexpr, BLOCK: gl.constexpr,
-):  # fmt: skip
-    """dK/dV pass of ``block_sparse._bsa_bwd_dkv_kernel`` (key-major, kv_block 64): one program
-    per key segment walks the query tiles that selected it (the CSR index of
-    ``build_kv_major_index``). Per tile i: P^T and dS^T of tile i while dV += P^T_{i-1} dO_{i-1}
-    and dK += dS^T_{i-1} Q_{i-1} run; then S^T_{i+1} = K Q_{i+1}^T, dP^T_{i+1} = V dO_{i+1}^T,
-    dV and dK of tile i, waiting for the first two only. Q_i and dO_i are read until the dK/dV
-    products of tile i finish (step 2 of tile i + 1): three stages keep a tile of distance.
-    With WARPS = 8 two warpgroups split every product along N (half the accumulator registers
-    each; P^T and dS^T then cross warpgroups through shared memory)."""
-    gl.static_assert(Q_STAGES >= 2)
-    i_seg = gl.program_id(0)
-    i_bh = gl.program_id(1)
-    row_base = i_bh * S
-
-    WG: gl.constexpr = WARPS // 4
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK // WG, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, HEAD_DIM // WG, 16]
-    )
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
-    qrow_st: gl.constexpr = gl.SliceLayout(0, st_layout)
-    key_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    col_acc: gl.constexpr = gl.SliceLayout(0, acc_layout)
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK, HEAD_DIM], v_desc.layout)
-    q_ring = gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES, BLOCK, HEAD_DIM], q_desc.layout)
-    do_ring = gl.allocate_shared_memory(do_desc.dtype, [Q_STAGES, BLOCK, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(Q_STAGES):
-        mbarrier.init(q_bars.index(s), count=1)
-    fence_async_shared()
-
-    i_csr = i_bh.to(gl.int64) * NSEG + i_seg
-    i_start = gl.load(CSR_OFF + i_csr)
-    n_ent = gl.load(CSR_OFF + i_csr + 1) - i_start
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row_base + i_seg * BLOCK, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row_base + i_seg * BLOCK, 0], kv_bar, v_smem)
-    for s in gl.static_range(Q_STAGES):
-        _issue_tile_load(
-            q_desc, do_desc, q_ring, do_ring, q_bars, CSR_PAIR, row_base, i_start, s, n_ent, NQ,
-            KMAX, Q_STAGES,
-        )  # fmt: skip
-
-    bias_to_dot = 1.4426950408889634 / qk_scale
-    o_r = gl.arange(0, BLOCK, layout=qrow_st)
-    if HAS_LEN:
-        # keys past a partial segment's length get no probability
-        m_key = gl.expand_dims(gl.arange(0, BLOCK, layout=key_st) < gl.load(KV_LEN + i_seg), 1)
-    zero_st = gl.zeros([BLOCK, BLOCK], gl.float32, layout=st_layout)
-    dk = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=acc_layout))
-
-    # S^T_0, dP^T_0 (a segment no tile selected computes them from empty stages, unread)
-    mbarrier.wait(kv_bar, 0)
-    mbarrier.wait(q_bars.index(0), 0, pred=n_ent > 0)
-    st_cur = warpgroup_mma(
-        k_smem, q_ring.index(0).permute((1, 0)), zero_st, use_acc=False, is_async=True
-    )
-    dpt_cur = warpgroup_mma(
-        v_smem, do_ring.index(0).permute((1, 0)), zero_st, use_acc=False, is_async=True
-    )
-    st_cur, dpt_cur = warpgroup_mma_wait(num_outstanding=0, deps=(st_cur, dpt_cur))
-    for i in range(n_ent):
-        # -- 1. P^T and dS^T of tile i while the dV / dK products of tile i - 1 run ----
-        pair = gl.load(CSR_PAIR + i_start + i)
-        tok = (row_base + (pair // KMAX) % NQ * BLOCK + o_r).to(gl.int64)
-        b_lse = gl.load(LSE + tok)
-        # rows that saw no valid key have lse = -inf and zero probability everywhere
-        b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
-        b_delta = gl.load(DELTA + tok)
-        b_st = st_cur
-        if HAS_BIAS:
-            b_st = b_st + gl.load(BIAS + pair) * bias_to_dot
-        b_pt = gl.exp2(b_st * qk_scale - gl.expand_dims(b_lse2, 0))
-        if HAS_LEN:
-            b_pt = gl.where(m_key, b_pt, 0.0)
-        b_dst = b_pt * (dpt_cur - gl.expand_dims(b_delta, 0))
-        pt_op = gl.convert_layout(b_pt.to(q_desc.dtype), op_layout)
-        dst_op = gl.convert_layout(b_dst.to(q_desc.dtype), op_layout)
-        # -- 2. those products are done: refill tile i - 1's stage ----
-        dk_t, dv_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        if i > 0:
-            _issue_tile_load(
-                q_desc, do_desc, q_ring, do_ring, q_bars, CSR_PAIR, row_base, i_start,
-                i - 1 + Q_STAGES, n_ent, NQ, KMAX, Q_STAGES,
-            )  # fmt: skip
-        # -- 3. S^T, dP^T of tile i + 1 (the last tile's again at the end: nothing refills its
-        # stage), then dV, dK of tile i; wait for the first two only ----
-        i_next = gl.minimum(i + 1, n_ent - 1)
-        _wait_slot(q_bars, i_next, Q_STAGES)
-        st_next = warpgroup_mma(
-            k_smem, q_ring.index(i_next % Q_STAGES).permute((1, 0)), zero_st, use_acc=False,
-            is_async=True,
-        )  # fmt: skip
-        dpt_next = warpgroup_mma(
-            v_smem, do_ring.index(i_next % Q_STAGES).permute((1, 0)), zero_st, use_acc=False,
-            is_async=True,
-        )  # fmt: skip
-        dv = warpgroup_mma(pt_op, do_ring.index(i % Q_STAGES), dv_t, is_async=True)
-        dk = warpgroup_mma(dst_op, q_ring.index(i % Q_STAGES), dk_t, is_async=True)
-        st_cur, dpt_cur = warpgroup_mma_wait(num_outstanding=2, deps=(st_next, dpt_next))
-    dk_t, dv_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-    mbarrier.invalidate(kv_bar)
-    for s in gl.static_range(Q_STAGES):
-        mbarrier.invalidate(q_bars.index(s))
-
-    o_w = gl.arange(0, BLOCK, layout=key_acc)
-    o_d = gl.arange(0, HEAD_DIM, layout=col_acc)
-    tok_k = (row_base + i_seg * BLOCK + o_w).to(gl.int64)
-    p_out = gl.expand_dims(tok_k, 1) * HEAD_DIM + gl.expand_dims(o_d, 0)
-    gl.store(DK + p_out, (dk_t * scale).to(k_desc.dtype))
-    gl.store(DV + p_out, dv_t.to(v_desc.dtype))
-
-
-def bsa_backward_dkv_gluon(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    offsets: torch.Tensor,
-    pairs: torch.Tensor,
-    kmax: int,
-    block_bias: torch.Tensor | None,
-    kv_lengths: torch.Tensor | None,
-    scale: float,
-    q_stages: int = 3,
-    warps: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dK/dV pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper,
-    given the dQ pass's delta, ``build_kv_major_index``'s (offsets, pairs) and KMAX."""
-    B, H, S, D = q.shape
-    NQ = NSEG = S // BLOCK
-    q_desc, k_desc, v_desc, do_desc = _descriptors(q, k, v, dout)
-    dk = torch.empty((B, H, S, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, H, S, D), device=q.device, dtype=v.dtype)
-    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
-    bias = block_bias.contiguous() if block_bias is not None else dummy
-    lens = kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32)
-    _bsa_bwd_dkv_gluon_kernel[(NSEG, B * H)](
-        q_desc, k_desc, v_desc, do_desc, lse.contiguous(), delta, dk, dv, offsets, pairs, bias,
-        lens, scale * 1.4426950408889634, scale, S, NQ, NSEG, kmax,
+        kv_indices.contiguous(), kv_counts.contiguous(),
+        block_bias.contiguous() if block_bias is not None else dummy,
+        kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32),
+        scale * 1.4426950408889634, scale, H, S, NQ, KMAX,
         HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
-        Q_STAGES=q_stages, WARPS=warps, BLOCK=BLOCK, num_warps=warps,
+        HAS_DLSE=dlse is not None, K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK,
+        num_warps=4,
     )  # fmt: skip
-    return dk, dv
