@@ -1,12 +1,14 @@
-"""Experimental (branch gluon-fwd, not wired in): a Gluon forward of the VSA2 fine stage for
-Hopper, kv_block 64, with the FlashAttention-3 overlap of softmax and tensor-core work.
+"""Hopper (sm_90) Gluon kernels of the VSA2 fine stage for kv_block = q_tile = 64: the forward
+and the dQ pass of the backward, with the FlashAttention-3 overlap of softmax and tensor-core
+work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route to them when ``_gluon_wanted``
+says so (the dK/dV pass stays the Triton kernel, which a Gluon version did not beat).
 
-Triton's ``tl`` cannot express it (tried: the compiler waits for every QK^T wgmma at once, and
-its automatic warp specialisation rejects the loop), so these kernels issue and wait for the
-wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the K and V
-segments with TMA copies into two rings of shared-memory stages guarded by mbarriers, each
-stage refilled as soon as the product reading it has completed. Forward, per selected slot j of
-a query tile (one warpgroup, 64 rows):
+Triton's ``tl`` cannot express the overlap (tried: the compiler waits for every QK^T wgmma at
+once, and its automatic warp specialisation rejects the loop), so these kernels issue and wait
+for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the K
+and V segments with TMA copies into two rings of shared-memory stages guarded by mbarriers,
+each stage refilled as soon as the product reading it has completed. Forward, per selected
+slot j of a query tile (one warpgroup, 64 rows):
 
 1. softmax of the logits S_j (in registers) while O += P_{j-1} V_{j-1} is still running;
 2. wait for that product, rescale O, refill its V stage;
@@ -14,8 +16,10 @@ a query tile (one warpgroup, 64 rows):
 
 The dQ pass does the same with S and dP = dO V^T in step 3 and dQ += dS K in place of the P V
 product. Same contracts as ``block_sparse._bsa_fwd_kernel`` and ``_bsa_bwd_dq_kernel`` for
-kv_block = q_tile = 64, D in {64, 128}, bf16/fp16, contiguous [B, H, S, D] inputs. Not
-interpreter-testable: GPU tests compare them with the Triton kernels.
+D in {64, 128}, bf16/fp16, [B, H, S, D] tensors with 16-byte aligned strides (4-D TMA
+descriptors: the transposed views a DiT passes need no copy). No interpreter for Gluon: GPU
+tests compare them with a float64 reference, and a CPU test compiles them for sm_90 and checks
+the overlap and the register budget.
 """
 
 from __future__ import annotations
