@@ -17,13 +17,13 @@ pytestmark = [
 ]
 
 
-def _case(with_lengths: bool, strided: bool, kmax: int = 9):
+def _case(with_lengths: bool, strided: bool, dtype=torch.bfloat16, D: int = 128, kmax: int = 9):
     torch.manual_seed(0)
-    B, H, S, D = 1, 4, 64 * 96, 128
+    B, H, S = 1, 4, 64 * 96
     nq = nseg = S // 64
 
     def rand():
-        x = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
         return x.transpose(1, 2) if strided else x.transpose(1, 2).contiguous()
 
     q, k, v = rand(), rand(), rand()
@@ -62,12 +62,13 @@ def test_gluon_forward_settings_match_reference(k_stages, v_stages, with_lengths
     _check_forward(out, lse, *_reference(q, k, v, ids, counts, bias, lengths, scale), counts)
 
 
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64)])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("with_lengths", [False, True])
-def test_routed_forward_and_backward_match_float64_autograd(with_lengths, strided):
+def test_routed_forward_and_backward_match_float64_autograd(with_lengths, strided, dtype, D):
     """``bsa_forward`` / ``bsa_backward`` as the autograd op calls them: Gluon forward and dQ
     pass, Triton dK/dV pass; gradients of a loss through out and lse against float64 autograd."""
-    q, k, v, ids, counts, bias, lengths, scale, dout = _case(with_lengths, strided)
+    q, k, v, ids, counts, bias, lengths, scale, dout = _case(with_lengths, strided, dtype, D)
     assert _gluon_wanted(64, 64, q, k, v, dout)
     out, lse = bsa_forward(q, k, v, ids, counts, bias, lengths, 64, 64, scale)
     leaves = [x.double().requires_grad_() for x in (q, k, v, bias)]

@@ -27,8 +27,9 @@ def _compile_sm90(kernel: str, constants: dict, out_dir: Path) -> tuple[str, str
 
     from vsa2_rl.kernels import block_sparse_gluon as bsg
 
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
-    desc = f"tensordesc<bf16[1, 1, 64, 128],{layout!r}>"
+    D = constants["HEAD_DIM"]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, D], gl.bfloat16)
+    desc = f"tensordesc<bf16[1, 1, 64, {D}],{layout!r}>"
     fn = getattr(bsg, kernel)
     # pointers by name (bf16 outputs, int32 indices, float32 otherwise), then the scalars
     types = {"O": "*bf16", "DQ": "*bf16", "KV_IDX": "*i32", "KV_CNT": "*i32", "KV_LEN": "*i32"}
@@ -69,13 +70,18 @@ def _has_ptxas() -> bool:
 @pytest.mark.parametrize(
     "kernel,constants",
     [
-        ("_bsa_fwd_gluon_kernel", dict(HAS_LEN=False, K_STAGES=1, V_STAGES=2)),
-        ("_bsa_fwd_gluon_kernel", dict(HAS_LEN=True, K_STAGES=1, V_STAGES=2)),
-        ("_bsa_bwd_dq_gluon_kernel", dict(HAS_LEN=True, HAS_DLSE=True, K_STAGES=3, V_STAGES=1)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=False, K_STAGES=1, V_STAGES=2)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=True, K_STAGES=1, V_STAGES=2)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=64, HAS_LEN=True, K_STAGES=1, V_STAGES=2)),
+        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=True, HAS_DLSE=True, K_STAGES=3)),
+        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=64, HAS_LEN=True, HAS_DLSE=True, K_STAGES=3)),
     ],
 )
 def test_gluon_kernel_compiles_for_hopper_with_overlap_and_no_spills(kernel, constants, tmp_path):
-    constants = dict(HEAD_DIM=128, HAS_BIAS=True, BLOCK=64, **constants)
+    """The settings the wrappers launch (``bsa_forward_gluon``, ``bsa_backward_dq_gluon``)."""
+    constants = dict(HAS_BIAS=True, BLOCK=64, **constants)
+    if kernel == "_bsa_bwd_dq_gluon_kernel":
+        constants["V_STAGES"] = 1
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run(
         [sys.executable, __file__, kernel, json.dumps(constants), str(tmp_path)],
