@@ -690,6 +690,27 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, device=device, dtype=dtype)
 
 
+def _gluon_wanted(q_tile: int, kv_block: int, *tensors: torch.Tensor) -> bool:
+    """Whether the Hopper Gluon kernels of ``block_sparse_gluon`` take the call: q_tile =
+    kv_block = 64, bf16/fp16, D in {64, 128}, an sm_90 GPU, tensors TMA can address (16-byte
+    aligned base and strides); ``VSA2_RL_GLUON=0`` keeps the Triton kernels (A/B runs)."""
+    x = tensors[0]
+    return (
+        os.environ.get("VSA2_RL_GLUON", "1") != "0"
+        and x.is_cuda
+        and torch.cuda.get_device_capability(x.device)[0] == 9
+        and q_tile == kv_block == 64
+        and x.shape[-1] in (64, 128)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and all(
+            t.stride(-1) == 1
+            and t.data_ptr() % 16 == 0
+            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+            for t in tensors
+        )
+    )
+
+
 def bsa_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -703,6 +724,10 @@ def bsa_forward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns (out [B,H,S,D] in q's dtype, lse float32 [B,H,S])."""
+    if _gluon_wanted(q_tile, kv_block, q, k, v):
+        from .block_sparse_gluon import bsa_forward_gluon
+
+        return bsa_forward_gluon(q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, scale)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
@@ -765,17 +790,25 @@ def bsa_backward(
     mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
     prec = _dot_precision(q.dtype)
 
-    (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)
-    _bsa_bwd_dq_kernel[(NQ, B * H)](
-        q, k, v, desc_k, desc_v, out, dout, lse, dlse_arg, delta, dq, dbias, mass,
-        kv_indices, kv_counts, bias, lens,
-        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out),
-        *_bhs_strides(dout), scale * LOG2E, scale,
-        H=H, S=S, NQ=NQ, KMAX=KMAX,
-        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
-        HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None,
-        DOT_PREC=prec, TMA=tma,
-    )  # fmt: skip
+    if _gluon_wanted(q_tile, kv_block, q, k, v, dout):
+        from .block_sparse_gluon import bsa_backward_dq_gluon
+
+        bsa_backward_dq_gluon(
+            dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths, scale,
+            (dq, delta, dbias, mass),
+        )  # fmt: skip
+    else:
+        (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)
+        _bsa_bwd_dq_kernel[(NQ, B * H)](
+            q, k, v, desc_k, desc_v, out, dout, lse, dlse_arg, delta, dq, dbias, mass,
+            kv_indices, kv_counts, bias, lens,
+            *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out),
+            *_bhs_strides(dout), scale * LOG2E, scale,
+            H=H, S=S, NQ=NQ, KMAX=KMAX,
+            Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
+            HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None,
+            DOT_PREC=prec, TMA=tma,
+        )  # fmt: skip
 
     if has_bias:
         dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)

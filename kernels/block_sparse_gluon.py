@@ -1,0 +1,452 @@
+"""Hopper (sm_90) Gluon kernels of the VSA2 fine stage for kv_block = q_tile = 64: the forward
+and the dQ pass of the backward, with the FlashAttention-3 overlap of softmax and tensor-core
+work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route to them when ``_gluon_wanted``
+says so (the dK/dV pass stays the Triton kernel, which a Gluon version did not beat).
+
+Triton's ``tl`` cannot express the overlap (tried: the compiler waits for every QK^T wgmma at
+once, and its automatic warp specialisation rejects the loop), so these kernels issue and wait
+for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the K
+and V segments with TMA copies into two rings of shared-memory stages guarded by mbarriers,
+each stage refilled as soon as the product reading it has completed. Forward, per selected
+slot j of a query tile (one warpgroup, 64 rows):
+
+1. softmax of the logits S_j (in registers) while O += P_{j-1} V_{j-1} is still running;
+2. wait for that product, rescale O, refill its V stage;
+3. issue S_{j+1} = Q K_{j+1}^T, then O += P_j V_j; wait for S_{j+1} only, refill its K stage.
+
+The dQ pass does the same with S and dP = dO V^T in step 3 and dQ += dS K in place of the P V
+product. Same contracts as ``block_sparse._bsa_fwd_kernel`` and ``_bsa_bwd_dq_kernel`` for
+D in {64, 128}, bf16/fp16, [B, H, S, D] tensors with 16-byte aligned strides (4-D TMA
+descriptors: the transposed views a DiT passes need no copy). No interpreter for Gluon: GPU
+tests compare them with a float64 reference, and a CPU test compiles them for sm_90 and checks
+the overlap and the register budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK = 64  # query rows per tile = keys per segment
+
+
+@gluon.jit
+def _segment(p_idx, i_slot, n_sel):
+    """The segment id in slot ``i_slot`` of a row (0 past the row's count). The loops load these
+    (and the slots' bias and length) an iteration before they need them: nothing pipelines the
+    scalar loads of a Gluon loop, and a load waited for at once stalls the warpgroup."""
+    return gl.load(p_idx + i_slot, mask=i_slot < n_sel, other=0)
+
+
+@gluon.jit
+def _issue_load(desc, ring, bars, seg, i_b, i_h, i_slot, n_sel, STAGES: gl.constexpr):
+    """TMA copy of the rows of segment ``seg``, in the row's slot ``i_slot``, into its stage
+    ``i_slot % STAGES`` of ``ring`` (no copy past the row's count); the stage's barrier tracks
+    it, with phase ``(i_slot // STAGES) & 1``."""
+    pred = i_slot < n_sel
+    bar = bars.index(i_slot % STAGES)
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(
+        desc, [i_b, i_h, seg * desc.block_type.shape[2], 0], bar, ring.index(i_slot % STAGES),
+        pred=pred,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mat(ring, stage):
+    """The ``[rows, D]`` matrix of one ``[1, 1, rows, D]`` TMA stage of a ring."""
+    return ring.index(stage).reshape([ring.shape[3], ring.shape[4]])
+
+
+@gluon.jit
+def _wait_slot(bars, i_slot, STAGES: gl.constexpr):
+    mbarrier.wait(bars.index(i_slot % STAGES), (i_slot // STAGES) & 1)
+
+
+@gluon.jit
+def _bsa_fwd_gluon_kernel(
+    q_desc, k_desc, v_desc, O, LSE, KV_IDX, KV_CNT, BIAS, KV_LEN, qk_scale, H, S, NQ, KMAX,
+    HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
+    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
+):  # fmt: skip
+    # K_j is read by S_j only (done by the end of step 3 of slot j - 1): one stage can already
+    # hold K_{j+1} a whole slot ahead. V_j is read by P_j V_j, done in step 2 of slot j + 1, so
+    # V needs two stages for the same distance.
+    gl.static_assert(V_STAGES >= 2)
+    i_t = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_row = i_bh.to(gl.int64) * NQ + i_t
+    row_base = i_bh * S
+    i_b = i_bh // H
+    i_h = i_bh % H
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, 1, BLOCK, HEAD_DIM], q_desc.layout)
+    q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
+    k_ring = gl.allocate_shared_memory(
+        k_desc.dtype, [K_STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout
+    )
+    v_ring = gl.allocate_shared_memory(
+        v_desc.dtype, [V_STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout
+    )
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(K_STAGES):
+        mbarrier.init(k_bars.index(s), count=1)
+    for s in gl.static_range(V_STAGES):
+        mbarrier.init(v_bars.index(s), count=1)
+    fence_async_shared()
+
+    n_sel = gl.load(KV_CNT + i_row)
+    p_idx = KV_IDX + i_row * KMAX
+    p_bias = BIAS + i_row * KMAX
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
+    for s in gl.static_range(K_STAGES):
+        _issue_load(k_desc, k_ring, k_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, K_STAGES)
+    for s in gl.static_range(V_STAGES):
+        _issue_load(v_desc, v_ring, v_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, V_STAGES)
+    mbarrier.wait(q_bar, 0)
+
+    bias_to_dot = 1.4426950408889634 / qk_scale
+    o_col = gl.arange(0, BLOCK, layout=col_s)
+    zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
+    m_i = gl.full([BLOCK], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK], gl.float32, layout=row_s)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=o_layout))
+    # the register operand P of the product in flight: carried until the wait for that product,
+    # so that the next P cannot take its registers while the tensor cores still read them
+    p_prev = gl.zeros([BLOCK, BLOCK], q_desc.dtype, layout=p_layout)
+
+    # S_0 (a row without slots computes it from an empty stage and never reads it)
+    mbarrier.wait(k_bars.index(0), 0, pred=n_sel > 0)
+    s_cur = warpgroup_mma(
+        q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+    )
+    s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
+    seg = _segment(p_idx, K_STAGES, n_sel)
+    _issue_load(k_desc, k_ring, k_bars, seg, i_b, i_h, K_STAGES, n_sel, K_STAGES)
+    # loaded an iteration ahead: the segments of the next V and K refills, slot j's bias and
+    # length, and the segment of slot j + 1 (whose length is loaded during slot j)
+    seg_v = _segment(p_idx, V_STAGES, n_sel)
+    seg_k = _segment(p_idx, K_STAGES + 1, n_sel)
+    if HAS_BIAS:
+        bias_j = gl.load(p_bias, mask=n_sel > 0, other=0.0)
+    if HAS_LEN:
+        len_j = gl.load(KV_LEN + _segment(p_idx, 0, n_sel))
+        seg_ahead = _segment(p_idx, 1, n_sel)
+    for j in range(n_sel):
+        # -- 1. softmax of S_j while O += P_{j-1} V_{j-1} runs ----
+        b_s = s_cur
+        if HAS_BIAS:
+            b_s = b_s + bias_j.to(gl.float32) * bias_to_dot
+            bias_j = gl.load(p_bias + j + 1, mask=j + 1 < n_sel, other=0.0)
+        if HAS_LEN:
+            b_s = gl.where(gl.expand_dims(o_col < len_j, 0), b_s, float("-inf"))
+            len_j = gl.load(KV_LEN + seg_ahead)
+            seg_ahead = _segment(p_idx, j + 2, n_sel)
+        m_new = gl.maximum(m_i, gl.max(b_s, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(b_p, 1)
+        m_i = m_new
+        # -- 2. that product is done: rescale O, refill V_{j-1}'s stage ----
+        acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+        p_op = gl.convert_layout(b_p.to(q_desc.dtype), p_layout)
+        acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if j > 0:
+            _issue_load(v_desc, v_ring, v_bars, seg_v, i_b, i_h, j - 1 + V_STAGES, n_sel, V_STAGES)
+            seg_v = _segment(p_idx, j + V_STAGES, n_sel)
+        # -- 3. S_{j+1} (the last slot's again at the end: nothing refills its stage), then
+        # O += P_j V_j; wait for S_{j+1} only and refill its K stage ----
+        i_next = gl.minimum(j + 1, n_sel - 1)
+        _wait_slot(k_bars, i_next, K_STAGES)
+        s_next = warpgroup_mma(
+            q_mat, _mat(k_ring, i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
+            is_async=True,
+        )  # fmt: skip
+        _wait_slot(v_bars, j, V_STAGES)
+        acc = warpgroup_mma(p_op, _mat(v_ring, j % V_STAGES), acc_t, is_async=True)
+        p_prev = p_op
+        s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+        _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j + 1 + K_STAGES, n_sel, K_STAGES)
+        seg_k = _segment(p_idx, j + 2 + K_STAGES, n_sel)
+    acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(K_STAGES):
+        mbarrier.invalidate(k_bars.index(s))
+    for s in gl.static_range(V_STAGES):
+        mbarrier.invalidate(v_bars.index(s))
+
+    # -- epilogue: O = acc / l, lse = m + log l (natural log); rows without keys: 0 and -inf ----
+    m_nz = l_i > 0
+    l_safe = gl.where(m_nz, l_i, 1.0)
+    out = acc_t / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    lse = gl.where(m_nz, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_m = gl.arange(0, BLOCK, layout=row_o)
+    o_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    tok = (row_base + i_t * BLOCK + o_m).to(gl.int64)
+    gl.store(O + gl.expand_dims(tok, 1) * HEAD_DIM + gl.expand_dims(o_d, 0), out.to(q_desc.dtype))
+    o_ms = gl.arange(0, BLOCK, layout=row_s)
+    gl.store(LSE + (row_base + i_t * BLOCK + o_ms).to(gl.int64), lse)
+
+
+def _descriptors(*tensors: torch.Tensor):
+    """``[1, 1, BLOCK, D]`` TMA descriptors of ``[B, H, S, D]`` tensors (any strides that are
+    multiples of 16 bytes, the last dimension contiguous: ``gluon_applicable`` checks)."""
+    D = tensors[0].shape[-1]
+    dtype = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, D], dtype)
+    return tuple(
+        TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK, D], layout)
+        for x in tensors
+    )
+
+
+def bsa_forward_gluon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    block_bias: torch.Tensor | None,
+    kv_lengths: torch.Tensor | None,
+    scale: float,
+    k_stages: int = 1,
+    v_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_sparse.bsa_forward`` for q_tile = kv_block = 64 on Hopper."""
+    B, H, S, D = q.shape
+    NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
+    q_desc, k_desc, v_desc = _descriptors(q, k, v)
+    out = torch.empty((B, H, S, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, H, S), device=q.device, dtype=torch.float32)
+    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
+    bias = block_bias.contiguous() if block_bias is not None else dummy
+    lens = kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32)
+    _bsa_fwd_gluon_kernel[(NQ, B * H)](
+        q_desc, k_desc, v_desc, out, lse, kv_indices.contiguous(), kv_counts.contiguous(), bias,
+        lens, scale * 1.4426950408889634, H, S, NQ, KMAX,
+        HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
+        K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+    return out, lse
+
+
+@gluon.jit
+def _bsa_bwd_dq_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, O, LSE, DLSE, DELTA, DQ, DBIAS, MASS, KV_IDX, KV_CNT, BIAS,
+    KV_LEN, qk_scale, scale, H, S, NQ, KMAX,
+    HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
+    HAS_DLSE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+    BLOCK: gl.constexpr,
+):  # fmt: skip
+    """dQ pass of ``block_sparse._bsa_bwd_dq_kernel`` (dQ, per-pair d(bias) and probability
+    mass, delta). K_j is read by S_j and by dQ += dS_j K_j (done in step 2 of slot j + 1), so K
+    takes three stages for a slot of distance; V_j only by dP_j: one stage suffices."""
+    gl.static_assert(K_STAGES >= 2)
+    i_t = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_row = i_bh.to(gl.int64) * NQ + i_t
+    row_base = i_bh * S
+    i_b = i_bh // H
+    i_h = i_bh % H
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, 1, BLOCK, HEAD_DIM], q_desc.layout)
+    q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [1, 1, BLOCK, HEAD_DIM], do_desc.layout)
+    do_mat = do_smem.reshape([BLOCK, HEAD_DIM])
+    k_ring = gl.allocate_shared_memory(
+        k_desc.dtype, [K_STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout
+    )
+    v_ring = gl.allocate_shared_memory(
+        v_desc.dtype, [V_STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout
+    )
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(K_STAGES):
+        mbarrier.init(k_bars.index(s), count=1)
+    for s in gl.static_range(V_STAGES):
+        mbarrier.init(v_bars.index(s), count=1)
+    fence_async_shared()
+
+    n_sel = gl.load(KV_CNT + i_row)
+    p_idx = KV_IDX + i_row * KMAX
+    p_bias = BIAS + i_row * KMAX
+    p_dbias = DBIAS + i_row * KMAX
+    p_mass = MASS + i_row * KMAX
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, do_smem)
+    for s in gl.static_range(K_STAGES):
+        _issue_load(k_desc, k_ring, k_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, K_STAGES)
+    for s in gl.static_range(V_STAGES):
+        _issue_load(v_desc, v_ring, v_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, V_STAGES)
+
+    # -- delta = rowsum(dO * O) - dLSE, the softmax-backward row constant; lse in log2 units ----
+    o_m = gl.arange(0, BLOCK, layout=row_o)
+    o_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    tok_o = (row_base + i_t * BLOCK + o_m).to(gl.int64)
+    p_rows = gl.expand_dims(tok_o, 1) * HEAD_DIM + gl.expand_dims(o_d, 0)
+    mbarrier.wait(q_bar, 0)
+    b_do = do_mat.load(o_layout).to(gl.float32)
+    b_delta = gl.sum(b_do * gl.load(O + p_rows).to(gl.float32), 1)
+    if HAS_DLSE:
+        b_delta -= gl.load(DLSE + tok_o)
+    gl.store(DELTA + tok_o, b_delta)
+    b_delta = gl.convert_layout(b_delta, row_s)
+    tok_s = (row_base + i_t * BLOCK + gl.arange(0, BLOCK, layout=row_s)).to(gl.int64)
+    b_lse = gl.load(LSE + tok_s)
+    # rows that saw no valid key have lse = -inf and zero probability everywhere
+    b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
+
+    bias_to_dot = 1.4426950408889634 / qk_scale
+    o_col = gl.arange(0, BLOCK, layout=col_s)
+    zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=o_layout))
+    # the register operand dS of the product in flight, kept alive until its wait (as P forward)
+    ds_prev = gl.zeros([BLOCK, BLOCK], q_desc.dtype, layout=ds_layout)
+
+    # S_0, dP_0 (a row without slots computes them from empty stages and never reads them)
+    mbarrier.wait(k_bars.index(0), 0, pred=n_sel > 0)
+    mbarrier.wait(v_bars.index(0), 0, pred=n_sel > 0)
+    s_cur = warpgroup_mma(
+        q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+    )
+    dp_cur = warpgroup_mma(
+        do_mat, _mat(v_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+    )
+    s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur, dp_cur))
+    seg = _segment(p_idx, V_STAGES, n_sel)
+    _issue_load(v_desc, v_ring, v_bars, seg, i_b, i_h, V_STAGES, n_sel, V_STAGES)
+    # loaded an iteration ahead, as in the forward
+    seg_k = _segment(p_idx, K_STAGES, n_sel)
+    seg_v = _segment(p_idx, V_STAGES + 1, n_sel)
+    if HAS_BIAS:
+        bias_j = gl.load(p_bias, mask=n_sel > 0, other=0.0)
+    if HAS_LEN:
+        len_j = gl.load(KV_LEN + _segment(p_idx, 0, n_sel))
+        seg_ahead = _segment(p_idx, 1, n_sel)
+    for j in range(n_sel):
+        # -- 1. P and dS of slot j while dQ += dS_{j-1} K_{j-1} runs ----
+        b_s = s_cur
+        if HAS_BIAS:
+            b_s = b_s + bias_j.to(gl.float32) * bias_to_dot
+            bias_j = gl.load(p_bias + j + 1, mask=j + 1 < n_sel, other=0.0)
+        if HAS_LEN:
+            b_s = gl.where(gl.expand_dims(o_col < len_j, 0), b_s, float("-inf"))
+            len_j = gl.load(KV_LEN + seg_ahead)
+            seg_ahead = _segment(p_idx, j + 2, n_sel)
+        b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(b_lse2, 1))
+        b_ds = b_p * (dp_cur - gl.expand_dims(b_delta, 1))
+        if HAS_BIAS:
+            gl.store(p_dbias + j, gl.sum(gl.sum(b_ds, 1), 0))
+            gl.store(p_mass + j, gl.sum(gl.sum(b_p, 1), 0))
+        # -- 2. that product is done: refill K_{j-1}'s stage ----
+        acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
+        ds_op = gl.convert_layout(b_ds.to(q_desc.dtype), ds_layout)
+        if j > 0:
+            _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j - 1 + K_STAGES, n_sel, K_STAGES)
+            seg_k = _segment(p_idx, j + K_STAGES, n_sel)
+        # -- 3. S_{j+1}, dP_{j+1} (the last slot's again at the end: nothing refills its
+        # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s stage ----
+        i_next = gl.minimum(j + 1, n_sel - 1)
+        _wait_slot(k_bars, i_next, K_STAGES)
+        _wait_slot(v_bars, i_next, V_STAGES)
+        s_next = warpgroup_mma(
+            q_mat, _mat(k_ring, i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
+            is_async=True,
+        )  # fmt: skip
+        dp_next = warpgroup_mma(
+            do_mat, _mat(v_ring, i_next % V_STAGES).permute((1, 0)), zero_s, use_acc=False,
+            is_async=True,
+        )  # fmt: skip
+        acc = warpgroup_mma(ds_op, _mat(k_ring, j % K_STAGES), acc_t, is_async=True)
+        ds_prev = ds_op
+        s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, dp_next))
+        _issue_load(v_desc, v_ring, v_bars, seg_v, i_b, i_h, j + 1 + V_STAGES, n_sel, V_STAGES)
+        seg_v = _segment(p_idx, j + 2 + V_STAGES, n_sel)
+    acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(K_STAGES):
+        mbarrier.invalidate(k_bars.index(s))
+    for s in gl.static_range(V_STAGES):
+        mbarrier.invalidate(v_bars.index(s))
+    gl.store(DQ + p_rows, (acc_t * scale).to(q_desc.dtype))
+
+
+def bsa_backward_dq_gluon(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    block_bias: torch.Tensor | None,
+    kv_lengths: torch.Tensor | None,
+    scale: float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    k_stages: int = 3,
+    v_stages: int = 1,
+) -> None:
+    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper. Writes
+    ``grads`` = (dq [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias), pair mass), the
+    last two zero-filled by the caller (any 1-element tensors without a bias); ``bsa_backward``
+    then restores the softmax identity of d(bias) and runs the dK/dV pass."""
+    B, H, S, D = q.shape
+    NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
+    dq, delta, dbias, mass = grads
+    q_desc, k_desc, v_desc, do_desc = _descriptors(q, k, v, dout)
+    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
+    _bsa_bwd_dq_gluon_kernel[(NQ, B * H)](
+        q_desc, k_desc, v_desc, do_desc, out.contiguous(), lse.contiguous(),
+        dlse.contiguous() if dlse is not None else dummy, delta, dq, dbias, mass,
+        kv_indices.contiguous(), kv_counts.contiguous(),
+        block_bias.contiguous() if block_bias is not None else dummy,
+        kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32),
+        scale * 1.4426950408889634, scale, H, S, NQ, KMAX,
+        HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
+        HAS_DLSE=dlse is not None, K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK,
+        num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,102 @@
+"""CPU check of the Hopper Gluon kernels (no GPU needed): they compile for sm_90 with the
+installed Triton, keep the FlashAttention-3 overlap (a wgmma wait that leaves one group in
+flight) and fit the register file without spills (ptxas -v). The GPU tests in
+test_block_sparse_gluon.py check their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PTXAS_RELATIVE = Path("backends") / "nvidia" / "bin" / "ptxas"
+
+
+def _compile_sm90(kernel: str, constants: dict, out_dir: Path) -> tuple[str, str]:
+    """(PTX, ptxas -v report) of ``block_sparse_gluon.<kernel>`` for sm_90a. Run in a child
+    process: the test session imported Triton in interpreter mode, which cannot compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from vsa2_rl.kernels import block_sparse_gluon as bsg
+
+    D = constants["HEAD_DIM"]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, D], gl.bfloat16)
+    desc = f"tensordesc<bf16[1, 1, 64, {D}],{layout!r}>"
+    fn = getattr(bsg, kernel)
+    # pointers by name (bf16 outputs, int32 indices, float32 otherwise), then the scalars
+    types = {"O": "*bf16", "DQ": "*bf16", "KV_IDX": "*i32", "KV_CNT": "*i32", "KV_LEN": "*i32"}
+    types |= dict(H="i32", S="i32", NQ="i32", KMAX="i32", qk_scale="fp32", scale="fp32")
+    signature = {
+        name: "constexpr"
+        if name in constants
+        else desc
+        if name.endswith("_desc")
+        else types.get(name, "*fp32")
+        for name in fn.arg_names
+    }
+    src = GluonASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constants.items()})
+    target = GPUTarget("cuda", 90, 32)
+    ptx = triton.compile(src, target=target, options=dict(num_warps=4)).asm["ptx"]
+    path = out_dir / "kernel.ptx"
+    path.write_text(ptx)
+    ptxas = Path(triton.__file__).parent / PTXAS_RELATIVE
+    report = subprocess.run(
+        [str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", str(out_dir / "kernel.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    return ptx, report
+
+
+def _has_ptxas() -> bool:
+    import importlib.util
+
+    import triton
+
+    has_gluon = importlib.util.find_spec("triton.experimental.gluon") is not None
+    return has_gluon and (Path(triton.__file__).parent / PTXAS_RELATIVE).exists()
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no Gluon or ships no ptxas")
+@pytest.mark.parametrize(
+    "kernel,constants",
+    [
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=False, K_STAGES=1, V_STAGES=2)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=True, K_STAGES=1, V_STAGES=2)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=64, HAS_LEN=True, K_STAGES=1, V_STAGES=2)),
+        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=True, HAS_DLSE=True, K_STAGES=3)),
+        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=64, HAS_LEN=True, HAS_DLSE=True, K_STAGES=3)),
+    ],
+)
+def test_gluon_kernel_compiles_for_hopper_with_overlap_and_no_spills(kernel, constants, tmp_path):
+    """The settings the wrappers launch (``bsa_forward_gluon``, ``bsa_backward_dq_gluon``)."""
+    constants = dict(HAS_BIAS=True, BLOCK=64, **constants)
+    if kernel == "_bsa_bwd_dq_gluon_kernel":
+        constants["V_STAGES"] = 1
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run(
+        [sys.executable, __file__, kernel, json.dumps(constants), str(tmp_path)],
+        env=env,
+        check=True,
+    )
+    ptx, report = (tmp_path / "kernel.ptx").read_text(), (tmp_path / "report.txt").read_text()
+    assert "wgmma.mma_async" in ptx
+    # the softmax of one slot overlaps the previous slot's product: a wait leaves one in flight
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)
+    assert "cp.async.bulk.tensor" in ptx, "K/V must stream by TMA"
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) == 0, report
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[3])
+    (out / "report.txt").write_text(_compile_sm90(sys.argv[1], json.loads(sys.argv[2]), out)[1])
