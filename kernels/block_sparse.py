@@ -794,12 +794,13 @@ def bsa_backward(
     mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
     prec = _dot_precision(q.dtype)
 
-    if _gluon_wanted(q_tile, kv_block, q, k, v, dout):
+    # the Gluon dQ pass at kv_block 64 only: gathered for 16 / 32 it lost to the Triton kernel
+    if kv_block == 64 and _gluon_wanted(q_tile, kv_block, q, k, v, dout):
         from .block_sparse_gluon import bsa_backward_dq_gluon
 
         bsa_backward_dq_gluon(
-            dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths,
-            kv_block, scale, (dq, delta, dbias, mass),
+            dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths, scale,
+            (dq, delta, dbias, mass),
         )  # fmt: skip
     else:
         (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)

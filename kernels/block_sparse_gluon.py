@@ -150,21 +150,6 @@ def _masked_logits(s_raw, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_
 
 
 @gluon.jit
-def _store_slot_sums(p_out, tile, j, n_sel, o_col, KV_BLOCK: gl.constexpr):
-    """Per-slot totals of the ``[64, 64]`` tile of group j stored at the slots' positions: one
-    slot at kv_block 64 (rows summed first: fewest registers), else 64 // KV_BLOCK column
-    groups, those within the count."""
-    if KV_BLOCK == 64:
-        gl.store(p_out + j, gl.sum(gl.sum(tile, 1), 0))
-    else:
-        col_sums = gl.sum(tile, 0)
-        for g in gl.static_range(64 // KV_BLOCK):
-            slot = j * (64 // KV_BLOCK) + g
-            total = gl.sum(gl.where(o_col // KV_BLOCK == g, col_sums, 0.0), 0)
-            gl.store(p_out + slot, total, mask=slot < n_sel)
-
-
-@gluon.jit
 def _mat(ring, stage):
     """The ``[rows, D]`` matrix of one ``[1, 1, rows, D]`` TMA stage of a ring."""
     return ring.index(stage).reshape([ring.shape[3], ring.shape[4]])
@@ -386,27 +371,23 @@ def bsa_forward_gluon(
 
 @gluon.jit
 def _bsa_bwd_dq_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, K, V, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, O, LSE, DLSE,
-    DELTA, DQ, DBIAS, MASS, KV_IDX, KV_CNT, BIAS, KV_LEN, qk_scale, scale, H, S, NQ, KMAX,
-    HEAD_DIM: gl.constexpr, KV_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
-    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, K_STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
+    q_desc, k_desc, v_desc, do_desc, O, LSE, DLSE, DELTA, DQ, DBIAS, MASS, KV_IDX, KV_CNT, BIAS,
+    KV_LEN, qk_scale, scale, H, S, NQ, KMAX,
+    HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
+    HAS_DLSE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+    BLOCK: gl.constexpr,
 ):  # fmt: skip
     """dQ pass of ``block_sparse._bsa_bwd_dq_kernel`` (dQ, per-pair d(bias) and probability
-    mass, delta), over groups of 64 keys as the forward. K_j is read by S_j and by dQ += dS_j
-    K_j (done in step 2 of group j + 1), so K takes three stages for a group of distance; V_j
-    only by dP_j: one stage suffices."""
+    mass, delta) for kv_block 64 (a gathered version for 16 / 32 lost to the Triton kernel).
+    K_j is read by S_j and by dQ += dS_j K_j (done in step 2 of slot j + 1), so K takes three
+    stages for a slot of distance; V_j only by dP_j: one stage suffices."""
     gl.static_assert(K_STAGES >= 2)
-    G: gl.constexpr = BLOCK // KV_BLOCK
-    GATHER: gl.constexpr = G > 1
     i_t = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_row = i_bh.to(gl.int64) * NQ + i_t
     row_base = i_bh * S
     i_b = i_bh // H
     i_h = i_bh % H
-    k_base = i_b.to(gl.int64) * s_kb + i_h.to(gl.int64) * s_kh
-    v_base = i_b.to(gl.int64) * s_vb + i_h.to(gl.int64) * s_vh
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
@@ -433,16 +414,14 @@ def _bsa_bwd_dq_gluon_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    arrivals: gl.constexpr = 128 if GATHER else 1
     mbarrier.init(q_bar, count=1)
     for s in gl.static_range(K_STAGES):
-        mbarrier.init(k_bars.index(s), count=arrivals)
+        mbarrier.init(k_bars.index(s), count=1)
     for s in gl.static_range(V_STAGES):
-        mbarrier.init(v_bars.index(s), count=arrivals)
+        mbarrier.init(v_bars.index(s), count=1)
     fence_async_shared()
 
     n_sel = gl.load(KV_CNT + i_row)
-    n_grp = (n_sel + G - 1) // G
     p_idx = KV_IDX + i_row * KMAX
     p_bias = BIAS + i_row * KMAX
     p_dbias = DBIAS + i_row * KMAX
@@ -451,15 +430,9 @@ def _bsa_bwd_dq_gluon_kernel(
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, do_smem)
     for s in gl.static_range(K_STAGES):
-        _load_group(
-            k_desc, K, k_base, s_ks, k_ring, k_bars, _segment(p_idx, s, n_sel), p_idx, i_b, i_h,
-            s, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
-        )  # fmt: skip
+        _issue_load(k_desc, k_ring, k_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, K_STAGES)
     for s in gl.static_range(V_STAGES):
-        _load_group(
-            v_desc, V, v_base, s_vs, v_ring, v_bars, _segment(p_idx, s, n_sel), p_idx, i_b, i_h,
-            s, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
-        )  # fmt: skip
+        _issue_load(v_desc, v_ring, v_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, V_STAGES)
 
     # -- delta = rowsum(dO * O) - dLSE, the softmax-backward row constant; lse in log2 units ----
     o_m = gl.arange(0, BLOCK, layout=row_o)
@@ -486,10 +459,8 @@ def _bsa_bwd_dq_gluon_kernel(
     ds_prev = gl.zeros([BLOCK, BLOCK], q_desc.dtype, layout=ds_layout)
 
     # S_0, dP_0 (a row without slots computes them from empty stages and never reads them)
-    mbarrier.wait(k_bars.index(0), 0, pred=n_grp > 0)
-    mbarrier.wait(v_bars.index(0), 0, pred=n_grp > 0)
-    if GATHER:
-        fence_async_shared()
+    mbarrier.wait(k_bars.index(0), 0, pred=n_sel > 0)
+    mbarrier.wait(v_bars.index(0), 0, pred=n_sel > 0)
     s_cur = warpgroup_mma(
         q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
@@ -497,39 +468,34 @@ def _bsa_bwd_dq_gluon_kernel(
         do_mat, _mat(v_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur, dp_cur))
-    _load_group(
-        v_desc, V, v_base, s_vs, v_ring, v_bars, _segment(p_idx, V_STAGES, n_sel), p_idx, i_b,
-        i_h, V_STAGES, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
-    )  # fmt: skip
+    seg = _segment(p_idx, V_STAGES, n_sel)
+    _issue_load(v_desc, v_ring, v_bars, seg, i_b, i_h, V_STAGES, n_sel, V_STAGES)
     # loaded an iteration ahead, as in the forward
     seg_k = _segment(p_idx, K_STAGES, n_sel)
     seg_v = _segment(p_idx, V_STAGES + 1, n_sel)
-    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
-    for j in range(n_grp):
-        # -- 1. P and dS of group j while dQ += dS_{j-1} K_{j-1} runs ----
+    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, BLOCK, HAS_BIAS, HAS_LEN)
+    for j in range(n_sel):
+        # -- 1. P and dS of slot j while dQ += dS_{j-1} K_{j-1} runs ----
         b_s, cols = _masked_logits(
-            s_cur, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_dot, KV_BLOCK, HAS_BIAS,
+            s_cur, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_dot, BLOCK, HAS_BIAS,
             HAS_LEN,
         )  # fmt: skip
         b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(b_lse2, 1))
         b_ds = b_p * (dp_cur - gl.expand_dims(b_delta, 1))
         if HAS_BIAS:
-            _store_slot_sums(p_dbias, b_ds, j, n_sel, o_col, KV_BLOCK)
-            _store_slot_sums(p_mass, b_p, j, n_sel, o_col, KV_BLOCK)
+            gl.store(p_dbias + j, gl.sum(gl.sum(b_ds, 1), 0))
+            gl.store(p_mass + j, gl.sum(gl.sum(b_p, 1), 0))
         # -- 2. that product is done: refill K_{j-1}'s stage ----
         acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
         ds_op = gl.convert_layout(b_ds.to(q_desc.dtype), ds_layout)
         if j > 0:
-            _load_group(
-                k_desc, K, k_base, s_ks, k_ring, k_bars, seg_k, p_idx, i_b, i_h,
-                j - 1 + K_STAGES, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
-            )  # fmt: skip
+            _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j - 1 + K_STAGES, n_sel, K_STAGES)
             seg_k = _segment(p_idx, j + K_STAGES, n_sel)
-        # -- 3. S_{j+1}, dP_{j+1} (the last group's again at the end: nothing refills its
+        # -- 3. S_{j+1}, dP_{j+1} (the last slot's again at the end: nothing refills its
         # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s stage --
-        i_next = gl.minimum(j + 1, n_grp - 1)
-        _wait_slot(k_bars, i_next, K_STAGES, GATHER)
-        _wait_slot(v_bars, i_next, V_STAGES, GATHER)
+        i_next = gl.minimum(j + 1, n_sel - 1)
+        _wait_slot(k_bars, i_next, K_STAGES)
+        _wait_slot(v_bars, i_next, V_STAGES)
         s_next = warpgroup_mma(
             q_mat, _mat(k_ring, i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
             is_async=True,
@@ -541,10 +507,7 @@ def _bsa_bwd_dq_gluon_kernel(
         acc = warpgroup_mma(ds_op, _mat(k_ring, j % K_STAGES), acc_t, is_async=True)
         ds_prev = ds_op
         s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, dp_next))
-        _load_group(
-            v_desc, V, v_base, s_vs, v_ring, v_bars, seg_v, p_idx, i_b, i_h, j + 1 + V_STAGES,
-            n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
-        )  # fmt: skip
+        _issue_load(v_desc, v_ring, v_bars, seg_v, i_b, i_h, j + 1 + V_STAGES, n_sel, V_STAGES)
         seg_v = _segment(p_idx, j + 2 + V_STAGES, n_sel)
     acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
     mbarrier.invalidate(q_bar)
@@ -567,15 +530,14 @@ def bsa_backward_dq_gluon(
     kv_counts: torch.Tensor,
     block_bias: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
-    kv_block: int,
     scale: float,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     k_stages: int = 3,
     v_stages: int = 1,
 ) -> None:
-    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = 64, kv_block 16, 32 or 64 on
-    Hopper. Writes ``grads`` = (dq [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias),
-    pair mass), the last two zero-filled by the caller (any 1-element tensors without a bias);
+    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper.
+    Writes ``grads`` = (dq [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias), pair
+    mass), the last two zero-filled by the caller (any 1-element tensors without a bias);
     ``bsa_backward`` then restores the softmax identity of d(bias) and runs the dK/dV pass."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
@@ -583,14 +545,13 @@ def bsa_backward_dq_gluon(
     q_desc, k_desc, v_desc, do_desc = _descriptors(q, k, v, dout)
     dummy = torch.empty(1, device=q.device, dtype=torch.float32)
     _bsa_bwd_dq_gluon_kernel[(NQ, B * H)](
-        q_desc, k_desc, v_desc, do_desc, k, v, *k.stride()[:3], *v.stride()[:3],
-        out.contiguous(), lse.contiguous(),
+        q_desc, k_desc, v_desc, do_desc, out.contiguous(), lse.contiguous(),
         dlse.contiguous() if dlse is not None else dummy, delta, dq, dbias, mass,
         kv_indices.contiguous(), kv_counts.contiguous(),
         block_bias.contiguous() if block_bias is not None else dummy,
         kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32),
         scale * 1.4426950408889634, scale, H, S, NQ, KMAX,
-        HEAD_DIM=D, KV_BLOCK=kv_block, HAS_BIAS=block_bias is not None,
+        HEAD_DIM=D, HAS_BIAS=block_bias is not None,
         HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None, K_STAGES=k_stages,
         V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
