@@ -97,15 +97,17 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/gpu1 ddp=/tmp/mg/ddp_2gpu zero2=/tmp/mg/zero2 \
         zero3=/tmp/mg/zero3 --out "$OUT/multigpu.md" ;;
-    gluon)  # the Gluon kernels: GPU tests (all), per-kernel timings, whole op with and without
-      timeout 240 python3 -P -m pytest -q -m gpu --tb=short ${GLUON_TESTS:-tests} > "$OUT/gpu_tests.log" 2>&1
+    gluon)  # the Gluon kernels: their GPU tests, per-kernel timings against Triton, then the
+      # whole op with and without them (GLUON_KV kv_blocks, GLUON_SP sparsities)
+      timeout 240 python3 -P -m pytest -q -m gpu --tb=short \
+        ${GLUON_TESTS:-tests/test_block_sparse_gluon.py} > "$OUT/gpu_tests.log" 2>&1
       tail -25 "$OUT/gpu_tests.log"
-      timeout 150 python3 benchmarks/bench_gluon.py > "$OUT/gluon_bench.log" 2>&1
+      timeout 200 python3 benchmarks/bench_gluon.py > "$OUT/gluon_bench.log" 2>&1
       tail -25 "$OUT/gluon_bench.log"
       for gluon in 0 1; do
-        VSA2_RL_GLUON=$gluon timeout 150 python3 benchmarks/bench_attention.py --shapes 720p \
-          --kv-blocks 64 --sparsities 0.95,0.875 --no-flex --no-fastvideo \
-          --out "$OUT/gluon_$gluon.md" > /dev/null 2>&1
+        VSA2_RL_GLUON=$gluon timeout 200 python3 benchmarks/bench_attention.py --shapes 720p \
+          --kv-blocks ${GLUON_KV:-16,64} --sparsities ${GLUON_SP:-0.95} --no-flex \
+          --no-fastvideo --out "$OUT/gluon_$gluon.md" > /dev/null 2>&1
         echo "-- VSA2_RL_GLUON=$gluon"; grep "ours\|cudnn" "$OUT/gluon_$gluon.md"
       done ;;
     resume_toy)  # issue 8 on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and

@@ -691,21 +691,23 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gluon_wanted(q_tile: int, kv_block: int, *tensors: torch.Tensor) -> bool:
-    """Whether the Hopper Gluon kernels of ``block_sparse_gluon`` take the call: q_tile =
-    kv_block = 64, bf16/fp16, D in {64, 128}, an sm_90 GPU, tensors TMA can address (16-byte
-    aligned base and strides); ``VSA2_RL_GLUON=0`` keeps the Triton kernels (A/B runs)."""
+    """Whether the Hopper Gluon kernels of ``block_sparse_gluon`` take the call: q_tile = 64,
+    bf16/fp16, D in {64, 128}, an sm_90 GPU, tensors with 16-byte aligned bases and strides
+    that are multiples of 16 elements (TMA boxes and 16-byte cp.async rows); ``VSA2_RL_GLUON=0``
+    keeps the Triton kernels (A/B runs)."""
     x = tensors[0]
     return (
         os.environ.get("VSA2_RL_GLUON", "1") != "0"
         and x.is_cuda
         and torch.cuda.get_device_capability(x.device)[0] == 9
-        and q_tile == kv_block == 64
+        and q_tile == 64
+        and kv_block in (16, 32, 64)
         and x.shape[-1] in (64, 128)
         and x.dtype in (torch.bfloat16, torch.float16)
         and all(
             t.stride(-1) == 1
             and t.data_ptr() % 16 == 0
-            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+            and all(st % 16 == 0 for st in t.stride()[:-1])
             for t in tensors
         )
     )
@@ -727,7 +729,9 @@ def bsa_forward(
     if _gluon_wanted(q_tile, kv_block, q, k, v):
         from .block_sparse_gluon import bsa_forward_gluon
 
-        return bsa_forward_gluon(q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, scale)
+        return bsa_forward_gluon(
+            q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, kv_block, scale
+        )
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
@@ -790,7 +794,8 @@ def bsa_backward(
     mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
     prec = _dot_precision(q.dtype)
 
-    if _gluon_wanted(q_tile, kv_block, q, k, v, dout):
+    # the Gluon dQ pass at kv_block 64 only: gathered for 16 / 32 it lost to the Triton kernel
+    if kv_block == 64 and _gluon_wanted(q_tile, kv_block, q, k, v, dout):
         from .block_sparse_gluon import bsa_backward_dq_gluon
 
         bsa_backward_dq_gluon(

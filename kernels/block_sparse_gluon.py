@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -63,32 +64,129 @@ def _issue_load(desc, ring, bars, seg, i_b, i_h, i_slot, n_sel, STAGES: gl.const
 
 
 @gluon.jit
+def _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES: gl.constexpr,
+                  KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
+    """kv_block < 64: the 64 keys of group ``i_grp`` (its 64 // KV_BLOCK slots' segments, slots
+    past the count read segment 0 and are masked later) copied row by row with cp.async into
+    stage ``i_grp % STAGES``; every thread's copies arrive on the stage's barrier (count = the
+    block's threads). Nothing is copied for a group past the count."""
+    if i_grp * (64 // KV_BLOCK) < n_sel:
+        ld: gl.constexpr = gl.BlockedLayout(
+            [1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0]
+        )
+        o_r = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+        slot = i_grp * (64 // KV_BLOCK) + o_r // KV_BLOCK
+        seg = gl.load(p_idx + slot, mask=slot < n_sel, other=0)
+        tok = (seg * KV_BLOCK + o_r % KV_BLOCK).to(gl.int64)
+        ptrs = X + x_base + gl.expand_dims(tok * s_xs, 1) + gl.expand_dims(o_d, 0)
+        async_copy.async_copy_global_to_shared(_mat(ring, i_grp % STAGES), ptrs)
+        async_copy.mbarrier_arrive(bars.index(i_grp % STAGES), increment_count=False)
+
+
+@gluon.jit
+def _load_group(desc, X, x_base, s_xs, ring, bars, seg, p_idx, i_b, i_h, i_grp, n_sel,
+                STAGES: gl.constexpr, KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
+    """Start loading group ``i_grp`` of a row's keys (or values) into its stage: one segment
+    by TMA (``seg``, loaded ahead by the caller) at kv_block 64, else a cp.async gather."""
+    if KV_BLOCK == 64:
+        _issue_load(desc, ring, bars, seg, i_b, i_h, i_grp, n_sel, STAGES)
+    else:
+        _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES, KV_BLOCK, HEAD_DIM)
+
+
+@gluon.jit
+def _group_columns(p_idx, p_bias, KV_LEN, i_grp, n_sel, o_col, KV_BLOCK: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr):  # fmt: skip
+    """kv_block < 64: per column of group ``i_grp``, its slot's bias (0 without one), or -inf
+    where the key is not valid (a slot past the count, a key past its segment's length): one
+    vector of registers carried across the loop."""
+    slot = i_grp * (64 // KV_BLOCK) + o_col // KV_BLOCK
+    valid = slot < n_sel
+    bias = o_col.to(gl.float32) * 0.0
+    if HAS_BIAS:
+        bias = gl.load(p_bias + slot, mask=valid, other=0.0).to(gl.float32)
+    if HAS_LEN:
+        seg = gl.load(p_idx + slot, mask=valid, other=0)
+        valid = valid & (o_col % KV_BLOCK < gl.load(KV_LEN + seg, mask=valid, other=0))
+    return gl.where(valid, bias, float("-inf"))
+
+
+@gluon.jit
+def _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr):  # fmt: skip
+    """The column terms of group 0 for ``_masked_logits``."""
+    if KV_BLOCK == 64:
+        bias = gl.load(p_bias, mask=n_sel > 0, other=0.0).to(gl.float32) if HAS_BIAS else 0.0
+        n_key = gl.load(KV_LEN + _segment(p_idx, 0, n_sel)) if HAS_LEN else 64
+        return bias, n_key, _segment(p_idx, 1, n_sel)
+    else:
+        return _group_columns(p_idx, p_bias, KV_LEN, 0, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
+
+
+@gluon.jit
+def _masked_logits(s_raw, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_dot,
+                   KV_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr):  # fmt: skip
+    """S_j plus its slots' bias (in dot units), -inf at invalid keys, from the column terms
+    ``cols`` of group j loaded an iteration earlier; returns it and group j + 1's terms. At
+    kv_block 64 ``cols`` = (bias, length, segment of slot j + 1), scalars: the next length
+    needs no dependent load; else one value per column (``_group_columns``)."""
+    b_s = s_raw
+    if KV_BLOCK == 64:
+        bias, n_key, seg_ahead = cols
+        if HAS_BIAS:
+            b_s = b_s + bias * bias_to_dot
+            bias = gl.load(p_bias + j + 1, mask=j + 1 < n_sel, other=0.0).to(gl.float32)
+        if HAS_LEN:
+            b_s = gl.where(gl.expand_dims(o_col < n_key, 0), b_s, float("-inf"))
+            n_key = gl.load(KV_LEN + seg_ahead)
+            seg_ahead = _segment(p_idx, j + 2, n_sel)
+        return b_s, (bias, n_key, seg_ahead)
+    else:
+        b_s = b_s + gl.expand_dims(cols * bias_to_dot, 0)
+        return b_s, _group_columns(
+            p_idx, p_bias, KV_LEN, j + 1, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN
+        )
+
+
+@gluon.jit
 def _mat(ring, stage):
     """The ``[rows, D]`` matrix of one ``[1, 1, rows, D]`` TMA stage of a ring."""
     return ring.index(stage).reshape([ring.shape[3], ring.shape[4]])
 
 
 @gluon.jit
-def _wait_slot(bars, i_slot, STAGES: gl.constexpr):
+def _wait_slot(bars, i_slot, STAGES: gl.constexpr, GATHER: gl.constexpr = False):
+    """Wait for the load of slot (group) ``i_slot``; data gathered by cp.async, written through
+    the generic proxy, is then fenced for the wgmma that reads it."""
     mbarrier.wait(bars.index(i_slot % STAGES), (i_slot // STAGES) & 1)
+    if GATHER:
+        fence_async_shared()
 
 
 @gluon.jit
 def _bsa_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, O, LSE, KV_IDX, KV_CNT, BIAS, KV_LEN, qk_scale, H, S, NQ, KMAX,
-    HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
-    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
+    q_desc, k_desc, v_desc, K, V, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, O, LSE, KV_IDX, KV_CNT,
+    BIAS, KV_LEN, qk_scale, H, S, NQ, KMAX,
+    HEAD_DIM: gl.constexpr, KV_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
+    HAS_LEN: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
 ):  # fmt: skip
-    # K_j is read by S_j only (done by the end of step 3 of slot j - 1): one stage can already
-    # hold K_{j+1} a whole slot ahead. V_j is read by P_j V_j, done in step 2 of slot j + 1, so
+    # The loop runs over groups of 64 keys: one segment at kv_block 64 (TMA), else 64 //
+    # KV_BLOCK consecutive slots gathered by cp.async (K / V then come as pointers and strides).
+    # K_j is read by S_j only (done by the end of step 3 of group j - 1): one stage can already
+    # hold K_{j+1} a whole group ahead. V_j is read by P_j V_j, done in step 2 of group j + 1, so
     # V needs two stages for the same distance.
     gl.static_assert(V_STAGES >= 2)
+    G: gl.constexpr = BLOCK // KV_BLOCK
+    GATHER: gl.constexpr = G > 1
     i_t = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_row = i_bh.to(gl.int64) * NQ + i_t
     row_base = i_bh * S
     i_b = i_bh // H
     i_h = i_bh % H
+    k_base = i_b.to(gl.int64) * s_kb + i_h.to(gl.int64) * s_kh
+    v_base = i_b.to(gl.int64) * s_vb + i_h.to(gl.int64) * s_vh
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
@@ -113,22 +211,31 @@ def _bsa_fwd_gluon_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    # a TMA load arrives once; a gather once per thread
+    arrivals: gl.constexpr = 128 if GATHER else 1
     mbarrier.init(q_bar, count=1)
     for s in gl.static_range(K_STAGES):
-        mbarrier.init(k_bars.index(s), count=1)
+        mbarrier.init(k_bars.index(s), count=arrivals)
     for s in gl.static_range(V_STAGES):
-        mbarrier.init(v_bars.index(s), count=1)
+        mbarrier.init(v_bars.index(s), count=arrivals)
     fence_async_shared()
 
     n_sel = gl.load(KV_CNT + i_row)
+    n_grp = (n_sel + G - 1) // G
     p_idx = KV_IDX + i_row * KMAX
     p_bias = BIAS + i_row * KMAX
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     for s in gl.static_range(K_STAGES):
-        _issue_load(k_desc, k_ring, k_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, K_STAGES)
+        _load_group(
+            k_desc, K, k_base, s_ks, k_ring, k_bars, _segment(p_idx, s, n_sel), p_idx, i_b, i_h,
+            s, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
+        )  # fmt: skip
     for s in gl.static_range(V_STAGES):
-        _issue_load(v_desc, v_ring, v_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, V_STAGES)
+        _load_group(
+            v_desc, V, v_base, s_vs, v_ring, v_bars, _segment(p_idx, s, n_sel), p_idx, i_b, i_h,
+            s, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
+        )  # fmt: skip
     mbarrier.wait(q_bar, 0)
 
     bias_to_dot = 1.4426950408889634 / qk_scale
@@ -142,32 +249,28 @@ def _bsa_fwd_gluon_kernel(
     p_prev = gl.zeros([BLOCK, BLOCK], q_desc.dtype, layout=p_layout)
 
     # S_0 (a row without slots computes it from an empty stage and never reads it)
-    mbarrier.wait(k_bars.index(0), 0, pred=n_sel > 0)
+    mbarrier.wait(k_bars.index(0), 0, pred=n_grp > 0)
+    if GATHER:
+        fence_async_shared()
     s_cur = warpgroup_mma(
         q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
-    seg = _segment(p_idx, K_STAGES, n_sel)
-    _issue_load(k_desc, k_ring, k_bars, seg, i_b, i_h, K_STAGES, n_sel, K_STAGES)
-    # loaded an iteration ahead: the segments of the next V and K refills, slot j's bias and
-    # length, and the segment of slot j + 1 (whose length is loaded during slot j)
+    _load_group(
+        k_desc, K, k_base, s_ks, k_ring, k_bars, _segment(p_idx, K_STAGES, n_sel), p_idx, i_b,
+        i_h, K_STAGES, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
+    )  # fmt: skip
+    # loaded a group ahead: the segments of the next V and K refills (TMA) and the column
+    # terms (bias, key validity) of the group
     seg_v = _segment(p_idx, V_STAGES, n_sel)
     seg_k = _segment(p_idx, K_STAGES + 1, n_sel)
-    if HAS_BIAS:
-        bias_j = gl.load(p_bias, mask=n_sel > 0, other=0.0)
-    if HAS_LEN:
-        len_j = gl.load(KV_LEN + _segment(p_idx, 0, n_sel))
-        seg_ahead = _segment(p_idx, 1, n_sel)
-    for j in range(n_sel):
+    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
+    for j in range(n_grp):
         # -- 1. softmax of S_j while O += P_{j-1} V_{j-1} runs ----
-        b_s = s_cur
-        if HAS_BIAS:
-            b_s = b_s + bias_j.to(gl.float32) * bias_to_dot
-            bias_j = gl.load(p_bias + j + 1, mask=j + 1 < n_sel, other=0.0)
-        if HAS_LEN:
-            b_s = gl.where(gl.expand_dims(o_col < len_j, 0), b_s, float("-inf"))
-            len_j = gl.load(KV_LEN + seg_ahead)
-            seg_ahead = _segment(p_idx, j + 2, n_sel)
+        b_s, cols = _masked_logits(
+            s_cur, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_dot, KV_BLOCK, HAS_BIAS,
+            HAS_LEN,
+        )  # fmt: skip
         m_new = gl.maximum(m_i, gl.max(b_s, 1) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(m_safe, 1))
@@ -179,21 +282,27 @@ def _bsa_fwd_gluon_kernel(
         p_op = gl.convert_layout(b_p.to(q_desc.dtype), p_layout)
         acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         if j > 0:
-            _issue_load(v_desc, v_ring, v_bars, seg_v, i_b, i_h, j - 1 + V_STAGES, n_sel, V_STAGES)
+            _load_group(
+                v_desc, V, v_base, s_vs, v_ring, v_bars, seg_v, p_idx, i_b, i_h,
+                j - 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
+            )  # fmt: skip
             seg_v = _segment(p_idx, j + V_STAGES, n_sel)
-        # -- 3. S_{j+1} (the last slot's again at the end: nothing refills its stage), then
+        # -- 3. S_{j+1} (the last group's again at the end: nothing refills its stage), then
         # O += P_j V_j; wait for S_{j+1} only and refill its K stage ----
-        i_next = gl.minimum(j + 1, n_sel - 1)
-        _wait_slot(k_bars, i_next, K_STAGES)
+        i_next = gl.minimum(j + 1, n_grp - 1)
+        _wait_slot(k_bars, i_next, K_STAGES, GATHER)
         s_next = warpgroup_mma(
             q_mat, _mat(k_ring, i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
             is_async=True,
         )  # fmt: skip
-        _wait_slot(v_bars, j, V_STAGES)
+        _wait_slot(v_bars, j, V_STAGES, GATHER)
         acc = warpgroup_mma(p_op, _mat(v_ring, j % V_STAGES), acc_t, is_async=True)
         p_prev = p_op
         s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-        _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j + 1 + K_STAGES, n_sel, K_STAGES)
+        _load_group(
+            k_desc, K, k_base, s_ks, k_ring, k_bars, seg_k, p_idx, i_b, i_h, j + 1 + K_STAGES,
+            n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
+        )  # fmt: skip
         seg_k = _segment(p_idx, j + 2 + K_STAGES, n_sel)
     acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.invalidate(q_bar)
@@ -217,7 +326,7 @@ def _bsa_fwd_gluon_kernel(
 
 def _descriptors(*tensors: torch.Tensor):
     """``[1, 1, BLOCK, D]`` TMA descriptors of ``[B, H, S, D]`` tensors (any strides that are
-    multiples of 16 bytes, the last dimension contiguous: ``gluon_applicable`` checks)."""
+    multiples of 16 bytes, the last dimension contiguous: ``_gluon_wanted`` checks)."""
     D = tensors[0].shape[-1]
     dtype = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, D], dtype)
@@ -235,11 +344,12 @@ def bsa_forward_gluon(
     kv_counts: torch.Tensor,
     block_bias: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
+    kv_block: int,
     scale: float,
     k_stages: int = 1,
     v_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_sparse.bsa_forward`` for q_tile = kv_block = 64 on Hopper."""
+    """``block_sparse.bsa_forward`` for q_tile = 64 and kv_block 16, 32 or 64 on Hopper."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     q_desc, k_desc, v_desc = _descriptors(q, k, v)
@@ -249,10 +359,12 @@ def bsa_forward_gluon(
     bias = block_bias.contiguous() if block_bias is not None else dummy
     lens = kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32)
     _bsa_fwd_gluon_kernel[(NQ, B * H)](
-        q_desc, k_desc, v_desc, out, lse, kv_indices.contiguous(), kv_counts.contiguous(), bias,
-        lens, scale * 1.4426950408889634, H, S, NQ, KMAX,
-        HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
-        K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
+        q_desc, k_desc, v_desc, k, v, *k.stride()[:3], *v.stride()[:3], out, lse,
+        kv_indices.contiguous(), kv_counts.contiguous(), bias, lens,
+        scale * 1.4426950408889634, H, S, NQ, KMAX,
+        HEAD_DIM=D, KV_BLOCK=kv_block, HAS_BIAS=block_bias is not None,
+        HAS_LEN=kv_lengths is not None, K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK,
+        num_warps=4,
     )  # fmt: skip
     return out, lse
 
@@ -266,8 +378,9 @@ def _bsa_bwd_dq_gluon_kernel(
     BLOCK: gl.constexpr,
 ):  # fmt: skip
     """dQ pass of ``block_sparse._bsa_bwd_dq_kernel`` (dQ, per-pair d(bias) and probability
-    mass, delta). K_j is read by S_j and by dQ += dS_j K_j (done in step 2 of slot j + 1), so K
-    takes three stages for a slot of distance; V_j only by dP_j: one stage suffices."""
+    mass, delta) for kv_block 64 (a gathered version for 16 / 32 lost to the Triton kernel).
+    K_j is read by S_j and by dQ += dS_j K_j (done in step 2 of slot j + 1), so K takes three
+    stages for a slot of distance; V_j only by dP_j: one stage suffices."""
     gl.static_assert(K_STAGES >= 2)
     i_t = gl.program_id(0)
     i_bh = gl.program_id(1)
@@ -360,21 +473,13 @@ def _bsa_bwd_dq_gluon_kernel(
     # loaded an iteration ahead, as in the forward
     seg_k = _segment(p_idx, K_STAGES, n_sel)
     seg_v = _segment(p_idx, V_STAGES + 1, n_sel)
-    if HAS_BIAS:
-        bias_j = gl.load(p_bias, mask=n_sel > 0, other=0.0)
-    if HAS_LEN:
-        len_j = gl.load(KV_LEN + _segment(p_idx, 0, n_sel))
-        seg_ahead = _segment(p_idx, 1, n_sel)
+    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, BLOCK, HAS_BIAS, HAS_LEN)
     for j in range(n_sel):
         # -- 1. P and dS of slot j while dQ += dS_{j-1} K_{j-1} runs ----
-        b_s = s_cur
-        if HAS_BIAS:
-            b_s = b_s + bias_j.to(gl.float32) * bias_to_dot
-            bias_j = gl.load(p_bias + j + 1, mask=j + 1 < n_sel, other=0.0)
-        if HAS_LEN:
-            b_s = gl.where(gl.expand_dims(o_col < len_j, 0), b_s, float("-inf"))
-            len_j = gl.load(KV_LEN + seg_ahead)
-            seg_ahead = _segment(p_idx, j + 2, n_sel)
+        b_s, cols = _masked_logits(
+            s_cur, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_dot, BLOCK, HAS_BIAS,
+            HAS_LEN,
+        )  # fmt: skip
         b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(b_lse2, 1))
         b_ds = b_p * (dp_cur - gl.expand_dims(b_delta, 1))
         if HAS_BIAS:
@@ -387,7 +492,7 @@ def _bsa_bwd_dq_gluon_kernel(
             _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j - 1 + K_STAGES, n_sel, K_STAGES)
             seg_k = _segment(p_idx, j + K_STAGES, n_sel)
         # -- 3. S_{j+1}, dP_{j+1} (the last slot's again at the end: nothing refills its
-        # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s stage ----
+        # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s stage --
         i_next = gl.minimum(j + 1, n_sel - 1)
         _wait_slot(k_bars, i_next, K_STAGES)
         _wait_slot(v_bars, i_next, V_STAGES)
@@ -430,10 +535,10 @@ def bsa_backward_dq_gluon(
     k_stages: int = 3,
     v_stages: int = 1,
 ) -> None:
-    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper. Writes
-    ``grads`` = (dq [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias), pair mass), the
-    last two zero-filled by the caller (any 1-element tensors without a bias); ``bsa_backward``
-    then restores the softmax identity of d(bias) and runs the dK/dV pass."""
+    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper.
+    Writes ``grads`` = (dq [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias), pair
+    mass), the last two zero-filled by the caller (any 1-element tensors without a bias);
+    ``bsa_backward`` then restores the softmax identity of d(bias) and runs the dK/dV pass."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     dq, delta, dbias, mass = grads
@@ -446,7 +551,7 @@ def bsa_backward_dq_gluon(
         block_bias.contiguous() if block_bias is not None else dummy,
         kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32),
         scale * 1.4426950408889634, scale, H, S, NQ, KMAX,
-        HEAD_DIM=D, HAS_BIAS=block_bias is not None, HAS_LEN=kv_lengths is not None,
-        HAS_DLSE=dlse is not None, K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK,
-        num_warps=4,
+        HEAD_DIM=D, HAS_BIAS=block_bias is not None,
+        HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None, K_STAGES=k_stages,
+        V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip

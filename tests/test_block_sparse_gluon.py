@@ -17,10 +17,13 @@ pytestmark = [
 ]
 
 
-def _case(with_lengths: bool, strided: bool, dtype=torch.bfloat16, D: int = 128, kmax: int = 9):
+def _case(with_lengths, strided, dtype=torch.bfloat16, D=128, kv_block=64):
+    """A selection with rows of 0, 1 and KMAX slots (KMAX not a multiple of 64 // kv_block: the
+    gathered kernels see partial groups), a bias, and lengths with partial and empty segments."""
     torch.manual_seed(0)
     B, H, S = 1, 4, 64 * 96
-    nq = nseg = S // 64
+    nq, nseg = S // 64, S // kv_block
+    kmax = 9 * (64 // kv_block) + (1 if kv_block < 64 else 0)
 
     def rand():
         x = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
@@ -33,15 +36,10 @@ def _case(with_lengths: bool, strided: bool, dtype=torch.bfloat16, D: int = 128,
     bias = 0.5 * torch.randn(B, H, nq, kmax, device="cuda")
     lengths = None
     if with_lengths:
-        lengths = torch.full((nseg,), 64, device="cuda", dtype=torch.int32)
-        lengths[::5] = torch.randint(0, 64, lengths[::5].shape, device="cuda", dtype=torch.int32)
+        lengths = torch.full((nseg,), kv_block, device="cuda", dtype=torch.int32)
+        partial = lengths[::5]
+        lengths[::5] = torch.randint(0, kv_block, partial.shape, device="cuda", dtype=torch.int32)
     return q, k, v, ids, counts, bias, lengths, D**-0.5, rand()
-
-
-def _reference(q, k, v, ids, counts, bias, lengths, scale):
-    return block_sparse_attention_torch(
-        q.double(), k.double(), v.double(), ids, counts, bias.double(), lengths, 64, 64, scale
-    )
 
 
 def _check_forward(out, lse, ref_out, ref_lse, counts):
@@ -54,32 +52,46 @@ def _check_forward(out, lse, ref_out, ref_lse, counts):
 
 @pytest.mark.parametrize("k_stages,v_stages", [(1, 2), (2, 2)])
 @pytest.mark.parametrize("with_lengths", [False, True])
-def test_gluon_forward_settings_match_reference(k_stages, v_stages, with_lengths):
+@pytest.mark.parametrize("kv_block", [64, 32, 16])
+def test_gluon_forward_settings_match_reference(k_stages, v_stages, with_lengths, kv_block):
     from vsa2_rl.kernels.block_sparse_gluon import bsa_forward_gluon
 
-    q, k, v, ids, counts, bias, lengths, scale, _ = _case(with_lengths, strided=True)
-    out, lse = bsa_forward_gluon(q, k, v, ids, counts, bias, lengths, scale, k_stages, v_stages)
-    _check_forward(out, lse, *_reference(q, k, v, ids, counts, bias, lengths, scale), counts)
+    q, k, v, ids, counts, bias, lengths, scale, _ = _case(
+        with_lengths, strided=True, kv_block=kv_block
+    )
+    out, lse = bsa_forward_gluon(
+        q, k, v, ids, counts, bias, lengths, kv_block, scale, k_stages, v_stages
+    )
+    ref = block_sparse_attention_torch(
+        q.double(), k.double(), v.double(), ids, counts, bias.double(), lengths, 64, kv_block,
+        scale,
+    )  # fmt: skip
+    _check_forward(out, lse, *ref, counts)
 
 
+@pytest.mark.parametrize("kv_block", [64, 32, 16])
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64)])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("with_lengths", [False, True])
-def test_routed_forward_and_backward_match_float64_autograd(with_lengths, strided, dtype, D):
+def test_routed_forward_and_backward_match_float64_autograd(
+    with_lengths, strided, dtype, D, kv_block
+):
     """``bsa_forward`` / ``bsa_backward`` as the autograd op calls them: Gluon forward and dQ
     pass, Triton dK/dV pass; gradients of a loss through out and lse against float64 autograd."""
-    q, k, v, ids, counts, bias, lengths, scale, dout = _case(with_lengths, strided, dtype, D)
-    assert _gluon_wanted(64, 64, q, k, v, dout)
-    out, lse = bsa_forward(q, k, v, ids, counts, bias, lengths, 64, 64, scale)
+    q, k, v, ids, counts, bias, lengths, scale, dout = _case(
+        with_lengths, strided, dtype, D, kv_block
+    )
+    assert _gluon_wanted(64, kv_block, q, k, v, dout)
+    out, lse = bsa_forward(q, k, v, ids, counts, bias, lengths, 64, kv_block, scale)
     leaves = [x.double().requires_grad_() for x in (q, k, v, bias)]
     ref_out, ref_lse = block_sparse_attention_torch(
-        *leaves[:3], ids, counts, leaves[3], lengths, 64, 64, scale
+        *leaves[:3], ids, counts, leaves[3], lengths, 64, kv_block, scale
     )
     _check_forward(out, lse, ref_out.detach(), ref_lse.detach(), counts)
 
     dlse = torch.where(ref_lse.isfinite(), torch.randn_like(lse), 0.0)
     dq, dk, dv, dbias = bsa_backward(
-        dout, dlse, q, k, v, out, lse, ids, counts, bias, lengths, 64, 64, scale
+        dout, dlse, q, k, v, out, lse, ids, counts, bias, lengths, 64, kv_block, scale
     )
     loss = (ref_out * dout.double()).sum() + torch.where(
         ref_lse.isfinite(), ref_lse * dlse.double(), 0.0

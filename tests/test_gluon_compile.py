@@ -31,9 +31,11 @@ def _compile_sm90(kernel: str, constants: dict, out_dir: Path) -> tuple[str, str
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, D], gl.bfloat16)
     desc = f"tensordesc<bf16[1, 1, 64, {D}],{layout!r}>"
     fn = getattr(bsg, kernel)
-    # pointers by name (bf16 outputs, int32 indices, float32 otherwise), then the scalars
-    types = {"O": "*bf16", "DQ": "*bf16", "KV_IDX": "*i32", "KV_CNT": "*i32", "KV_LEN": "*i32"}
-    types |= dict(H="i32", S="i32", NQ="i32", KMAX="i32", qk_scale="fp32", scale="fp32")
+    # pointers by name (bf16 tensors, int32 indices, float32 otherwise), then the scalars
+    types = dict.fromkeys(("K", "V", "O", "DQ"), "*bf16")
+    types |= dict.fromkeys(("KV_IDX", "KV_CNT", "KV_LEN"), "*i32")
+    types |= dict.fromkeys(("H", "S", "NQ", "KMAX", "s_kb", "s_kh", "s_ks", "s_vb", "s_vh"), "i32")
+    types |= dict(s_vs="i32", qk_scale="fp32", scale="fp32")
     signature = {
         name: "constexpr"
         if name in constants
@@ -42,7 +44,19 @@ def _compile_sm90(kernel: str, constants: dict, out_dir: Path) -> tuple[str, str
         else types.get(name, "*fp32")
         for name in fn.arg_names
     }
-    src = GluonASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constants.items()})
+    # what the launcher's specialisation proves at run time: 16-aligned pointers, strides that
+    # are multiples of 16 (``_gluon_wanted`` requires both)
+    aligned = [
+        (i,)
+        for i, name in enumerate(fn.arg_names)
+        if signature[name].startswith("*") or name.startswith("s_")
+    ]
+    src = GluonASTSource(
+        fn,
+        signature,
+        {(fn.arg_names.index(n),): v for n, v in constants.items()},
+        {key: [["tt.divisibility", 16]] for key in aligned},
+    )
     target = GPUTarget("cuda", 90, 32)
     ptx = triton.compile(src, target=target, options=dict(num_warps=4)).asm["ptx"]
     path = out_dir / "kernel.ptx"
@@ -70,18 +84,20 @@ def _has_ptxas() -> bool:
 @pytest.mark.parametrize(
     "kernel,constants",
     [
-        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=False, K_STAGES=1, V_STAGES=2)),
-        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=True, K_STAGES=1, V_STAGES=2)),
-        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=64, HAS_LEN=True, K_STAGES=1, V_STAGES=2)),
-        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=True, HAS_DLSE=True, K_STAGES=3)),
-        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=64, HAS_LEN=True, HAS_DLSE=True, K_STAGES=3)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, KV_BLOCK=64, HAS_LEN=False)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, KV_BLOCK=64, HAS_LEN=True)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=64, KV_BLOCK=64, HAS_LEN=True)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, KV_BLOCK=32, HAS_LEN=True)),
+        ("_bsa_fwd_gluon_kernel", dict(HEAD_DIM=128, KV_BLOCK=16, HAS_LEN=True)),
+        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=128, HAS_LEN=True, HAS_DLSE=True)),
+        ("_bsa_bwd_dq_gluon_kernel", dict(HEAD_DIM=64, HAS_LEN=True, HAS_DLSE=True)),
     ],
 )
 def test_gluon_kernel_compiles_for_hopper_with_overlap_and_no_spills(kernel, constants, tmp_path):
     """The settings the wrappers launch (``bsa_forward_gluon``, ``bsa_backward_dq_gluon``)."""
-    constants = dict(HAS_BIAS=True, BLOCK=64, **constants)
-    if kernel == "_bsa_bwd_dq_gluon_kernel":
-        constants["V_STAGES"] = 1
+    forward = kernel == "_bsa_fwd_gluon_kernel"
+    stages = dict(K_STAGES=1, V_STAGES=2) if forward else dict(K_STAGES=3, V_STAGES=1)
+    constants = dict(HAS_BIAS=True, BLOCK=64, **stages, **constants)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run(
         [sys.executable, __file__, kernel, json.dumps(constants), str(tmp_path)],
@@ -92,7 +108,10 @@ def test_gluon_kernel_compiles_for_hopper_with_overlap_and_no_spills(kernel, con
     assert "wgmma.mma_async" in ptx
     # the softmax of one slot overlaps the previous slot's product: a wait leaves one in flight
     assert re.search(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)
-    assert "cp.async.bulk.tensor" in ptx, "K/V must stream by TMA"
+    # Q (and dO) by TMA; K / V by TMA at kv_block 64, else gathered row by row with cp.async
+    assert "cp.async.bulk.tensor" in ptx
+    if constants.get("KV_BLOCK", 64) < 64:
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) == 0, report
 
