@@ -1,14 +1,18 @@
-"""Hopper (sm_90) Gluon kernels of the VSA2 fine stage for kv_block = q_tile = 64: the forward
-and the dQ pass of the backward, with the FlashAttention-3 overlap of softmax and tensor-core
-work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route to them when ``_gluon_wanted``
-says so (the dK/dV pass stays the Triton kernel, which a Gluon version did not beat).
+"""Hopper (sm_90) Gluon kernels of the VSA2 fine stage (q_tile 64): the forward for kv_block
+16, 32 and 64 and the dQ pass of the backward for kv_block 64, with the FlashAttention-3
+overlap of softmax and tensor-core work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route
+to them when ``_gluon_wanted`` says so; the other passes stay Triton (a Gluon dK/dV pass and a
+gathered dQ pass for kv_block 16 / 32 were slower than the Triton kernels).
 
 Triton's ``tl`` cannot express the overlap (tried: the compiler waits for every QK^T wgmma at
 once, and its automatic warp specialisation rejects the loop), so these kernels issue and wait
-for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the K
-and V segments with TMA copies into two rings of shared-memory stages guarded by mbarriers,
-each stage refilled as soon as the product reading it has completed. Forward, per selected
-slot j of a query tile (one warpgroup, 64 rows):
+for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the
+keys and values into two rings of shared-memory stages guarded by mbarriers, each stage
+refilled as soon as the product reading it has completed. A stage holds a group of 64 keys:
+one segment, copied by TMA, at kv_block 64; 64 // kv_block consecutive slots, gathered row by
+row with cp.async (each thread's copies arrive on the stage's barrier), at 16 and 32, with the
+slots' bias and validity applied per column. Forward, per group j of a query tile (one
+warpgroup, 64 rows):
 
 1. softmax of the logits S_j (in registers) while O += P_{j-1} V_{j-1} is still running;
 2. wait for that product, rescale O, refill its V stage;
@@ -17,9 +21,9 @@ slot j of a query tile (one warpgroup, 64 rows):
 The dQ pass does the same with S and dP = dO V^T in step 3 and dQ += dS K in place of the P V
 product. Same contracts as ``block_sparse._bsa_fwd_kernel`` and ``_bsa_bwd_dq_kernel`` for
 D in {64, 128}, bf16/fp16, [B, H, S, D] tensors with 16-byte aligned strides (4-D TMA
-descriptors: the transposed views a DiT passes need no copy). No interpreter for Gluon: GPU
-tests compare them with a float64 reference, and a CPU test compiles them for sm_90 and checks
-the overlap and the register budget.
+descriptors and strided row gathers: the transposed views a DiT passes need no copy). No
+interpreter for Gluon: GPU tests compare them with a float64 reference, and a CPU test
+compiles them for sm_90 and checks the overlap, the copy paths and the register budget.
 """
 
 from __future__ import annotations
