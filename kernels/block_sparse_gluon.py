@@ -45,6 +45,28 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BLOCK = 64  # query rows per tile = keys per segment
 
 
+@gluon.constexpr_function
+def _mma_layout(n):
+    """Register layout of a ``[64, n]`` wgmma accumulator over one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _kv_rings(k_desc, v_desc, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              ARRIVALS: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
+    """The K and V rings of ``[1, 1, 64, D]`` stages, each with an mbarrier whose phase
+    completes after ``ARRIVALS`` arrivals (a TMA copy: 1; a gather: every thread)."""
+    k_ring = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, 1, 1, 64, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, 1, 1, 64, HEAD_DIM], v_desc.layout)
+    k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(K_STAGES):
+        mbarrier.init(k_bars.index(s), count=ARRIVALS)
+    for s in gl.static_range(V_STAGES):
+        mbarrier.init(v_bars.index(s), count=ARRIVALS)
+    return k_ring, v_ring, k_bars, v_bars
+
+
 @gluon.jit
 def _segment(p_idx, i_slot, n_sel):
     """The segment id in slot ``i_slot`` of a row (0 past the row's count). The loops load these
@@ -192,12 +214,8 @@ def _bsa_fwd_gluon_kernel(
     k_base = i_b.to(gl.int64) * s_kb + i_h.to(gl.int64) * s_kh
     v_base = i_b.to(gl.int64) * s_vb + i_h.to(gl.int64) * s_vh
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    s_layout: gl.constexpr = _mma_layout(BLOCK)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -206,22 +224,12 @@ def _bsa_fwd_gluon_kernel(
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, 1, BLOCK, HEAD_DIM], q_desc.layout)
     q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
-    k_ring = gl.allocate_shared_memory(
-        k_desc.dtype, [K_STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout
-    )
-    v_ring = gl.allocate_shared_memory(
-        v_desc.dtype, [V_STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout
+    # a TMA copy arrives once on its stage's barrier, a gather once per thread
+    k_ring, v_ring, k_bars, v_bars = _kv_rings(
+        k_desc, v_desc, K_STAGES, V_STAGES, 128 if GATHER else 1, HEAD_DIM
     )
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    # a TMA load arrives once; a gather once per thread
-    arrivals: gl.constexpr = 128 if GATHER else 1
     mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(K_STAGES):
-        mbarrier.init(k_bars.index(s), count=arrivals)
-    for s in gl.static_range(V_STAGES):
-        mbarrier.init(v_bars.index(s), count=arrivals)
     fence_async_shared()
 
     n_sel = gl.load(KV_CNT + i_row)
@@ -393,12 +401,8 @@ def _bsa_bwd_dq_gluon_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    s_layout: gl.constexpr = _mma_layout(BLOCK)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -409,20 +413,9 @@ def _bsa_bwd_dq_gluon_kernel(
     q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [1, 1, BLOCK, HEAD_DIM], do_desc.layout)
     do_mat = do_smem.reshape([BLOCK, HEAD_DIM])
-    k_ring = gl.allocate_shared_memory(
-        k_desc.dtype, [K_STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout
-    )
-    v_ring = gl.allocate_shared_memory(
-        v_desc.dtype, [V_STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout
-    )
+    k_ring, v_ring, k_bars, v_bars = _kv_rings(k_desc, v_desc, K_STAGES, V_STAGES, 1, HEAD_DIM)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(K_STAGES):
-        mbarrier.init(k_bars.index(s), count=1)
-    for s in gl.static_range(V_STAGES):
-        mbarrier.init(v_bars.index(s), count=1)
     fence_async_shared()
 
     n_sel = gl.load(KV_CNT + i_row)
