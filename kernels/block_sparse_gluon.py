@@ -11,8 +11,10 @@ keys and values into two rings of shared-memory stages guarded by mbarriers, eac
 refilled as soon as the product reading it has completed. A stage holds a group of 64 keys:
 one segment, copied by TMA, at kv_block 64; 64 // kv_block consecutive slots, gathered row by
 row with cp.async (each thread's copies arrive on the stage's barrier), at 16 and 32, with the
-slots' bias and validity applied per column. Forward, per group j of a query tile (one
-warpgroup, 64 rows):
+slots' bias and validity applied per column. Keys and values past a partial segment's length
+(and the rows of slots past the count, which read segment 0) are copied too, as the Triton TMA
+path does: their logits are -inf, so they take no weight as long as they are finite (the DiT's
+tile layout pads with zeros). Forward, per group j of a query tile (one warpgroup, 64 rows):
 
 1. softmax of the logits S_j (in registers) while O += P_{j-1} V_{j-1} is still running;
 2. wait for that product, rescale O, refill its V stage;
