@@ -25,7 +25,10 @@ see :func:`build_kv_major_index`. Index conventions follow FlexAttention's ``Blo
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+import re
 
 import torch
 import triton
@@ -690,11 +693,26 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, device=device, dtype=dtype)
 
 
+@functools.cache
+def _gluon_available() -> bool:
+    """Whether this Triton has the Gluon Hopper API the kernels of ``block_sparse_gluon`` are
+    written against: 3.6 or newer (3.6 runs them on the GPU tests, 3.8 compiles them in CI);
+    older versions keep the Triton kernels."""
+    version = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    if version is None or (int(version[1]), int(version[2])) < (3, 6):
+        return False
+    try:
+        importlib.import_module(f"{__package__}.block_sparse_gluon")
+    except ImportError:
+        return False
+    return True
+
+
 def _gluon_wanted(q_tile: int, kv_block: int, *tensors: torch.Tensor) -> bool:
     """Whether the Hopper Gluon kernels of ``block_sparse_gluon`` take the call: q_tile = 64,
     bf16/fp16, D in {64, 128}, an sm_90 GPU, tensors with 16-byte aligned bases and strides
-    that are multiples of 16 elements (TMA boxes and 16-byte cp.async rows); ``VSA2_RL_GLUON=0``
-    keeps the Triton kernels (A/B runs)."""
+    that are multiples of 16 elements (TMA boxes and 16-byte cp.async rows), a Triton with the
+    Gluon API; ``VSA2_RL_GLUON=0`` keeps the Triton kernels (A/B runs)."""
     x = tensors[0]
     return (
         os.environ.get("VSA2_RL_GLUON", "1") != "0"
@@ -710,6 +728,7 @@ def _gluon_wanted(q_tile: int, kv_block: int, *tensors: torch.Tensor) -> bool:
             and all(st % 16 == 0 for st in t.stride()[:-1])
             for t in tensors
         )
+        and _gluon_available()
     )
 
 

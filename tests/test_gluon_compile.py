@@ -119,3 +119,29 @@ def test_gluon_kernel_compiles_for_hopper_with_overlap_and_no_spills(kernel, con
 if __name__ == "__main__":
     out = Path(sys.argv[3])
     (out / "report.txt").write_text(_compile_sm90(sys.argv[1], json.loads(sys.argv[2]), out)[1])
+
+
+@pytest.mark.parametrize(
+    "version,new_enough",
+    [("3.5.1", False), ("2.3.0", False), ("3.6.0", True), ("3.8.0+git1a2b3c4", True)],
+)
+def test_gluon_path_needs_triton_3_6_and_an_importable_module(monkeypatch, version, new_enough):
+    """An older Triton (or a broken Gluon import) keeps the Triton kernels instead of failing
+    at the first Hopper call."""
+    import importlib.util
+
+    import triton
+
+    from vsa2_rl.kernels import block_sparse
+
+    has_gluon = importlib.util.find_spec("triton.experimental.gluon") is not None
+    monkeypatch.setattr(triton, "__version__", version)
+    block_sparse._gluon_available.cache_clear()
+    try:
+        assert block_sparse._gluon_available() is (new_enough and has_gluon)
+        # the module cannot be imported: the Triton kernels, whatever the version
+        monkeypatch.setitem(sys.modules, "vsa2_rl.kernels.block_sparse_gluon", None)
+        block_sparse._gluon_available.cache_clear()
+        assert block_sparse._gluon_available() is False
+    finally:
+        block_sparse._gluon_available.cache_clear()
