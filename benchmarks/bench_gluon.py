@@ -14,7 +14,7 @@ from vsa2_rl.kernels import block_sparse as bs
 from vsa2_rl.kernels.block_sparse import bsa_forward
 from vsa2_rl.kernels.block_sparse_gluon import bsa_backward_dq_gluon, bsa_forward_gluon
 
-os.environ["VSA2_RL_GLUON"] = "0"  # bsa_forward below is the Triton kernel
+os.environ["VSA2_RL_GLUON"] = "0"  # bsa_forward and _dq_pass below run the Triton kernels
 
 
 def time_sparsity(q, k, v, kv_block: int, sparsity: float) -> None:
@@ -30,18 +30,31 @@ def time_sparsity(q, k, v, kv_block: int, sparsity: float) -> None:
     tag = f"{sparsity} | kv{kv_block}"
     fwd = {
         "fwd triton": lambda: bsa_forward(q, k, v, *sel, 64, kv_block, D**-0.5),
-        "fwd gluon": lambda: bsa_forward_gluon(q, k, v, *sel, kv_block, D**-0.5),
+        "fwd gluon": lambda: gluon_forward(q, k, v, *sel, kv_block),
     }
     report(tag, fwd, flops)
     out, lse = fwd["fwd triton"]()
     dout = torch.randn_like(out)
-    dq = {"dq triton": lambda: triton_dq(dout, q, k, v, out, lse, *sel, kv_block)}
+    dq = {"dq triton": lambda: dq_pass(dout, q, k, v, out, lse, *sel, kv_block, gluon=False)}
     if kv_block == 64:  # the Gluon dQ pass exists for kv_block 64 only
-        dq["dq gluon"] = lambda: gluon_dq(dout, q, k, v, out, lse, *sel)
+        dq["dq gluon"] = lambda: dq_pass(dout, q, k, v, out, lse, *sel, kv_block, gluon=True)
     report(tag, dq, 1.5 * flops)
 
 
-def gluon_dq(dout, q, k, v, out, lse, ids, counts, bias, lens):
+def gluon_forward(q, k, v, ids, counts, bias, lens, kv_block):
+    B, H, S, D = q.shape
+    out = torch.empty((B, H, S, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, H, S), device=q.device)
+    bsa_forward_gluon(
+        q, k, v, ids, counts, bias, lens, out, lse, kv_block=kv_block,
+        qk_scale=D**-0.5 * bs.LOG2E, has_bias=True, has_len=True,
+    )  # fmt: skip
+    return out, lse
+
+
+def dq_pass(dout, q, k, v, out, lse, ids, counts, bias, lens, kv_block, gluon: bool):
+    """The dQ pass alone, as ``bsa_backward`` launches it: the Triton kernel through
+    ``_dq_pass`` (VSA2_RL_GLUON=0 here) or the Gluon one."""
     B, H, S, D = q.shape
     grads = (
         torch.empty_like(q),
@@ -49,27 +62,14 @@ def gluon_dq(dout, q, k, v, out, lse, ids, counts, bias, lens):
         torch.zeros_like(bias),
         torch.zeros_like(bias),
     )
-    bsa_backward_dq_gluon(dout, None, q, k, v, out, lse, ids, counts, bias, lens, D**-0.5, grads)
+    no_dlse = bs._dummy(q.device, torch.float32)
+    args = (dout, q, k, v, out, lse, no_dlse, ids, counts, bias, lens, grads)
+    flags = dict(scale=D**-0.5, has_bias=True, has_len=True, has_dlse=False)
+    if gluon:
+        bsa_backward_dq_gluon(*args, qk_scale=D**-0.5 * bs.LOG2E, **flags)
+    else:
+        bs._dq_pass(*args, q_tile=64, kv_block=kv_block, **flags)
     return grads
-
-
-def triton_dq(dout, q, k, v, out, lse, ids, counts, bias, lens, kv_block):
-    """The Triton dQ pass launched as ``bsa_backward`` does, without the dK/dV pass."""
-    B, H, S, D = q.shape
-    NQ, KMAX = ids.shape[2], ids.shape[3]
-    dq = torch.empty_like(q)
-    delta = torch.empty((B, H, S), device=q.device)
-    dbias, mass = torch.zeros_like(bias), torch.zeros_like(bias)
-    (desc_k, desc_v), tma = bs._tma_descriptors(kv_block, k, v)
-    bs._bsa_bwd_dq_kernel[(NQ, B * H)](
-        q, k, v, desc_k, desc_v, out, dout, lse, bs._dummy(q.device, torch.float32), delta, dq,
-        dbias, mass, ids, counts, bias, lens,
-        *bs._bhs_strides(q), *bs._bhs_strides(k), *bs._bhs_strides(v), *bs._bhs_strides(out),
-        *bs._bhs_strides(dout), D**-0.5 * bs.LOG2E, D**-0.5,
-        H=H, S=S, NQ=NQ, KMAX=KMAX, Q_TILE=64, KV_BLOCK=kv_block, HEAD_DIM=D,
-        HAS_BIAS=True, HAS_LEN=True, HAS_DLSE=False, DOT_PREC="ieee", TMA=tma,
-    )  # fmt: skip
-    return dq, delta, dbias, mass
 
 
 def report(tag: str, runs: dict, flops: float) -> None:

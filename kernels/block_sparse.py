@@ -744,13 +744,8 @@ def bsa_forward(
     kv_block: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; returns (out [B,H,S,D] in q's dtype, lse float32 [B,H,S])."""
-    if _gluon_wanted(q_tile, kv_block, q, k, v):
-        from .block_sparse_gluon import bsa_forward_gluon
-
-        return bsa_forward_gluon(
-            q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, kv_block, scale
-        )
+    """Launch the forward kernel (Gluon where ``_gluon_wanted``, else Triton); returns
+    (out [B,H,S,D] in q's dtype, lse float32 [B,H,S])."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
@@ -760,6 +755,15 @@ def bsa_forward(
     kv_counts = kv_counts.contiguous()
     bias = block_bias.contiguous() if block_bias is not None else _dummy(q.device, torch.float32)
     lens = kv_lengths.contiguous() if kv_lengths is not None else _dummy(q.device, torch.int32)
+    if _gluon_wanted(q_tile, kv_block, q, k, v):
+        from .block_sparse_gluon import bsa_forward_gluon
+
+        bsa_forward_gluon(
+            q, k, v, kv_indices, kv_counts, bias, lens, out, lse, kv_block=kv_block,
+            qk_scale=scale * LOG2E, has_bias=block_bias is not None,
+            has_len=kv_lengths is not None,
+        )  # fmt: skip
+        return out, lse
     (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)
     _bsa_fwd_kernel[(NQ, B * H)](
         q, k, v, desc_k, desc_v, out, lse,
@@ -772,6 +776,55 @@ def bsa_forward(
         DOT_PREC=_dot_precision(q.dtype), TMA=tma,
     )  # fmt: skip
     return out, lse
+
+
+def _dq_pass(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    bias: torch.Tensor,
+    lens: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    q_tile: int,
+    kv_block: int,
+    scale: float,
+    has_bias: bool,
+    has_len: bool,
+    has_dlse: bool,
+) -> None:
+    """The dQ / d(bias) pass of ``bsa_backward`` on its prepared arguments (placeholders where a
+    flag is False), writing ``grads`` = (dq, delta, raw d(bias), pair mass): the Gluon kernel at
+    kv_block 64 where ``_gluon_wanted`` (gathered for 16 / 32 it lost to Triton), else Triton."""
+    B, H, S, D = q.shape
+    NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
+    dq, delta, dbias, mass = grads
+    if kv_block == 64 and _gluon_wanted(q_tile, kv_block, q, k, v, dout):
+        from .block_sparse_gluon import bsa_backward_dq_gluon
+
+        bsa_backward_dq_gluon(
+            dout, q, k, v, out, lse, dlse, kv_indices, kv_counts, bias, lens, grads,
+            scale=scale, qk_scale=scale * LOG2E, has_bias=has_bias, has_len=has_len,
+            has_dlse=has_dlse,
+        )  # fmt: skip
+        return
+    (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)
+    _bsa_bwd_dq_kernel[(NQ, B * H)](
+        q, k, v, desc_k, desc_v, out, dout, lse, dlse, delta, dq, dbias, mass,
+        kv_indices, kv_counts, bias, lens,
+        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out),
+        *_bhs_strides(dout), scale * LOG2E, scale,
+        H=H, S=S, NQ=NQ, KMAX=KMAX,
+        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
+        HAS_BIAS=has_bias, HAS_LEN=has_len, HAS_DLSE=has_dlse,
+        DOT_PREC=_dot_precision(q.dtype), TMA=tma,
+    )  # fmt: skip
 
 
 def bsa_backward(
@@ -813,27 +866,11 @@ def bsa_backward(
     mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
     prec = _dot_precision(q.dtype)
 
-    # the Gluon dQ pass at kv_block 64 only: gathered for 16 / 32 it lost to the Triton kernel
-    if kv_block == 64 and _gluon_wanted(q_tile, kv_block, q, k, v, dout):
-        from .block_sparse_gluon import bsa_backward_dq_gluon
-
-        bsa_backward_dq_gluon(
-            dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths, scale,
-            (dq, delta, dbias, mass),
-        )  # fmt: skip
-    else:
-        (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)
-        _bsa_bwd_dq_kernel[(NQ, B * H)](
-            q, k, v, desc_k, desc_v, out, dout, lse, dlse_arg, delta, dq, dbias, mass,
-            kv_indices, kv_counts, bias, lens,
-            *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(out),
-            *_bhs_strides(dout), scale * LOG2E, scale,
-            H=H, S=S, NQ=NQ, KMAX=KMAX,
-            Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
-            HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None,
-            DOT_PREC=prec, TMA=tma,
-        )  # fmt: skip
-
+    _dq_pass(
+        dout, q, k, v, out, lse, dlse_arg, kv_indices, kv_counts, bias, lens,
+        (dq, delta, dbias, mass), q_tile=q_tile, kv_block=kv_block, scale=scale,
+        has_bias=has_bias, has_len=kv_lengths is not None, has_dlse=dlse is not None,
+    )  # fmt: skip
     if has_bias:
         dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)
     offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)

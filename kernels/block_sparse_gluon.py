@@ -356,31 +356,31 @@ def bsa_forward_gluon(
     v: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
-    block_bias: torch.Tensor | None,
-    kv_lengths: torch.Tensor | None,
+    bias: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
     kv_block: int,
-    scale: float,
+    qk_scale: float,
+    has_bias: bool,
+    has_len: bool,
     k_stages: int = 1,
     v_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_sparse.bsa_forward`` for q_tile = 64 and kv_block 16, 32 or 64 on Hopper."""
+) -> None:
+    """The launch of ``block_sparse.bsa_forward`` for q_tile = 64 and kv_block 16, 32 or 64 on
+    Hopper, with its prepared arguments: contiguous indices, counts, bias and lengths (1-element
+    placeholders where ``has_bias`` / ``has_len`` is False), the contiguous outputs ``out`` and
+    ``lse`` to write, ``qk_scale`` = scale * log2(e)."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     q_desc, k_desc, v_desc = _descriptors(q, k, v)
-    out = torch.empty((B, H, S, D), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, H, S), device=q.device, dtype=torch.float32)
-    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
-    bias = block_bias.contiguous() if block_bias is not None else dummy
-    lens = kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32)
     _bsa_fwd_gluon_kernel[(NQ, B * H)](
         q_desc, k_desc, v_desc, k, v, *k.stride()[:3], *v.stride()[:3], out, lse,
-        kv_indices.contiguous(), kv_counts.contiguous(), bias, lens,
-        scale * 1.4426950408889634, H, S, NQ, KMAX,
-        HEAD_DIM=D, KV_BLOCK=kv_block, HAS_BIAS=block_bias is not None,
-        HAS_LEN=kv_lengths is not None, K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK,
-        num_warps=4,
+        kv_indices, kv_counts, bias, lens, qk_scale, H, S, NQ, KMAX,
+        HEAD_DIM=D, KV_BLOCK=kv_block, HAS_BIAS=has_bias, HAS_LEN=has_len, K_STAGES=k_stages,
+        V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
-    return out, lse
 
 
 @gluon.jit
@@ -519,38 +519,40 @@ def _bsa_bwd_dq_gluon_kernel(
 
 def bsa_backward_dq_gluon(
     dout: torch.Tensor,
-    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    dlse: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
-    block_bias: torch.Tensor | None,
-    kv_lengths: torch.Tensor | None,
-    scale: float,
+    bias: torch.Tensor,
+    lens: torch.Tensor,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    scale: float,
+    qk_scale: float,
+    has_bias: bool,
+    has_len: bool,
+    has_dlse: bool,
     k_stages: int = 3,
     v_stages: int = 1,
 ) -> None:
-    """The dQ pass of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper.
-    Writes ``grads`` = (dq [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias), pair
-    mass), the last two zero-filled by the caller (any 1-element tensors without a bias);
-    ``bsa_backward`` then restores the softmax identity of d(bias) and runs the dK/dV pass."""
+    """The dQ-pass launch of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper,
+    with its prepared arguments (contiguous lse, indices, counts; bias, lengths and dlse or
+    1-element placeholders where the flag is False). Writes ``grads`` = (dq [B,H,S,D]
+    contiguous, delta float32 [B,H,S], raw d(bias), pair mass), the last two zero-filled by the
+    caller; ``bsa_backward`` then restores the softmax identity of d(bias) and runs the dK/dV
+    pass."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     dq, delta, dbias, mass = grads
     q_desc, k_desc, v_desc, do_desc = _descriptors(q, k, v, dout)
-    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
+    # the kernel reads O (for delta) with the offsets of a contiguous tensor
     _bsa_bwd_dq_gluon_kernel[(NQ, B * H)](
-        q_desc, k_desc, v_desc, do_desc, out.contiguous(), lse.contiguous(),
-        dlse.contiguous() if dlse is not None else dummy, delta, dq, dbias, mass,
-        kv_indices.contiguous(), kv_counts.contiguous(),
-        block_bias.contiguous() if block_bias is not None else dummy,
-        kv_lengths.contiguous() if kv_lengths is not None else dummy.to(torch.int32),
-        scale * 1.4426950408889634, scale, H, S, NQ, KMAX,
-        HEAD_DIM=D, HAS_BIAS=block_bias is not None,
-        HAS_LEN=kv_lengths is not None, HAS_DLSE=dlse is not None, K_STAGES=k_stages,
+        q_desc, k_desc, v_desc, do_desc, out.contiguous(), lse, dlse, delta, dq, dbias, mass,
+        kv_indices, kv_counts, bias, lens, qk_scale, scale, H, S, NQ, KMAX,
+        HEAD_DIM=D, HAS_BIAS=has_bias, HAS_LEN=has_len, HAS_DLSE=has_dlse, K_STAGES=k_stages,
         V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip

@@ -5,7 +5,7 @@ empty segments, and q/k/v/dO given as the transposed views a DiT passes ([B, S, 
 import pytest
 import torch
 
-from vsa2_rl.kernels.block_sparse import _gluon_wanted, bsa_backward, bsa_forward
+from vsa2_rl.kernels.block_sparse import LOG2E, _gluon_wanted, bsa_backward, bsa_forward
 from vsa2_rl.kernels.naive import block_sparse_attention_torch
 
 pytestmark = [
@@ -59,9 +59,15 @@ def test_gluon_forward_settings_match_reference(k_stages, v_stages, with_lengths
     q, k, v, ids, counts, bias, lengths, scale, _ = _case(
         with_lengths, strided=True, kv_block=kv_block
     )
-    out, lse = bsa_forward_gluon(
-        q, k, v, ids, counts, bias, lengths, kv_block, scale, k_stages, v_stages
-    )
+    # contiguous outputs, as bsa_forward allocates them (q is a transposed view here)
+    out = torch.empty(q.shape, device="cuda", dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], device="cuda")
+    no_lengths = torch.zeros(1, device="cuda", dtype=torch.int32)
+    bsa_forward_gluon(
+        q, k, v, ids, counts, bias, lengths if with_lengths else no_lengths, out, lse,
+        kv_block=kv_block, qk_scale=scale * LOG2E, has_bias=True, has_len=with_lengths,
+        k_stages=k_stages, v_stages=v_stages,
+    )  # fmt: skip
     ref = block_sparse_attention_torch(
         q.double(), k.double(), v.double(), ids, counts, bias.double(), lengths, 64, kv_block,
         scale,
