@@ -434,27 +434,33 @@ def _gather_query_rows(
 
 @triton.jit
 def _store_pair_blocks(
-    DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
+    DS, DESC_DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, QG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """Keep what the dQ pass needs of the QG gathered pairs, given dS^T and P^T [KV_BLOCK, ROWS]:
     each pair's dS block in the dtype of the dK product ([key, query row] within the pair's
     block, blocks at pair id - ``pair0``), and with a bias each pair's d(bias) = sum of its dS
     and its probability mass (each pair is visited once, so plain stores, no atomics)."""
     ROWS: tl.constexpr = QG * Q_TILE
-    o_r = tl.arange(0, ROWS)
-    o_w = tl.arange(0, KV_BLOCK)
-    o_blk = (b_pair.to(tl.int64) - pair0) * (Q_TILE * KV_BLOCK) + o_r % Q_TILE
-    tl.store(
-        DS + o_blk[None, :] + o_w[:, None] * Q_TILE,
-        b_dst.to(DS.dtype.element_ty),
-        mask=m_ent[None, :],
-    )
+    if TMA and QG == 1:
+        i_blk = (tl.load(CSR_PAIR + i_p) - pair0).to(tl.int32)
+        DESC_DS.store([i_blk, 0, 0], b_dst.to(DESC_DS.dtype).reshape(1, KV_BLOCK, Q_TILE))
+    else:
+        o_r = tl.arange(0, ROWS)
+        o_w = tl.arange(0, KV_BLOCK)
+        o_blk = (b_pair.to(tl.int64) - pair0) * (Q_TILE * KV_BLOCK) + o_r % Q_TILE
+        tl.store(
+            DS + o_blk[None, :] + o_w[:, None] * Q_TILE,
+            b_dst.to(DS.dtype.element_ty),
+            mask=m_ent[None, :],
+        )
     if HAS_BIAS:
         if QG == 1:
+            # sums along the query rows first: in-thread and in-warp, then one across warps
             i_pair = tl.load(CSR_PAIR + i_p)
-            tl.store(DBIAS + i_pair, tl.sum(tl.sum(b_dst, 0), 0).to(DBIAS.dtype.element_ty))
-            tl.store(MASS + i_pair, tl.sum(tl.sum(b_pt, 0), 0))
+            tl.store(DBIAS + i_pair, tl.sum(tl.sum(b_dst, 1), 0).to(DBIAS.dtype.element_ty))
+            tl.store(MASS + i_pair, tl.sum(tl.sum(b_pt, 1), 0))
         else:
             o_q = tl.arange(0, QG)
             m_q = i_p + o_q < i_end
@@ -467,7 +473,7 @@ def _store_pair_blocks(
 @triton.jit
 def _dkv_key_major_loop(
     b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
-    CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+    CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
     STORE_DS: tl.constexpr,
@@ -499,8 +505,8 @@ def _dkv_key_major_loop(
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=DOT_PREC)
         if STORE_DS:
             _store_pair_blocks(
-                DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
-                Q_TILE, KV_BLOCK, QG, HAS_BIAS,
+                DS, DESC_DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst,
+                b_pt, Q_TILE, KV_BLOCK, QG, HAS_BIAS, TMA,
             )  # fmt: skip
     return b_dk, b_dv
 
@@ -508,7 +514,7 @@ def _dkv_key_major_loop(
 @triton.jit
 def _dkv_dim_major_loop(
     b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
-    CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+    CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
     STORE_DS: tl.constexpr,
@@ -540,8 +546,8 @@ def _dkv_dim_major_loop(
         b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype), input_precision=DOT_PREC)
         if STORE_DS:
             _store_pair_blocks(
-                DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, tl.trans(b_ds),
-                tl.trans(b_p), Q_TILE, KV_BLOCK, QG, HAS_BIAS,
+                DS, DESC_DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0,
+                tl.trans(b_ds), tl.trans(b_p), Q_TILE, KV_BLOCK, QG, HAS_BIAS, TMA,
             )  # fmt: skip
     return tl.trans(b_dkt), tl.trans(b_dvt)
 
@@ -568,6 +574,7 @@ def _bsa_bwd_dkv_kernel(
     BIAS,
     KV_LEN,
     DS,
+    DESC_DS,
     DBIAS,
     MASS,
     s_qb,
@@ -639,13 +646,13 @@ def _bsa_bwd_dkv_kernel(
     if DIM_MAJOR:
         b_dk, b_dv = _dkv_dim_major_loop(
             b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
-            p_delta0, CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
+            p_delta0, CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
             qk_scale, NQ, KMAX, Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA, STORE_DS,
         )  # fmt: skip
     else:
         b_dk, b_dv = _dkv_key_major_loop(
             b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
-            p_delta0, CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
+            p_delta0, CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
             qk_scale, NQ, KMAX, Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA, STORE_DS,
         )  # fmt: skip
 
@@ -698,7 +705,7 @@ def _dq_ds_configs() -> list[triton.Config]:
 )
 @triton.jit
 def _bsa_bwd_dq_from_ds_kernel(
-    K, DESC_K, DS, DQ, KV_IDX, KV_CNT, s_kb, s_kh, s_ks, scale, BH0, H, S, NQ, KMAX,
+    K, DESC_K, DS, DESC_DS, DQ, KV_IDX, KV_CNT, s_kb, s_kh, s_ks, scale, BH0, H, S, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -727,16 +734,19 @@ def _bsa_bwd_dq_from_ds_kernel(
     for i_s in range(0, n_sel, G):
         o_slot = i_s + o_g
         m_slot = o_slot < n_sel
-        # [Q_TILE, BLOCK_N]; each slot's block is stored [key, query row]
-        b_ds = tl.load(
-            p_ds0 + o_slot[None, :] * BLK + o_w[None, :] * Q_TILE + o_m[:, None],
-            mask=m_slot[None, :],
-            other=0.0,
-        )
         if TMA and G == 1:
+            # [Q_TILE, KV_BLOCK]; each slot's block is stored [key, query row]
+            i_blk = (tl.program_id(1).to(tl.int64) * NQ + i_t) * KMAX + i_s
+            b_ds = tl.trans(DESC_DS.load([i_blk.to(tl.int32), 0, 0]).reshape(KV_BLOCK, Q_TILE))
             at = [i_b.to(tl.int32), i_h.to(tl.int32), tl.load(p_idx + i_s) * KV_BLOCK, 0]
             b_k = DESC_K.load(at).reshape(KV_BLOCK, HEAD_DIM)
         else:
+            # [Q_TILE, BLOCK_N]
+            b_ds = tl.load(
+                p_ds0 + o_slot[None, :] * BLK + o_w[None, :] * Q_TILE + o_m[:, None],
+                mask=m_slot[None, :],
+                other=0.0,
+            )
             b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
             o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
             # [BLOCK_N, HEAD_DIM]
@@ -1058,14 +1068,18 @@ def bsa_backward(
     (desc_q, desc_do), tma = _tma_descriptors(q_tile, q, dout)
     (desc_k,), tma_k = _tma_descriptors(kv_block, k)
     if chunk:
-        ds = torch.empty(chunk * NQ * KMAX * q_tile * kv_block, device=device, dtype=q.dtype)
+        ds = torch.empty((chunk * NQ * KMAX, kv_block, q_tile), device=device, dtype=q.dtype)
+        # the dS blocks go out and come back as TMA copies wherever the other tensors do
+        desc_ds = ds
+        if tma or tma_k:
+            desc_ds = TensorDescriptor(ds, list(ds.shape), list(ds.stride()), [1, kv_block, q_tile])
     else:
-        ds = _dummy(device, q.dtype)
+        ds = desc_ds = _dummy(device, q.dtype)
     for bh0 in range(0, B * H, chunk or B * H):
         n_bh = min(chunk or B * H, B * H - bh0)
         _bsa_bwd_dkv_kernel[(NSEG, n_bh)](
             q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv,
-            offsets, pairs, bias, lens, ds, dbias, mass,
+            offsets, pairs, bias, lens, ds, desc_ds, dbias, mass,
             *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
             scale * LOG2E, scale,
             H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX, BH0=bh0,
@@ -1075,7 +1089,7 @@ def bsa_backward(
         )  # fmt: skip
         if chunk:
             _bsa_bwd_dq_from_ds_kernel[(NQ, n_bh)](
-                k, desc_k, ds, dq, kv_indices, kv_counts, *_bhs_strides(k), scale,
+                k, desc_k, ds, desc_ds, dq, kv_indices, kv_counts, *_bhs_strides(k), scale,
                 BH0=bh0, H=H, S=S, NQ=NQ, KMAX=KMAX, Q_TILE=q_tile, KV_BLOCK=kv_block,
                 HEAD_DIM=D, DOT_PREC=_dot_precision(q.dtype), TMA=tma_k,
             )  # fmt: skip
