@@ -7,14 +7,15 @@ log-sum-exp, and a backward of two passes without atomics (run-to-run determinis
 
 * a key-major pass (one program per key segment) walks a transposed, CSR-style index of the
   (query tile, slot) pairs that selected the segment, recomputes P and dS, and accumulates dK and
-  dV. By default it also stores every pair's dS block and its bias-gradient sum
+  dV. Below kv_block 64 it also stores every pair's dS block and its bias-gradient sum
   d(bias) = sum of dS over the pair's logits, after a small kernel has computed
   delta = rowsum(dO * O) - dLSE;
 * a query-major pass (one program per query tile) then needs only dQ = sum over slots of dS K:
   one product per slot instead of the three that recomputing P and dS takes. The stored blocks
   take NQ * KMAX * q_tile * kv_block elements per head, so the two passes go by chunks of heads
-  that fit ``VSA2_RL_DS_BUFFER_MB`` (default 4096); with 0 the query-major pass runs first and
-  recomputes P and dS itself (dQ, d(bias) and delta), as in FlashAttention-2.
+  that fit ``VSA2_RL_DS_BUFFER_MB`` (default 4096). At kv_block 64, or with a budget of 0, the
+  query-major pass runs first and recomputes P and dS itself (dQ, d(bias) and delta), as in
+  FlashAttention-2.
 
 Segments of 16 or 32 keys would make ``tl.dot`` tiles too thin for the tensor cores, so the
 forward and dQ kernels gather ``BLOCK_N // kv_block`` selected segments into one BLOCK_N-key tile
@@ -434,27 +435,24 @@ def _gather_query_rows(
 
 @triton.jit
 def _store_pair_blocks(
-    DS, DESC_DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
+    DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, QG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    TMA: tl.constexpr,
 ):  # fmt: skip
     """Keep what the dQ pass needs of the QG gathered pairs, given dS^T and P^T [KV_BLOCK, ROWS]:
     each pair's dS block in the dtype of the dK product ([key, query row] within the pair's
     block, blocks at pair id - ``pair0``), and with a bias each pair's d(bias) = sum of its dS
     and its probability mass (each pair is visited once, so plain stores, no atomics)."""
     ROWS: tl.constexpr = QG * Q_TILE
-    if TMA and QG == 1:
-        i_blk = (tl.load(CSR_PAIR + i_p) - pair0).to(tl.int32)
-        DESC_DS.store([i_blk, 0, 0], b_dst.to(DESC_DS.dtype).reshape(1, KV_BLOCK, Q_TILE))
-    else:
-        o_r = tl.arange(0, ROWS)
-        o_w = tl.arange(0, KV_BLOCK)
-        o_blk = (b_pair.to(tl.int64) - pair0) * (Q_TILE * KV_BLOCK) + o_r % Q_TILE
-        tl.store(
-            DS + o_blk[None, :] + o_w[:, None] * Q_TILE,
-            b_dst.to(DS.dtype.element_ty),
-            mask=m_ent[None, :],
-        )
+    o_r = tl.arange(0, ROWS)
+    o_w = tl.arange(0, KV_BLOCK)
+    o_blk = (b_pair.to(tl.int64) - pair0) * (Q_TILE * KV_BLOCK) + o_r % Q_TILE
+    # streaming stores (.cs): the blocks are read once, by the next pass; keep L2 for Q and dO
+    tl.store(
+        DS + o_blk[None, :] + o_w[:, None] * Q_TILE,
+        b_dst.to(DS.dtype.element_ty),
+        mask=m_ent[None, :],
+        cache_modifier=".cs",
+    )
     if HAS_BIAS:
         if QG == 1:
             # sums along the query rows first: in-thread and in-warp, then one across warps
@@ -473,7 +471,7 @@ def _store_pair_blocks(
 @triton.jit
 def _dkv_key_major_loop(
     b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
-    CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+    CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
     STORE_DS: tl.constexpr,
@@ -505,8 +503,8 @@ def _dkv_key_major_loop(
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=DOT_PREC)
         if STORE_DS:
             _store_pair_blocks(
-                DS, DESC_DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst,
-                b_pt, Q_TILE, KV_BLOCK, QG, HAS_BIAS, TMA,
+                DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
+                Q_TILE, KV_BLOCK, QG, HAS_BIAS,
             )  # fmt: skip
     return b_dk, b_dv
 
@@ -514,7 +512,7 @@ def _dkv_key_major_loop(
 @triton.jit
 def _dkv_dim_major_loop(
     b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
-    CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+    CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
     STORE_DS: tl.constexpr,
@@ -546,8 +544,8 @@ def _dkv_dim_major_loop(
         b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype), input_precision=DOT_PREC)
         if STORE_DS:
             _store_pair_blocks(
-                DS, DESC_DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0,
-                tl.trans(b_ds), tl.trans(b_p), Q_TILE, KV_BLOCK, QG, HAS_BIAS, TMA,
+                DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, tl.trans(b_ds),
+                tl.trans(b_p), Q_TILE, KV_BLOCK, QG, HAS_BIAS,
             )  # fmt: skip
     return tl.trans(b_dkt), tl.trans(b_dvt)
 
@@ -574,7 +572,6 @@ def _bsa_bwd_dkv_kernel(
     BIAS,
     KV_LEN,
     DS,
-    DESC_DS,
     DBIAS,
     MASS,
     s_qb,
@@ -646,13 +643,13 @@ def _bsa_bwd_dkv_kernel(
     if DIM_MAJOR:
         b_dk, b_dv = _dkv_dim_major_loop(
             b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
-            p_delta0, CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
+            p_delta0, CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
             qk_scale, NQ, KMAX, Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA, STORE_DS,
         )  # fmt: skip
     else:
         b_dk, b_dv = _dkv_key_major_loop(
             b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
-            p_delta0, CSR_PAIR, BIAS, DS, DESC_DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
+            p_delta0, CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
             qk_scale, NQ, KMAX, Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA, STORE_DS,
         )  # fmt: skip
 
@@ -665,7 +662,7 @@ def _bsa_bwd_dkv_kernel(
 
 
 @triton.jit
-def _bsa_delta_kernel(
+def _bsa_bsa_delta_kernel(
     O, DO, DLSE, DELTA, s_ob, s_oh, s_os, s_dob, s_doh, s_dos, H, S,
     HEAD_DIM: tl.constexpr, BR: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
@@ -694,7 +691,7 @@ def _dq_ds_configs() -> list[triton.Config]:
     # one product per slot and a stream of stored blocks: deep software pipelines
     return [
         triton.Config({"BLOCK_N": bn}, num_warps=4, num_stages=st)
-        for bn, st in ((64, 3), (64, 4), (128, 3))
+        for bn, st in ((64, 2), (64, 3), (128, 3))
     ]
 
 
@@ -705,13 +702,13 @@ def _dq_ds_configs() -> list[triton.Config]:
 )
 @triton.jit
 def _bsa_bwd_dq_from_ds_kernel(
-    K, DESC_K, DS, DESC_DS, DQ, KV_IDX, KV_CNT, s_kb, s_kh, s_ks, scale, BH0, H, S, NQ, KMAX,
+    K, DS, DQ, KV_IDX, KV_CNT, s_kb, s_kh, s_ks, scale, BH0, H, S, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile as sum over its slots of dS_slot K_slot, with the dS blocks the
     dK/dV pass stored for heads BH0, BH0 + 1, ... (``_store_pair_blocks``). Keys past a partial
-    segment's length have dS = 0; like the TMA loads elsewhere their rows are read."""
+    segment's length have dS = 0, and their rows are read (as by the TMA loads elsewhere)."""
     tl.static_assert(BLOCK_N % KV_BLOCK == 0)
     G: tl.constexpr = BLOCK_N // KV_BLOCK
     BLK: tl.constexpr = Q_TILE * KV_BLOCK
@@ -734,25 +731,18 @@ def _bsa_bwd_dq_from_ds_kernel(
     for i_s in range(0, n_sel, G):
         o_slot = i_s + o_g
         m_slot = o_slot < n_sel
-        if TMA and G == 1:
-            # [Q_TILE, KV_BLOCK]; each slot's block is stored [key, query row]
-            i_blk = (tl.program_id(1).to(tl.int64) * NQ + i_t) * KMAX + i_s
-            b_ds = tl.trans(DESC_DS.load([i_blk.to(tl.int32), 0, 0]).reshape(KV_BLOCK, Q_TILE))
-            at = [i_b.to(tl.int32), i_h.to(tl.int32), tl.load(p_idx + i_s) * KV_BLOCK, 0]
-            b_k = DESC_K.load(at).reshape(KV_BLOCK, HEAD_DIM)
-        else:
-            # [Q_TILE, BLOCK_N]
-            b_ds = tl.load(
-                p_ds0 + o_slot[None, :] * BLK + o_w[None, :] * Q_TILE + o_m[:, None],
-                mask=m_slot[None, :],
-                other=0.0,
-            )
-            b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
-            o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
-            # [BLOCK_N, HEAD_DIM]
-            b_k = tl.load(
-                p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_slot[:, None], other=0.0
-            )
+        # [Q_TILE, BLOCK_N]; each slot's block is stored [key, query row]
+        b_ds = tl.load(
+            p_ds0 + o_slot[None, :] * BLK + o_w[None, :] * Q_TILE + o_m[:, None],
+            mask=m_slot[None, :],
+            other=0.0,
+        )
+        b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
+        o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
+        # [BLOCK_N, HEAD_DIM]
+        b_k = tl.load(
+            p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_slot[:, None], other=0.0
+        )
         b_dq += tl.dot(b_ds, b_k, input_precision=DOT_PREC)
 
     o_tok_q = i_t.to(tl.int64) * Q_TILE + o_m
@@ -992,7 +982,14 @@ def _dq_pass(
 def _stored_ds_heads(n_heads: int, NQ: int, KMAX: int, q_tile: int, kv_block: int, dtype) -> int:
     """How many (batch, head) pairs one chunk of the stored-dS backward covers: as many as fit
     their dS blocks (NQ * KMAX * q_tile * kv_block elements per head) in ``VSA2_RL_DS_BUFFER_MB``
-    (default 4096); 0, when not even one fits or the budget is 0, selects the recompute backward."""
+    (default 4096); 0, when not even one fits or the budget is 0, selects the recompute backward.
+
+    kv_block 64 always recomputes: there the key-major pass runs key-major products at 255
+    registers, and storing its dS blocks cost it more than the query-major pass saves (H200,
+    Wan 720p: +14 ms against -10 ms with TMA stores; pointer stores serialise its wgmma chain).
+    """
+    if kv_block >= 64:
+        return 0
     raw = os.environ.get("VSA2_RL_DS_BUFFER_MB", "4096")
     try:
         budget = int(raw) << 20
@@ -1023,7 +1020,7 @@ def bsa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward, one of two ways, both deterministic (no atomics):
 
-    * stored dS (default, see ``_stored_ds_heads``): delta first; then, by chunks of heads, the
+    * stored dS (the default below kv_block 64, see ``_stored_ds_heads``): delta first; then, by chunks of heads, the
       key-major pass computes dK, dV and also stores each pair's dS block and bias sums, and the
       query-major pass needs only dQ = dS K (one product per slot instead of three);
     * recompute: the query-major pass recomputes P and dS for dQ, d(bias) and delta, then the
@@ -1060,26 +1057,21 @@ def bsa_backward(
         )  # fmt: skip
     else:
         BR = 64
-        _bsa_delta_kernel[(triton.cdiv(S, BR), B * H)](
+        _bsa_bsa_delta_kernel[(triton.cdiv(S, BR), B * H)](
             out, dout, dlse_arg, delta, *_bhs_strides(out), *_bhs_strides(dout), H, S,
             HEAD_DIM=D, BR=BR, HAS_DLSE=dlse is not None,
         )  # fmt: skip
     offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
     (desc_q, desc_do), tma = _tma_descriptors(q_tile, q, dout)
-    (desc_k,), tma_k = _tma_descriptors(kv_block, k)
     if chunk:
-        ds = torch.empty((chunk * NQ * KMAX, kv_block, q_tile), device=device, dtype=q.dtype)
-        # the dS blocks go out and come back as TMA copies wherever the other tensors do
-        desc_ds = ds
-        if tma or tma_k:
-            desc_ds = TensorDescriptor(ds, list(ds.shape), list(ds.stride()), [1, kv_block, q_tile])
+        ds = torch.empty(chunk * NQ * KMAX * q_tile * kv_block, device=device, dtype=q.dtype)
     else:
-        ds = desc_ds = _dummy(device, q.dtype)
+        ds = _dummy(device, q.dtype)
     for bh0 in range(0, B * H, chunk or B * H):
         n_bh = min(chunk or B * H, B * H - bh0)
         _bsa_bwd_dkv_kernel[(NSEG, n_bh)](
             q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv,
-            offsets, pairs, bias, lens, ds, desc_ds, dbias, mass,
+            offsets, pairs, bias, lens, ds, dbias, mass,
             *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
             scale * LOG2E, scale,
             H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX, BH0=bh0,
@@ -1089,9 +1081,9 @@ def bsa_backward(
         )  # fmt: skip
         if chunk:
             _bsa_bwd_dq_from_ds_kernel[(NQ, n_bh)](
-                k, desc_k, ds, desc_ds, dq, kv_indices, kv_counts, *_bhs_strides(k), scale,
+                k, ds, dq, kv_indices, kv_counts, *_bhs_strides(k), scale,
                 BH0=bh0, H=H, S=S, NQ=NQ, KMAX=KMAX, Q_TILE=q_tile, KV_BLOCK=kv_block,
-                HEAD_DIM=D, DOT_PREC=_dot_precision(q.dtype), TMA=tma_k,
+                HEAD_DIM=D, DOT_PREC=_dot_precision(q.dtype),
             )  # fmt: skip
     if has_bias:
         dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)
