@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
-#     [ab] [host_ab] [profile] [gluon] [stored_ds] [wan] [resume_toy] [gpu1] [engines] [resume]
+#     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -109,14 +109,6 @@ for part in "${parts[@]}"; do
           --kv-blocks ${GLUON_KV:-16,64} --sparsities ${GLUON_SP:-0.95} --no-flex \
           --no-fastvideo --out "$OUT/gluon_$gluon.md" > /dev/null 2>&1
         echo "-- VSA2_RL_GLUON=$gluon"; grep "ours\|cudnn" "$OUT/gluon_$gluon.md"
-      done ;;
-    stored_ds)  # the stored-dS backward against the recompute one (budget 0): the whole op at
-      # 720p; DS_RUNS lists budget_MiB:kv_blocks, DS_SP the sparsities
-      for run in ${DS_RUNS:-0:16,64 4096:16,64}; do
-        VSA2_RL_DS_BUFFER_MB=${run%:*} timeout 200 python3 benchmarks/bench_attention.py \
-          --shapes 720p --kv-blocks ${run#*:} --sparsities ${DS_SP:-0.95,0.875} --no-flex \
-          --no-fastvideo --out "$OUT/ds_${run%:*}.md" > "$OUT/ds_${run%:*}.log" 2>&1
-        echo "-- VSA2_RL_DS_BUFFER_MB=${run%:*}"; grep "ours\|cudnn" "$OUT/ds_${run%:*}.md"
       done ;;
     resume_toy)  # issue 8 on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and
       # resumed equals the uninterrupted 3-step run

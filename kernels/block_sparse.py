@@ -3,19 +3,13 @@
 Each 64-token query tile attends to its own list of key segments (``kv_block`` contiguous keys
 each), chosen by the VSA2 router, with one additive logit bias per (tile, segment) pair. The
 kernels follow FlashAttention-2 (Dao, 2023): an online-softmax forward that saves the row
-log-sum-exp, and a backward of two passes without atomics (run-to-run deterministic):
+log-sum-exp, and a backward split into
 
-* a key-major pass (one program per key segment) walks a transposed, CSR-style index of the
-  (query tile, slot) pairs that selected the segment, recomputes P and dS, and accumulates dK and
-  dV. Below kv_block 64 it also stores every pair's dS block and its bias-gradient sum
-  d(bias) = sum of dS over the pair's logits, after a small kernel has computed
-  delta = rowsum(dO * O) - dLSE;
-* a query-major pass (one program per query tile) then needs only dQ = sum over slots of dS K:
-  one product per slot instead of the three that recomputing P and dS takes. The stored blocks
-  take NQ * KMAX * q_tile * kv_block elements per head, so the two passes go by chunks of heads
-  that fit ``VSA2_RL_DS_BUFFER_MB`` (default 4096). At kv_block 64, or with a budget of 0, the
-  query-major pass runs first and recomputes P and dS itself (dQ, d(bias) and delta), as in
-  FlashAttention-2.
+* a query-major pass (one program per query tile) that recomputes P, accumulates dQ and the
+  per-pair bias gradient d(bias) = sum of dS over the pair's logits, and stores
+  delta = rowsum(dO * O) - dLSE for the second pass;
+* a key-major pass (one program per key segment) that walks a transposed, CSR-style index of the
+  (query tile, slot) pairs that selected the segment and accumulates dK and dV without atomics.
 
 Segments of 16 or 32 keys would make ``tl.dot`` tiles too thin for the tensor cores, so the
 forward and dQ kernels gather ``BLOCK_N // kv_block`` selected segments into one BLOCK_N-key tile
@@ -434,47 +428,11 @@ def _gather_query_rows(
 
 
 @triton.jit
-def _store_pair_blocks(
-    DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
-    Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, QG: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    """Keep what the dQ pass needs of the QG gathered pairs, given dS^T and P^T [KV_BLOCK, ROWS]:
-    each pair's dS block in the dtype of the dK product ([key, query row] within the pair's
-    block, blocks at pair id - ``pair0``), and with a bias each pair's d(bias) = sum of its dS
-    and its probability mass (each pair is visited once, so plain stores, no atomics)."""
-    ROWS: tl.constexpr = QG * Q_TILE
-    o_r = tl.arange(0, ROWS)
-    o_w = tl.arange(0, KV_BLOCK)
-    o_blk = (b_pair.to(tl.int64) - pair0) * (Q_TILE * KV_BLOCK) + o_r % Q_TILE
-    # streaming stores (.cs): the blocks are read once, by the next pass; keep L2 for Q and dO
-    tl.store(
-        DS + o_blk[None, :] + o_w[:, None] * Q_TILE,
-        b_dst.to(DS.dtype.element_ty),
-        mask=m_ent[None, :],
-        cache_modifier=".cs",
-    )
-    if HAS_BIAS:
-        if QG == 1:
-            # sums along the query rows first: in-thread and in-warp, then one across warps
-            i_pair = tl.load(CSR_PAIR + i_p)
-            tl.store(DBIAS + i_pair, tl.sum(tl.sum(b_dst, 1), 0).to(DBIAS.dtype.element_ty))
-            tl.store(MASS + i_pair, tl.sum(tl.sum(b_pt, 1), 0))
-        else:
-            o_q = tl.arange(0, QG)
-            m_q = i_p + o_q < i_end
-            i_pairs = tl.load(CSR_PAIR + i_p + o_q, mask=m_q, other=0)
-            b_dbias = tl.sum(tl.reshape(tl.sum(b_dst, 0), [QG, Q_TILE]), 1)
-            tl.store(DBIAS + i_pairs, b_dbias.to(DBIAS.dtype.element_ty), mask=m_q)
-            tl.store(MASS + i_pairs, tl.sum(tl.reshape(tl.sum(b_pt, 0), [QG, Q_TILE]), 1), mask=m_q)
-
-
-@triton.jit
 def _dkv_key_major_loop(
     b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
-    CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+    CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
-    STORE_DS: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one segment from transposed scores S^T = K Q^T ([KV_BLOCK, ROWS]).
 
@@ -501,21 +459,15 @@ def _dkv_key_major_loop(
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=DOT_PREC)
-        if STORE_DS:
-            _store_pair_blocks(
-                DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, b_dst, b_pt,
-                Q_TILE, KV_BLOCK, QG, HAS_BIAS,
-            )  # fmt: skip
     return b_dk, b_dv
 
 
 @triton.jit
 def _dkv_dim_major_loop(
     b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0, p_delta0,
-    CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+    CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
     Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, QG: tl.constexpr, TMA: tl.constexpr,
-    STORE_DS: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one segment accumulated transposed: dK^T = Q^T dS ([HEAD_DIM, KV_BLOCK]).
 
@@ -542,17 +494,12 @@ def _dkv_dim_major_loop(
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype), input_precision=DOT_PREC)
-        if STORE_DS:
-            _store_pair_blocks(
-                DS, DBIAS, MASS, CSR_PAIR, b_pair, m_ent, i_p, i_end, pair0, tl.trans(b_ds),
-                tl.trans(b_p), Q_TILE, KV_BLOCK, QG, HAS_BIAS,
-            )  # fmt: skip
     return tl.trans(b_dkt), tl.trans(b_dvt)
 
 
 @triton.autotune(
     configs=_dkv_configs(),
-    key=["Q_TILE", "KV_BLOCK", "HEAD_DIM", "STORE_DS"],
+    key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
     prune_configs_by={"early_config_prune": _keep_qg},
 )
 @triton.jit
@@ -571,9 +518,6 @@ def _bsa_bwd_dkv_kernel(
     CSR_PAIR,
     BIAS,
     KV_LEN,
-    DS,
-    DBIAS,
-    MASS,
     s_qb,
     s_qh,
     s_qs,
@@ -593,7 +537,6 @@ def _bsa_bwd_dkv_kernel(
     NQ,
     NSEG,
     KMAX,
-    BH0,
     Q_TILE: tl.constexpr,
     KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -602,11 +545,9 @@ def _bsa_bwd_dkv_kernel(
     DOT_PREC: tl.constexpr,
     DIM_MAJOR: tl.constexpr,
     TMA: tl.constexpr,
-    STORE_DS: tl.constexpr,
     QG: tl.constexpr,
 ):
-    # the grid may cover heads BH0, BH0 + 1, ... only (the stored-dS backward goes by chunks)
-    i_seg, i_bh = tl.program_id(0), tl.program_id(1) + BH0
+    i_seg, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
 
     o_w = tl.arange(0, KV_BLOCK)
@@ -638,116 +579,23 @@ def _bsa_bwd_dkv_kernel(
     i_csr = i_bh.to(tl.int64) * NSEG + i_seg
     i_start = tl.load(CSR_OFF + i_csr)
     i_end = tl.load(CSR_OFF + i_csr + 1)
-    pair0 = (i_bh - tl.program_id(1)).to(tl.int64) * NQ * KMAX  # the chunk's first pair id
 
     if DIM_MAJOR:
         b_dk, b_dv = _dkv_dim_major_loop(
             b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
-            p_delta0, CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
-            qk_scale, NQ, KMAX, Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA, STORE_DS,
+            p_delta0, CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA,
         )  # fmt: skip
     else:
         b_dk, b_dv = _dkv_key_major_loop(
             b_k, b_v, m_key, key_partial, p_q0, p_do0, DESC_Q, DESC_DO, i_b, i_h, p_lse0,
-            p_delta0, CSR_PAIR, BIAS, DS, DBIAS, MASS, pair0, i_start, i_end, s_qs, s_dos,
-            qk_scale, NQ, KMAX, Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA, STORE_DS,
+            p_delta0, CSR_PAIR, BIAS, i_start, i_end, s_qs, s_dos, qk_scale, NQ, KMAX,
+            Q_TILE, KV_BLOCK, HEAD_DIM, HAS_BIAS, DOT_PREC, QG, TMA,
         )  # fmt: skip
 
     o_out = i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_k[:, None] * HEAD_DIM + o_d[None, :]
     tl.store(DK + o_out, (b_dk * scale).to(DK.dtype.element_ty))
     tl.store(DV + o_out, b_dv.to(DV.dtype.element_ty))
-
-
-# -- backward from stored dS: delta first, then dQ = dS K ------------------------------------------
-
-
-@triton.jit
-def _bsa_bsa_delta_kernel(
-    O, DO, DLSE, DELTA, s_ob, s_oh, s_os, s_dob, s_doh, s_dos, H, S,
-    HEAD_DIM: tl.constexpr, BR: tl.constexpr, HAS_DLSE: tl.constexpr,
-):  # fmt: skip
-    """delta = rowsum(dO * O) - dLSE, the softmax-backward row constant, for BR rows."""
-    i_r, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    o_r = i_r * BR + tl.arange(0, BR)
-    m_r = o_r < S
-    o_d = tl.arange(0, HEAD_DIM)
-    o_rows = o_r.to(tl.int64)[:, None]
-    b_o = tl.load(
-        O + i_b * s_ob + i_h * s_oh + o_rows * s_os + o_d[None, :], mask=m_r[:, None], other=0.0
-    )
-    b_do = tl.load(
-        DO + i_b * s_dob + i_h * s_doh + o_rows * s_dos + o_d[None, :], mask=m_r[:, None], other=0.0
-    )
-    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
-    if HAS_DLSE:
-        b_delta -= tl.load(DLSE + i_bh.to(tl.int64) * S + o_r, mask=m_r, other=0.0)
-    tl.store(DELTA + i_bh.to(tl.int64) * S + o_r, b_delta, mask=m_r)
-
-
-def _dq_ds_configs() -> list[triton.Config]:
-    if _interpreting():
-        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    # one product per slot and a stream of stored blocks: deep software pipelines
-    return [
-        triton.Config({"BLOCK_N": bn}, num_warps=4, num_stages=st)
-        for bn, st in ((64, 2), (64, 3), (128, 3))
-    ]
-
-
-@triton.autotune(
-    configs=_dq_ds_configs(),
-    key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
-    prune_configs_by={"early_config_prune": _keep_block_n},
-)
-@triton.jit
-def _bsa_bwd_dq_from_ds_kernel(
-    K, DS, DQ, KV_IDX, KV_CNT, s_kb, s_kh, s_ks, scale, BH0, H, S, NQ, KMAX,
-    Q_TILE: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """dQ of one query tile as sum over its slots of dS_slot K_slot, with the dS blocks the
-    dK/dV pass stored for heads BH0, BH0 + 1, ... (``_store_pair_blocks``). Keys past a partial
-    segment's length have dS = 0, and their rows are read (as by the TMA loads elsewhere)."""
-    tl.static_assert(BLOCK_N % KV_BLOCK == 0)
-    G: tl.constexpr = BLOCK_N // KV_BLOCK
-    BLK: tl.constexpr = Q_TILE * KV_BLOCK
-    i_t, i_bh = tl.program_id(0), tl.program_id(1) + BH0
-    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    i_row = i_bh.to(tl.int64) * NQ + i_t
-
-    o_m = tl.arange(0, Q_TILE)
-    o_d = tl.arange(0, HEAD_DIM)
-    o_n = tl.arange(0, BLOCK_N)
-    # column n of a gathered tile is key (n % KV_BLOCK) of the row's (n // KV_BLOCK)-th slot
-    o_g = o_n // KV_BLOCK
-    o_w = o_n % KV_BLOCK
-    p_k0 = K + i_b * s_kb + i_h * s_kh
-    p_idx = KV_IDX + i_row * KMAX
-    p_ds0 = DS + (tl.program_id(1).to(tl.int64) * NQ + i_t) * KMAX * BLK
-    n_sel = tl.load(KV_CNT + i_row)
-
-    b_dq = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
-    for i_s in range(0, n_sel, G):
-        o_slot = i_s + o_g
-        m_slot = o_slot < n_sel
-        # [Q_TILE, BLOCK_N]; each slot's block is stored [key, query row]
-        b_ds = tl.load(
-            p_ds0 + o_slot[None, :] * BLK + o_w[None, :] * Q_TILE + o_m[:, None],
-            mask=m_slot[None, :],
-            other=0.0,
-        )
-        b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
-        o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
-        # [BLOCK_N, HEAD_DIM]
-        b_k = tl.load(
-            p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_slot[:, None], other=0.0
-        )
-        b_dq += tl.dot(b_ds, b_k, input_precision=DOT_PREC)
-
-    o_tok_q = i_t.to(tl.int64) * Q_TILE + o_m
-    p_dq = DQ + i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_q[:, None] * HEAD_DIM + o_d[None, :]
-    tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty))
 
 
 # -- launchers ------------------------------------------------------------------------------------
@@ -979,29 +827,6 @@ def _dq_pass(
     )  # fmt: skip
 
 
-def _stored_ds_heads(n_heads: int, NQ: int, KMAX: int, q_tile: int, kv_block: int, dtype) -> int:
-    """How many (batch, head) pairs one chunk of the stored-dS backward covers: as many as fit
-    their dS blocks (NQ * KMAX * q_tile * kv_block elements per head) in ``VSA2_RL_DS_BUFFER_MB``
-    (default 4096); 0, when not even one fits or the budget is 0, selects the recompute backward.
-
-    kv_block 64 always recomputes: there the key-major pass runs key-major products at 255
-    registers, and storing its dS blocks cost it more than the query-major pass saves (H200,
-    Wan 720p: +14 ms against -10 ms with TMA stores; pointer stores serialise its wgmma chain).
-    """
-    if kv_block >= 64:
-        return 0
-    raw = os.environ.get("VSA2_RL_DS_BUFFER_MB", "4096")
-    try:
-        budget = int(raw) << 20
-    except ValueError as err:
-        raise ValueError(
-            f"VSA2_RL_DS_BUFFER_MB={raw!r}: expected a whole number of MiB (0 disables the "
-            "stored-dS backward)"
-        ) from err
-    per_head = NQ * KMAX * q_tile * kv_block * torch.finfo(dtype).bits // 8
-    return min(n_heads, budget // max(per_head, 1))
-
-
 def bsa_backward(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -1018,14 +843,7 @@ def bsa_backward(
     kv_block: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The backward, one of two ways, both deterministic (no atomics):
-
-    * stored dS (the default below kv_block 64, see ``_stored_ds_heads``): delta first; then, by chunks of heads, the
-      key-major pass computes dK, dV and also stores each pair's dS block and bias sums, and the
-      query-major pass needs only dQ = dS K (one product per slot instead of three);
-    * recompute: the query-major pass recomputes P and dS for dQ, d(bias) and delta, then the
-      key-major pass recomputes them again for dK, dV.
-    """
+    """Launch the dQ/d(bias) pass, build the kv-major index, launch the dK/dV pass."""
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
@@ -1035,56 +853,36 @@ def bsa_backward(
     kv_counts = kv_counts.contiguous()
     lse = lse.contiguous()
     has_bias = block_bias is not None
-    has_len = kv_lengths is not None
     bias = block_bias.contiguous() if has_bias else _dummy(device, torch.float32)
-    lens = kv_lengths.contiguous() if has_len else _dummy(device, torch.int32)
+    lens = kv_lengths.contiguous() if kv_lengths is not None else _dummy(device, torch.int32)
     dlse_arg = dlse.contiguous() if dlse is not None else _dummy(device, torch.float32)
 
     dq = torch.empty((B, H, S, D), device=device, dtype=q.dtype)
     dk = torch.empty((B, H, S, D), device=device, dtype=k.dtype)
     dv = torch.empty((B, H, S, D), device=device, dtype=v.dtype)
     delta = torch.empty((B, H, S), device=device, dtype=torch.float32)
-    # slots past a row's count are never visited by the kernels and keep their zero gradient
+    # slots past a row's count are never visited by the kernel and keep their zero gradient
     dbias = torch.zeros_like(bias) if has_bias else _dummy(device, torch.float32)
     mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
-    chunk = _stored_ds_heads(B * H, NQ, KMAX, q_tile, kv_block, q.dtype)
+    prec = _dot_precision(q.dtype)
 
-    if chunk == 0:
-        _dq_pass(
-            dout, q, k, v, out, lse, dlse_arg, kv_indices, kv_counts, bias, lens,
-            (dq, delta, dbias, mass), q_tile=q_tile, kv_block=kv_block, scale=scale,
-            has_bias=has_bias, has_len=has_len, has_dlse=dlse is not None,
-        )  # fmt: skip
-    else:
-        BR = 64
-        _bsa_bsa_delta_kernel[(triton.cdiv(S, BR), B * H)](
-            out, dout, dlse_arg, delta, *_bhs_strides(out), *_bhs_strides(dout), H, S,
-            HEAD_DIM=D, BR=BR, HAS_DLSE=dlse is not None,
-        )  # fmt: skip
-    offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
-    (desc_q, desc_do), tma = _tma_descriptors(q_tile, q, dout)
-    if chunk:
-        ds = torch.empty(chunk * NQ * KMAX * q_tile * kv_block, device=device, dtype=q.dtype)
-    else:
-        ds = _dummy(device, q.dtype)
-    for bh0 in range(0, B * H, chunk or B * H):
-        n_bh = min(chunk or B * H, B * H - bh0)
-        _bsa_bwd_dkv_kernel[(NSEG, n_bh)](
-            q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv,
-            offsets, pairs, bias, lens, ds, dbias, mass,
-            *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
-            scale * LOG2E, scale,
-            H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX, BH0=bh0,
-            Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
-            HAS_BIAS=has_bias, HAS_LEN=has_len, DOT_PREC=_dot_precision(q.dtype),
-            DIM_MAJOR=kv_block < 64, TMA=tma, STORE_DS=chunk > 0,
-        )  # fmt: skip
-        if chunk:
-            _bsa_bwd_dq_from_ds_kernel[(NQ, n_bh)](
-                k, ds, dq, kv_indices, kv_counts, *_bhs_strides(k), scale,
-                BH0=bh0, H=H, S=S, NQ=NQ, KMAX=KMAX, Q_TILE=q_tile, KV_BLOCK=kv_block,
-                HEAD_DIM=D, DOT_PREC=_dot_precision(q.dtype),
-            )  # fmt: skip
+    _dq_pass(
+        dout, q, k, v, out, lse, dlse_arg, kv_indices, kv_counts, bias, lens,
+        (dq, delta, dbias, mass), q_tile=q_tile, kv_block=kv_block, scale=scale,
+        has_bias=has_bias, has_len=kv_lengths is not None, has_dlse=dlse is not None,
+    )  # fmt: skip
     if has_bias:
         dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)
+    offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
+    (desc_q, desc_do), tma = _tma_descriptors(q_tile, q, dout)
+    _bsa_bwd_dkv_kernel[(NSEG, B * H)](
+        q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv,
+        offsets, pairs, bias, lens,
+        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
+        scale * LOG2E, scale,
+        H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX,
+        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
+        HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, DOT_PREC=prec,
+        DIM_MAJOR=kv_block < 64, TMA=tma,
+    )  # fmt: skip
     return dq, dk, dv, (dbias if has_bias else None)

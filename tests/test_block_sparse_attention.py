@@ -201,38 +201,6 @@ def test_dkv_pass_gathering_two_query_tiles_matches_float64_reference(kv_block, 
 
 
 @pytest.mark.nan_empty
-@pytest.mark.parametrize("kv_block", [16, 64])
-@pytest.mark.parametrize("way", ["recompute", "one-head-chunks"])
-def test_backward_ways_match_float64_reference(kv_block, way, monkeypatch):
-    # below kv_block 64 the default stores dS once for all heads; a smaller VSA2_RL_DS_BUFFER_MB
-    # budget goes by chunks of heads (here one head each, and forced at kv_block 64 too, where
-    # the default recomputes), and 0 selects the backward that recomputes dS
-    import vsa2_rl.kernels.block_sparse as block_sparse
-
-    if way == "recompute":
-        monkeypatch.setenv("VSA2_RL_DS_BUFFER_MB", "0")
-    else:
-        monkeypatch.setattr(block_sparse, "_stored_ds_heads", lambda *args: 1)
-    got, ref, counts = run_case(2, 2, 320, 64, 64, kv_block, 5, torch.float32, "triton")
-    check(got, ref, counts, 1e-5, 64)
-
-
-def test_stored_ds_budget_is_counted_in_whole_heads(monkeypatch):
-    from vsa2_rl.kernels.block_sparse import _stored_ds_heads
-
-    # one head: NQ * KMAX * q_tile * kv_block elements of 2 bytes = 1 MiB at bf16
-    args = (8, 16, 32, 64, 16, torch.bfloat16)
-    for budget, heads in (("0", 0), ("1", 1), ("3", 3), ("100", 8)):
-        monkeypatch.setenv("VSA2_RL_DS_BUFFER_MB", budget)
-        assert _stored_ds_heads(*args) == heads
-        # 64-key segments always take the recompute backward (measured faster there)
-        assert _stored_ds_heads(8, 16, 8, 64, 64, torch.bfloat16) == 0
-    monkeypatch.setenv("VSA2_RL_DS_BUFFER_MB", "4GB")
-    with pytest.raises(ValueError, match="VSA2_RL_DS_BUFFER_MB='4GB'"):
-        _stored_ds_heads(*args)
-
-
-@pytest.mark.nan_empty
 def test_all_rows_empty_gives_zeros():
     B, H, S, D = 1, 1, 128, 16
     q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
@@ -422,9 +390,7 @@ def chunked_reference(
 @pytest.mark.parametrize(
     "kv_block,S,density", [(16, 4096, 0.1), (32, 8192, 0.05), (64, 8192, 0.125)]
 )
-@pytest.mark.parametrize("ds_buffer_mb", ["4096", "0"])  # stored dS (below kv64) / recompute
-def test_gpu_bf16_real_size(kv_block, S, density, ds_buffer_mb, monkeypatch):
-    monkeypatch.setenv("VSA2_RL_DS_BUFFER_MB", ds_buffer_mb)
+def test_gpu_bf16_real_size(kv_block, S, density):
     B, H, D, q_tile = 1, 4, 128, 64
     dev = "cuda"
     NQ, NSEG = S // q_tile, S // kv_block
