@@ -14,9 +14,14 @@ is given another one:
   the wall time is host time;
 * ``--sweep``: each fine-stage kernel (forward, dQ pass, dK/dV pass) pinned in turn to every
   candidate ``triton.Config`` (the others keep their autotuned choice), timed with
-  ``triton.testing.do_bench`` medians; prints one line per configuration, best first.
+  ``triton.testing.do_bench`` medians; prints one line per configuration, best first;
+* ``--gather-bound``: how close the fine-stage kernels run to the cost of their loads alone.
+  A load-only kernel gathers the same 64-row blocks by TMA in the same order (K and V per
+  selected segment, query-major, as the forward and dQ pass do; Q and dO per selecting tile,
+  key-major, as the dK/dV pass does) and only adds them up; its time and bytes per second set
+  against the real kernels' on the same selection, kv_block 64.
 
-    python benchmarks/tune_kernels.py --profile --sweep
+    python benchmarks/tune_kernels.py --profile --sweep --gather-bound
     python benchmarks/tune_kernels.py --host --shape 480p --kv-block 16 --mode topp
 """
 
@@ -31,6 +36,7 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 B, D = 1, 128
@@ -226,6 +232,95 @@ def sweep(kv_block: int, sparsity: float, which: str, configs) -> None:
         print(f"  {ms:8.3f} ms  {cfg}")
 
 
+@triton.jit
+def _gather_only_kernel(
+    DESC_A, DESC_B, OFFSETS, BLOCKS, OUT, NPROG, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """Load-only twin of a fine-stage kernel (B = 1): program (i, head) walks the CSR list
+    ``BLOCKS[OFFSETS[j]:OFFSETS[j + 1]]``, j = head * NPROG + i, of block ids, loads the
+    [ROWS, HEAD_DIM] blocks of A and B there and keeps their sum (so no load is dropped)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    i_csr = i_h * NPROG + i_p
+    b_acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for i in range(tl.load(OFFSETS + i_csr), tl.load(OFFSETS + i_csr + 1)):
+        at = [0, i_h, tl.load(BLOCKS + i) * ROWS, 0]
+        b_a = DESC_A.load(at).reshape(ROWS, HEAD_DIM)
+        b_b = DESC_B.load(at).reshape(ROWS, HEAD_DIM)
+        b_acc += b_a.to(tl.float32) + b_b.to(tl.float32)
+    tl.store(OUT + i_csr, tl.sum(tl.sum(b_acc, 1), 0))
+
+
+def gather_bound(sparsity: float) -> None:
+    """Fine-stage kernels at kv_block 64 against load-only kernels of the same gathers."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from vsa2_rl.kernels import block_sparse
+
+    q, k, v, ids, counts, bias = inputs(64, sparsity)
+    H, S = q.shape[1], q.shape[2]
+    nq, keep = ids.shape[2], ids.shape[3]
+    scale = D**-0.5
+    go = torch.randn_like(q)
+    with torch.no_grad():
+        out, lse = block_sparse.bsa_forward(q, k, v, ids, counts, bias, None, 64, 64, scale)
+
+    def desc(x):
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 64, D])
+
+    # query-major: every row's segments (all rows hold `keep`); key-major: the dK/dV index
+    q_major = (torch.arange(H * nq + 1, device="cuda", dtype=torch.int32) * keep, ids.flatten())
+    offsets, pairs = block_sparse.build_kv_major_index(ids, counts, S // 64)
+    k_major = (offsets, ((pairs // keep) % nq).to(torch.int32))
+    sink = torch.empty(H * nq, device="cuda")
+
+    def load_only(a, b, csr):
+        _gather_only_kernel[(nq, H)](desc(a), desc(b), *csr, sink, nq, ROWS=64, HEAD_DIM=D)
+
+    # _dq_pass writes (dq, delta, raw d(bias), pair mass); no lengths, no dLSE
+    dq_grads = (
+        torch.empty_like(q),
+        torch.empty(q.shape[:3], device="cuda"),
+        torch.zeros_like(bias),
+        torch.zeros_like(bias),
+    )
+    placeholder = torch.zeros(1, device="cuda")
+    dq_args = (go, q, k, v, out, lse, placeholder, ids, counts, bias, placeholder.int())
+
+    def dq_pass():
+        block_sparse._dq_pass(
+            *dq_args, dq_grads, q_tile=64, kv_block=64, scale=scale, has_bias=True,
+            has_len=False, has_dlse=False,
+        )  # fmt: skip
+
+    def forward():
+        block_sparse.bsa_forward(q, k, v, ids, counts, bias, None, 64, 64, scale)
+
+    def backward():
+        block_sparse.bsa_backward(
+            go, None, q, k, v, out, lse, ids, counts, bias, None, 64, 64, scale
+        )
+
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+    gathered_gb = H * nq * keep * 2 * 64 * D * q.element_size() / 1e9
+    fwd_ms, dq_ms, bwd_ms = timed(forward), timed(dq_pass), timed(backward)
+    rows = [
+        ("K, V by slot (query-major)", "load only", timed(lambda: load_only(k, v, q_major))),
+        ("", "forward", fwd_ms),
+        ("", "dQ pass", dq_ms),
+        ("Q, dO by pair (key-major)", "load only", timed(lambda: load_only(q, go, k_major))),
+        ("", "backward - dQ pass (dK/dV pass, index)", bwd_ms - dq_ms),
+    ]
+    print(f"\n-- gather bound, kv64, sparsity {sparsity}: {gathered_gb:.1f} GB per pass --")
+    print("| blocks gathered | kernel | ms | TB/s of gathered blocks |")
+    print("|---|---|---|---|")
+    for pattern, kernel, ms in rows:
+        print(f"| {pattern} | {kernel} | {ms:.2f} | {gathered_gb / ms:.2f} |")
+
+
 def fwd_like_configs():
     return [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
@@ -244,6 +339,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--gather-bound", action="store_true", help="kernels vs their loads alone")
     p.add_argument("--rows", type=int, default=28, help="kernels listed per profile")
     p.add_argument("--host", action="store_true", help="host vs device time of the full op")
     p.add_argument("--shape", choices=sorted(SHAPES), default="720p", help="for --host")
@@ -261,6 +357,9 @@ def main(argv=None) -> None:
         profile_full_op(64, 0.95, args.rows, mode="topp")
         profile_full_op(64, 0.875, args.rows)
         profile_full_op(16, 0.95, args.rows)
+    if args.gather_bound:
+        gather_bound(0.95)
+        gather_bound(0.875)
     if args.sweep:
         sweep(64, 0.95, "fwd", fwd_like_configs())
         sweep(64, 0.95, "dq", fwd_like_configs())
