@@ -55,13 +55,8 @@ def gluon_forward(q, k, v, ids, counts, bias, lens, kv_block):
 def dq_pass(dout, q, k, v, out, lse, ids, counts, bias, lens, kv_block, gluon: bool):
     """The dQ pass alone, as ``bsa_backward`` launches it: the Triton kernel through
     ``_dq_pass`` (VSA2_RL_GLUON=0 here) or the Gluon one."""
-    B, H, S, D = q.shape
-    grads = (
-        torch.empty_like(q),
-        torch.empty((B, H, S), device=q.device),
-        torch.zeros_like(bias),
-        torch.zeros_like(bias),
-    )
+    D = q.shape[-1]
+    grads = bs._dq_pass_outputs(q, bias, has_bias=True)
     no_dlse = bs._dummy(q.device, torch.float32)
     args = (dout, q, k, v, out, lse, no_dlse, ids, counts, bias, lens, grads)
     flags = dict(scale=D**-0.5, has_bias=True, has_len=True, has_dlse=False)

@@ -252,8 +252,6 @@ def _gather_only_kernel(
 
 def gather_bound(sparsity: float) -> None:
     """Fine-stage kernels at kv_block 64 against load-only kernels of the same gathers."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from vsa2_rl.kernels import block_sparse
 
     q, k, v, ids, counts, bias = inputs(64, sparsity)
@@ -264,9 +262,6 @@ def gather_bound(sparsity: float) -> None:
     with torch.no_grad():
         out, lse = block_sparse.bsa_forward(q, k, v, ids, counts, bias, None, 64, 64, scale)
 
-    def desc(x):
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 64, D])
-
     # query-major: every row's segments (all rows hold `keep`); key-major: the dK/dV index
     q_major = (torch.arange(H * nq + 1, device="cuda", dtype=torch.int32) * keep, ids.flatten())
     offsets, pairs = block_sparse.build_kv_major_index(ids, counts, S // 64)
@@ -274,17 +269,13 @@ def gather_bound(sparsity: float) -> None:
     sink = torch.empty(H * nq, device="cuda")
 
     def load_only(a, b, csr):
-        _gather_only_kernel[(nq, H)](desc(a), desc(b), *csr, sink, nq, ROWS=64, HEAD_DIM=D)
+        (desc_a, desc_b), _ = block_sparse._tma_descriptors(64, a, b)
+        _gather_only_kernel[(nq, H)](desc_a, desc_b, *csr, sink, nq, ROWS=64, HEAD_DIM=D)
 
-    # _dq_pass writes (dq, delta, raw d(bias), pair mass); no lengths, no dLSE
-    dq_grads = (
-        torch.empty_like(q),
-        torch.empty(q.shape[:3], device="cuda"),
-        torch.zeros_like(bias),
-        torch.zeros_like(bias),
-    )
-    placeholder = torch.zeros(1, device="cuda")
-    dq_args = (go, q, k, v, out, lse, placeholder, ids, counts, bias, placeholder.int())
+    # no lengths, no dLSE: placeholders, as bsa_backward passes them
+    dq_grads = block_sparse._dq_pass_outputs(q, bias, has_bias=True)
+    no_dlse, no_lens = (block_sparse._dummy(q.device, t) for t in (torch.float32, torch.int32))
+    dq_args = (go, q, k, v, out, lse, no_dlse, ids, counts, bias, no_lens)
 
     def dq_pass():
         block_sparse._dq_pass(

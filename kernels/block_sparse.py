@@ -778,6 +778,20 @@ def bsa_forward(
     return out, lse
 
 
+def _dq_pass_outputs(
+    q: torch.Tensor, bias: torch.Tensor, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The buffers ``_dq_pass`` writes: (dq like q, delta float32 [B,H,S], raw d(bias), pair
+    mass); the last two zero-filled (slots past a row's count are never visited and keep their
+    zero gradient), or 1-element placeholders without a bias."""
+    B, H, S, D = q.shape
+    dq = torch.empty((B, H, S, D), device=q.device, dtype=q.dtype)
+    delta = torch.empty((B, H, S), device=q.device, dtype=torch.float32)
+    if not has_bias:
+        return dq, delta, _dummy(q.device, torch.float32), _dummy(q.device, torch.float32)
+    return dq, delta, torch.zeros_like(bias), torch.zeros(bias.shape, device=q.device)
+
+
 def _dq_pass(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -857,13 +871,9 @@ def bsa_backward(
     lens = kv_lengths.contiguous() if kv_lengths is not None else _dummy(device, torch.int32)
     dlse_arg = dlse.contiguous() if dlse is not None else _dummy(device, torch.float32)
 
-    dq = torch.empty((B, H, S, D), device=device, dtype=q.dtype)
+    dq, delta, dbias, mass = _dq_pass_outputs(q, bias, has_bias)
     dk = torch.empty((B, H, S, D), device=device, dtype=k.dtype)
     dv = torch.empty((B, H, S, D), device=device, dtype=v.dtype)
-    delta = torch.empty((B, H, S), device=device, dtype=torch.float32)
-    # slots past a row's count are never visited by the kernel and keep their zero gradient
-    dbias = torch.zeros_like(bias) if has_bias else _dummy(device, torch.float32)
-    mass = torch.zeros(bias.shape, device=device) if has_bias else _dummy(device, torch.float32)
     prec = _dot_precision(q.dtype)
 
     _dq_pass(
