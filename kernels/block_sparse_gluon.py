@@ -9,9 +9,10 @@ once, and its automatic warp specialisation rejects the loop), so these kernels 
 for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the
 keys and values into two rings of shared-memory stages guarded by mbarriers, each stage
 refilled as soon as the product reading it has completed. A stage holds a group of 64 keys:
-one segment, copied by TMA, at kv_block 64; 64 // kv_block consecutive slots, gathered row by
-row with cp.async (each thread's copies arrive on the stage's barrier), at 16 and 32, with the
-slots' bias and validity applied per column. Keys and values past a partial segment's length
+one segment, copied by TMA, at kv_block 64; 64 // kv_block consecutive slots at 16 and 32, with
+the slots' bias and validity applied per column: at 32 one TMA copy per slot into its half of
+the stage, at 16 gathered row by row with cp.async (each thread's copies arrive on the stage's
+barrier). Keys and values past a partial segment's length
 (and the rows of slots past the count, which read segment 0) are copied too, as the Triton TMA
 path does: their logits are -inf, so they take no weight as long as they are finite (the DiT's
 tile layout pads with zeros). Forward, per group j of a query tile (one warpgroup, 64 rows):
@@ -112,13 +113,50 @@ def _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES: gl.c
         async_copy.mbarrier_arrive(bars.index(i_grp % STAGES), increment_count=False)
 
 
+@gluon.constexpr_function
+def _slots_layout(n):
+    """Layout of the ``n`` segment ids of one group, each thread holding all of them (picking
+    one is then a select within the thread, no shuffle)."""
+    return gl.BlockedLayout([n], [32], [4], [0])
+
+
 @gluon.jit
-def _load_group(desc, X, x_base, s_xs, ring, bars, seg, p_idx, i_b, i_h, i_grp, n_sel,
-                STAGES: gl.constexpr, KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
-    """Start loading group ``i_grp`` of a row's keys (or values) into its stage: one segment
-    by TMA (``seg``, loaded ahead by the caller) at kv_block 64, else a cp.async gather."""
+def _group_segments(p_idx, i_grp, n_sel, KV_BLOCK: gl.constexpr):
+    """What ``_load_group`` needs of group ``i_grp``'s segment ids (0 past the row's count),
+    loaded a group ahead by the loops (see ``_segment``): the scalar id of its one slot at
+    kv_block 64; the vector of its two slots' ids at 32; nothing at 16 (the gather loads them)."""
     if KV_BLOCK == 64:
-        _issue_load(desc, ring, bars, seg, i_b, i_h, i_grp, n_sel, STAGES)
+        return _segment(p_idx, i_grp, n_sel)
+    elif KV_BLOCK == 32:
+        slot = i_grp * 2 + gl.arange(0, 2, layout=_slots_layout(2))
+        return gl.load(p_idx + slot, mask=slot < n_sel, other=0)
+    else:
+        return 0
+
+
+@gluon.jit
+def _load_group(desc, X, x_base, s_xs, ring, bars, segs, p_idx, i_b, i_h, i_grp, n_sel,
+                STAGES: gl.constexpr, KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
+    """Start loading group ``i_grp`` of a row's keys (or values) into its stage, ``segs`` from
+    ``_group_segments``: one TMA copy of the segment at kv_block 64; at 32 one ``[1, 1, 32, D]``
+    TMA copy per slot into its half of the stage, both on the stage's barrier (a slot past the
+    count copies segment 0, its columns are masked; nothing is copied for a group past the
+    count); at 16 a cp.async gather (``_gather_group``: eight 2 KB copies per 64-key group lost
+    a third of the forward's speed to their per-copy synchronisation)."""
+    if KV_BLOCK == 64:
+        _issue_load(desc, ring, bars, segs, i_b, i_h, i_grp, n_sel, STAGES)
+    elif KV_BLOCK == 32:
+        pred = i_grp * 2 < n_sel
+        bar = bars.index(i_grp % STAGES)
+        stage = ring.index(i_grp % STAGES)
+        mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
+        o_g = gl.arange(0, 2, layout=_slots_layout(2))
+        for g in gl.static_range(2):
+            seg = gl.sum(gl.where(o_g == g, segs, 0), 0)
+            tma.async_copy_global_to_shared(
+                desc, [i_b, i_h, seg * KV_BLOCK, 0], bar,
+                stage.slice(g * KV_BLOCK, KV_BLOCK, dim=2), pred=pred,
+            )  # fmt: skip
     else:
         _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES, KV_BLOCK, HEAD_DIM)
 
@@ -199,14 +237,14 @@ def _bsa_fwd_gluon_kernel(
     HEAD_DIM: gl.constexpr, KV_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
     HAS_LEN: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
 ):  # fmt: skip
-    # The loop runs over groups of 64 keys: one segment at kv_block 64 (TMA), else 64 //
-    # KV_BLOCK consecutive slots gathered by cp.async (K / V then come as pointers and strides).
+    # The loop runs over groups of 64 keys: one segment at kv_block 64, two slots at 32 (TMA
+    # copies), four slots at 16 gathered by cp.async (K / V then come as pointers and strides).
     # K_j is read by S_j only (done by the end of step 3 of group j - 1): one stage can already
     # hold K_{j+1} a whole group ahead. V_j is read by P_j V_j, done in step 2 of group j + 1, so
     # V needs two stages for the same distance.
     gl.static_assert(V_STAGES >= 2)
     G: gl.constexpr = BLOCK // KV_BLOCK
-    GATHER: gl.constexpr = G > 1
+    GATHER: gl.constexpr = KV_BLOCK == 16
     i_t = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_row = i_bh.to(gl.int64) * NQ + i_t
@@ -242,13 +280,15 @@ def _bsa_fwd_gluon_kernel(
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     for s in gl.static_range(K_STAGES):
         _load_group(
-            k_desc, K, k_base, s_ks, k_ring, k_bars, _segment(p_idx, s, n_sel), p_idx, i_b, i_h,
-            s, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
+            k_desc, K, k_base, s_ks, k_ring, k_bars,
+            _group_segments(p_idx, s, n_sel, KV_BLOCK), p_idx, i_b, i_h, s, n_sel, K_STAGES,
+            KV_BLOCK, HEAD_DIM,
         )  # fmt: skip
     for s in gl.static_range(V_STAGES):
         _load_group(
-            v_desc, V, v_base, s_vs, v_ring, v_bars, _segment(p_idx, s, n_sel), p_idx, i_b, i_h,
-            s, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
+            v_desc, V, v_base, s_vs, v_ring, v_bars,
+            _group_segments(p_idx, s, n_sel, KV_BLOCK), p_idx, i_b, i_h, s, n_sel, V_STAGES,
+            KV_BLOCK, HEAD_DIM,
         )  # fmt: skip
     mbarrier.wait(q_bar, 0)
 
@@ -271,13 +311,13 @@ def _bsa_fwd_gluon_kernel(
     )
     s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
     _load_group(
-        k_desc, K, k_base, s_ks, k_ring, k_bars, _segment(p_idx, K_STAGES, n_sel), p_idx, i_b,
-        i_h, K_STAGES, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
+        k_desc, K, k_base, s_ks, k_ring, k_bars, _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK),
+        p_idx, i_b, i_h, K_STAGES, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
     )  # fmt: skip
     # loaded a group ahead: the segments of the next V and K refills (TMA) and the column
     # terms (bias, key validity) of the group
-    seg_v = _segment(p_idx, V_STAGES, n_sel)
-    seg_k = _segment(p_idx, K_STAGES + 1, n_sel)
+    seg_v = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK)
+    seg_k = _group_segments(p_idx, K_STAGES + 1, n_sel, KV_BLOCK)
     cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
     for j in range(n_grp):
         # -- 1. softmax of S_j while O += P_{j-1} V_{j-1} runs ----
@@ -300,7 +340,7 @@ def _bsa_fwd_gluon_kernel(
                 v_desc, V, v_base, s_vs, v_ring, v_bars, seg_v, p_idx, i_b, i_h,
                 j - 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
             )  # fmt: skip
-            seg_v = _segment(p_idx, j + V_STAGES, n_sel)
+            seg_v = _group_segments(p_idx, j + V_STAGES, n_sel, KV_BLOCK)
         # -- 3. S_{j+1} (the last group's again at the end: nothing refills its stage), then
         # O += P_j V_j; wait for S_{j+1} only and refill its K stage ----
         i_next = gl.minimum(j + 1, n_grp - 1)
@@ -317,7 +357,7 @@ def _bsa_fwd_gluon_kernel(
             k_desc, K, k_base, s_ks, k_ring, k_bars, seg_k, p_idx, i_b, i_h, j + 1 + K_STAGES,
             n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
         )  # fmt: skip
-        seg_k = _segment(p_idx, j + 2 + K_STAGES, n_sel)
+        seg_k = _group_segments(p_idx, j + 2 + K_STAGES, n_sel, KV_BLOCK)
     acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(K_STAGES):
@@ -338,14 +378,15 @@ def _bsa_fwd_gluon_kernel(
     gl.store(LSE + (row_base + i_t * BLOCK + o_ms).to(gl.int64), lse)
 
 
-def _descriptors(*tensors: torch.Tensor):
-    """``[1, 1, BLOCK, D]`` TMA descriptors of ``[B, H, S, D]`` tensors (any strides that are
-    multiples of 16 bytes, the last dimension contiguous: ``_gluon_wanted`` checks)."""
+def _descriptors(*tensors: torch.Tensor, rows: int = BLOCK):
+    """``[1, 1, rows, D]`` TMA descriptors of ``[B, H, S, D]`` tensors (any strides that are
+    multiples of 16 bytes, the last dimension contiguous: ``_gluon_wanted`` checks), in the
+    shared layout of a 64-row stage (32-row copies fill its halves at kv_block 32)."""
     D = tensors[0].shape[-1]
     dtype = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, D], dtype)
     return tuple(
-        TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK, D], layout)
+        TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, D], layout)
         for x in tensors
     )
 
@@ -374,7 +415,8 @@ def bsa_forward_gluon(
     ``lse`` to write, ``qk_scale`` = scale * log2(e)."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
-    q_desc, k_desc, v_desc = _descriptors(q, k, v)
+    (q_desc,) = _descriptors(q)
+    k_desc, v_desc = _descriptors(k, v, rows=32 if kv_block == 32 else BLOCK)
     _bsa_fwd_gluon_kernel[(NQ, B * H)](
         q_desc, k_desc, v_desc, k, v, *k.stride()[:3], *v.stride()[:3], out, lse,
         kv_indices, kv_counts, bias, lens, qk_scale, H, S, NQ, KMAX,

@@ -30,6 +30,9 @@ def _compile_sm90(kernel: str, constants: dict, out_dir: Path) -> tuple[str, str
     D = constants["HEAD_DIM"]
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, D], gl.bfloat16)
     desc = f"tensordesc<bf16[1, 1, 64, {D}],{layout!r}>"
+    # at kv_block 32 the forward copies K / V one 32-row segment at a time into a 64-row stage
+    kv_rows = 32 if constants.get("KV_BLOCK") == 32 else 64
+    kv_desc = f"tensordesc<bf16[1, 1, {kv_rows}, {D}],{layout!r}>"
     fn = getattr(bsg, kernel)
     # pointers by name (bf16 tensors, int32 indices, float32 otherwise), then the scalars
     types = dict.fromkeys(("K", "V", "O", "DQ"), "*bf16")
@@ -39,6 +42,8 @@ def _compile_sm90(kernel: str, constants: dict, out_dir: Path) -> tuple[str, str
     signature = {
         name: "constexpr"
         if name in constants
+        else kv_desc
+        if name in ("k_desc", "v_desc")
         else desc
         if name.endswith("_desc")
         else types.get(name, "*fp32")
@@ -108,10 +113,15 @@ def test_gluon_kernel_compiles_for_hopper_with_overlap_and_no_spills(kernel, con
     assert "wgmma.mma_async" in ptx
     # the softmax of one slot overlaps the previous slot's product: a wait leaves one in flight
     assert re.search(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)
-    # Q (and dO) by TMA; K / V by TMA at kv_block 64, else gathered row by row with cp.async
+    # Q (and dO) by TMA; K / V by TMA at kv_block 64 and 32, gathered row by row with cp.async
+    # at 16
     assert "cp.async.bulk.tensor" in ptx
-    if constants.get("KV_BLOCK", 64) < 64:
-        assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    gathered = "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert gathered == (constants.get("KV_BLOCK") == 16)
+    if constants.get("KV_BLOCK") == 32:
+        # copy sites: Q, then both slots of a group at each K / V stage fill and refill (K: one
+        # stage, a refill before and one in the loop; V: two stages, one refill in the loop)
+        assert ptx.count("cp.async.bulk.tensor") == 1 + 6 * 2
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) == 0, report
 
