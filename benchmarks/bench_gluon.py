@@ -1,6 +1,6 @@
-"""The Hopper Gluon fine-stage forward (kv_block 64, 32, 16) and dQ pass (kv_block 64) against
-the Triton kernels at the Wan2.1-14B 720p shape (H=40, S=75264, D=128, bf16), sparsity 0.95 and
-0.875, random selections with a bias and every segment's length given (as the op passes them).
+"""The Hopper Gluon fine-stage forward and dQ pass (kv_block 64, 32, 16) against the Triton
+kernels at the Wan2.1-14B 720p shape (H=40, S=75264, D=128, bf16), sparsity 0.95 and 0.875,
+random selections with a bias and every segment's length given (as the op passes them).
 
     python benchmarks/bench_gluon.py
 """
@@ -35,9 +35,10 @@ def time_sparsity(q, k, v, kv_block: int, sparsity: float) -> None:
     report(tag, fwd, flops)
     out, lse = fwd["fwd triton"]()
     dout = torch.randn_like(out)
-    dq = {"dq triton": lambda: dq_pass(dout, q, k, v, out, lse, *sel, kv_block, gluon=False)}
-    if kv_block == 64:  # the Gluon dQ pass exists for kv_block 64 only
-        dq["dq gluon"] = lambda: dq_pass(dout, q, k, v, out, lse, *sel, kv_block, gluon=True)
+    dq = {
+        "dq triton": lambda: dq_pass(dout, q, k, v, out, lse, *sel, kv_block, gluon=False),
+        "dq gluon": lambda: dq_pass(dout, q, k, v, out, lse, *sel, kv_block, gluon=True),
+    }
     report(tag, dq, 1.5 * flops)
 
 
@@ -61,7 +62,7 @@ def dq_pass(dout, q, k, v, out, lse, ids, counts, bias, lens, kv_block, gluon: b
     args = (dout, q, k, v, out, lse, no_dlse, ids, counts, bias, lens, grads)
     flags = dict(scale=D**-0.5, has_bias=True, has_len=True, has_dlse=False)
     if gluon:
-        bsa_backward_dq_gluon(*args, qk_scale=D**-0.5 * bs.LOG2E, **flags)
+        bsa_backward_dq_gluon(*args, qk_scale=D**-0.5 * bs.LOG2E, kv_block=kv_block, **flags)
     else:
         bs._dq_pass(*args, q_tile=64, kv_block=kv_block, **flags)
     return grads

@@ -814,18 +814,18 @@ def _dq_pass(
     has_dlse: bool,
 ) -> None:
     """The dQ / d(bias) pass of ``bsa_backward`` on its prepared arguments (placeholders where a
-    flag is False), writing ``grads`` = (dq, delta, raw d(bias), pair mass): the Gluon kernel at
-    kv_block 64 where ``_gluon_wanted`` (gathered for 16 / 32 it lost to Triton), else Triton."""
+    flag is False), writing ``grads`` = (dq, delta, raw d(bias), pair mass): the Gluon kernel
+    where ``_gluon_wanted``, else Triton."""
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     dq, delta, dbias, mass = grads
-    if kv_block == 64 and _gluon_wanted(q_tile, kv_block, q, k, v, dout):
+    if _gluon_wanted(q_tile, kv_block, q, k, v, dout):
         from .block_sparse_gluon import bsa_backward_dq_gluon
 
         bsa_backward_dq_gluon(
             dout, q, k, v, out, lse, dlse, kv_indices, kv_counts, bias, lens, grads,
             scale=scale, qk_scale=scale * LOG2E, has_bias=has_bias, has_len=has_len,
-            has_dlse=has_dlse,
+            has_dlse=has_dlse, kv_block=kv_block,
         )  # fmt: skip
         return
     (desc_k, desc_v), tma = _tma_descriptors(kv_block, k, v)

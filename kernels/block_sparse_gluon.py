@@ -1,21 +1,21 @@
-"""Hopper (sm_90) Gluon kernels of the VSA2 fine stage (q_tile 64): the forward for kv_block
-16, 32 and 64 and the dQ pass of the backward for kv_block 64, with the FlashAttention-3
-overlap of softmax and tensor-core work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route
-to them when ``_gluon_wanted`` says so; the other passes stay Triton (a Gluon dK/dV pass and a
-gathered dQ pass for kv_block 16 / 32 were slower than the Triton kernels).
+"""Hopper (sm_90) Gluon kernels of the VSA2 fine stage (q_tile 64): the forward and the dQ pass
+of the backward for kv_block 16, 32 and 64, with the FlashAttention-3 overlap of softmax and
+tensor-core work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route to them when
+``_gluon_wanted`` says so; the dK/dV pass stays Triton (a Gluon one was slower).
 
 Triton's ``tl`` cannot express the overlap (tried: the compiler waits for every QK^T wgmma at
 once, and its automatic warp specialisation rejects the loop), so these kernels issue and wait
 for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the
 keys and values into two rings of shared-memory stages guarded by mbarriers, each stage
 refilled as soon as the product reading it has completed. A stage holds a group of 64 keys:
-one segment, copied by TMA, at kv_block 64; 64 // kv_block consecutive slots at 16 and 32, with
-the slots' bias and validity applied per column: at 32 one TMA copy per slot into its half of
-the stage, at 16 gathered row by row with cp.async (each thread's copies arrive on the stage's
-barrier). Keys and values past a partial segment's length
-(and the rows of slots past the count, which read segment 0) are copied too, as the Triton TMA
-path does: their logits are -inf, so they take no weight as long as they are finite (the DiT's
-tile layout pads with zeros). Forward, per group j of a query tile (one warpgroup, 64 rows):
+one segment at kv_block 64, 64 // kv_block consecutive slots at 16 and 32, each slot copied by
+TMA into its rows of the stage (the forward at kv_block 16 gathers rows with cp.async instead,
+each thread's copies arriving on the stage's barrier: its eight 2 KB copies per group were
+slower). The slots' bias and validity enter per column, from per-slot values loaded a group
+ahead. Keys and values past a partial segment's length (and the rows of slots past the count,
+which read segment 0) are copied too, as the Triton TMA path does: their logits are -inf, so
+they take no weight as long as they are finite (the DiT's tile layout pads with zeros).
+Forward, per group j of a query tile (one warpgroup, 64 rows):
 
 1. softmax of the logits S_j (in registers) while O += P_{j-1} V_{j-1} is still running;
 2. wait for that product, rescale O, refill its V stage;
@@ -115,67 +115,99 @@ def _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES: gl.c
 
 @gluon.constexpr_function
 def _slots_layout(n):
-    """Layout of the ``n`` segment ids of one group, each thread holding all of them (picking
-    one is then a select within the thread, no shuffle)."""
+    """Layout of one value per slot of a group (segment ids, biases, lengths; ``n`` slots), each
+    thread holding all of them: picking one is a select within the thread, no shuffle."""
     return gl.BlockedLayout([n], [32], [4], [0])
 
 
 @gluon.jit
-def _group_segments(p_idx, i_grp, n_sel, KV_BLOCK: gl.constexpr):
-    """What ``_load_group`` needs of group ``i_grp``'s segment ids (0 past the row's count),
+def _group_segments(p_idx, i_grp, n_sel, KV_BLOCK: gl.constexpr, GATHER: gl.constexpr):
+    """What ``_copy_group`` needs of group ``i_grp``'s segment ids (0 past the row's count),
     loaded a group ahead by the loops (see ``_segment``): the scalar id of its one slot at
-    kv_block 64; the vector of its two slots' ids at 32; nothing at 16 (the gather loads them)."""
+    kv_block 64; else the vector of its 64 // KV_BLOCK slots' ids, or nothing for a gather
+    (which loads them itself)."""
     if KV_BLOCK == 64:
         return _segment(p_idx, i_grp, n_sel)
-    elif KV_BLOCK == 32:
-        slot = i_grp * 2 + gl.arange(0, 2, layout=_slots_layout(2))
-        return gl.load(p_idx + slot, mask=slot < n_sel, other=0)
-    else:
+    elif GATHER:
         return 0
+    else:
+        G: gl.constexpr = 64 // KV_BLOCK
+        slot = i_grp * G + gl.arange(0, G, layout=_slots_layout(G))
+        return gl.load(p_idx + slot, mask=slot < n_sel, other=0)
 
 
 @gluon.jit
-def _load_group(desc, X, x_base, s_xs, ring, bars, segs, p_idx, i_b, i_h, i_grp, n_sel,
-                STAGES: gl.constexpr, KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
-    """Start loading group ``i_grp`` of a row's keys (or values) into its stage, ``segs`` from
-    ``_group_segments``: one TMA copy of the segment at kv_block 64; at 32 one ``[1, 1, 32, D]``
-    TMA copy per slot into its half of the stage, both on the stage's barrier (a slot past the
-    count copies segment 0, its columns are masked; nothing is copied for a group past the
-    count); at 16 a cp.async gather (``_gather_group``: eight 2 KB copies per 64-key group lost
-    a third of the forward's speed to their per-copy synchronisation)."""
+def _copy_group(desc, ring, bars, segs, i_b, i_h, i_grp, n_sel, STAGES: gl.constexpr,
+                KV_BLOCK: gl.constexpr):  # fmt: skip
+    """TMA copies of group ``i_grp`` of a row's keys (or values) into stage ``i_grp % STAGES``,
+    ``segs`` from ``_group_segments``: the one segment at kv_block 64; else one
+    ``[1, 1, KV_BLOCK, D]`` copy per slot into its rows of the stage, all on the stage's barrier
+    (a slot past the count copies segment 0: its columns are masked). Nothing is copied for a
+    group past the count."""
     if KV_BLOCK == 64:
         _issue_load(desc, ring, bars, segs, i_b, i_h, i_grp, n_sel, STAGES)
-    elif KV_BLOCK == 32:
-        pred = i_grp * 2 < n_sel
+    else:
+        G: gl.constexpr = 64 // KV_BLOCK
+        pred = i_grp * G < n_sel
         bar = bars.index(i_grp % STAGES)
         stage = ring.index(i_grp % STAGES)
-        mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
-        o_g = gl.arange(0, 2, layout=_slots_layout(2))
-        for g in gl.static_range(2):
+        mbarrier.expect(bar, G * desc.block_type.nbytes, pred=pred)
+        o_g = gl.arange(0, G, layout=_slots_layout(G))
+        for g in gl.static_range(G):
             seg = gl.sum(gl.where(o_g == g, segs, 0), 0)
             tma.async_copy_global_to_shared(
                 desc, [i_b, i_h, seg * KV_BLOCK, 0], bar,
                 stage.slice(g * KV_BLOCK, KV_BLOCK, dim=2), pred=pred,
             )  # fmt: skip
-    else:
-        _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES, KV_BLOCK, HEAD_DIM)
 
 
 @gluon.jit
-def _group_columns(p_idx, p_bias, KV_LEN, i_grp, n_sel, o_col, KV_BLOCK: gl.constexpr,
+def _load_group(desc, X, x_base, s_xs, ring, bars, segs, p_idx, i_b, i_h, i_grp, n_sel,
+                STAGES: gl.constexpr, KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                GATHER: gl.constexpr):  # fmt: skip
+    """The forward's loads of group ``i_grp``: TMA copies (``_copy_group``) or, with
+    ``GATHER`` (kv_block 16, where eight 2 KB copies per group made the forward with lengths
+    slower), a cp.async gather from ``X`` (``_gather_group``)."""
+    if GATHER:
+        _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES, KV_BLOCK, HEAD_DIM)
+    else:
+        _copy_group(desc, ring, bars, segs, i_b, i_h, i_grp, n_sel, STAGES, KV_BLOCK)
+
+
+@gluon.jit
+def _group_columns(p_idx, p_bias, KV_LEN, i_grp, n_sel, KV_BLOCK: gl.constexpr,
                    HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr):  # fmt: skip
-    """kv_block < 64: per column of group ``i_grp``, its slot's bias (0 without one), or -inf
-    where the key is not valid (a slot past the count, a key past its segment's length): one
-    vector of registers carried across the loop."""
-    slot = i_grp * (64 // KV_BLOCK) + o_col // KV_BLOCK
+    """kv_block < 64: the bias (0 without one) and the number of valid keys (0 past the row's
+    count) of each of group ``i_grp``'s 64 // KV_BLOCK slots, two small vectors that every
+    thread holds whole (carried across the loop in 2 * 64 // KV_BLOCK registers, not the 16 of
+    a per-column vector); ``_column_terms`` spreads them over the columns."""
+    G: gl.constexpr = 64 // KV_BLOCK
+    slot = i_grp * G + gl.arange(0, G, layout=_slots_layout(G))
     valid = slot < n_sel
-    bias = o_col.to(gl.float32) * 0.0
+    bias = slot.to(gl.float32) * 0.0
     if HAS_BIAS:
         bias = gl.load(p_bias + slot, mask=valid, other=0.0).to(gl.float32)
+    n_key = gl.where(valid, KV_BLOCK, 0)
     if HAS_LEN:
         seg = gl.load(p_idx + slot, mask=valid, other=0)
-        valid = valid & (o_col % KV_BLOCK < gl.load(KV_LEN + seg, mask=valid, other=0))
-    return gl.where(valid, bias, float("-inf"))
+        n_key = gl.load(KV_LEN + seg, mask=valid, other=0)
+    return bias, n_key
+
+
+@gluon.jit
+def _column_terms(cols, o_col, KV_BLOCK: gl.constexpr):
+    """Per column of a group: its slot's bias, or -inf where the key is not valid, from the
+    per-slot values ``cols`` of ``_group_columns``."""
+    G: gl.constexpr = 64 // KV_BLOCK
+    bias, n_key = cols
+    o_g = gl.arange(0, G, layout=_slots_layout(G))
+    terms = gl.full(o_col.shape, float("-inf"), gl.float32, layout=o_col.type.layout)
+    for g in gl.static_range(G):
+        slot_bias = gl.sum(gl.where(o_g == g, bias, 0.0), 0)
+        slot_keys = gl.sum(gl.where(o_g == g, n_key, 0), 0)
+        valid = (o_col // KV_BLOCK == g) & (o_col % KV_BLOCK < slot_keys)
+        terms = gl.where(valid, slot_bias, terms)
+    return terms
 
 
 @gluon.jit
@@ -187,7 +219,7 @@ def _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK: gl.constexpr,
         n_key = gl.load(KV_LEN + _segment(p_idx, 0, n_sel)) if HAS_LEN else 64
         return bias, n_key, _segment(p_idx, 1, n_sel)
     else:
-        return _group_columns(p_idx, p_bias, KV_LEN, 0, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
+        return _group_columns(p_idx, p_bias, KV_LEN, 0, n_sel, KV_BLOCK, HAS_BIAS, HAS_LEN)
 
 
 @gluon.jit
@@ -196,7 +228,7 @@ def _masked_logits(s_raw, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_
     """S_j plus its slots' bias (in dot units), -inf at invalid keys, from the column terms
     ``cols`` of group j loaded an iteration earlier; returns it and group j + 1's terms. At
     kv_block 64 ``cols`` = (bias, length, segment of slot j + 1), scalars: the next length
-    needs no dependent load; else one value per column (``_group_columns``)."""
+    needs no dependent load; else per-slot vectors (``_group_columns``)."""
     b_s = s_raw
     if KV_BLOCK == 64:
         bias, n_key, seg_ahead = cols
@@ -209,10 +241,8 @@ def _masked_logits(s_raw, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_
             seg_ahead = _segment(p_idx, j + 2, n_sel)
         return b_s, (bias, n_key, seg_ahead)
     else:
-        b_s = b_s + gl.expand_dims(cols * bias_to_dot, 0)
-        return b_s, _group_columns(
-            p_idx, p_bias, KV_LEN, j + 1, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN
-        )
+        b_s = b_s + gl.expand_dims(_column_terms(cols, o_col, KV_BLOCK) * bias_to_dot, 0)
+        return b_s, _group_columns(p_idx, p_bias, KV_LEN, j + 1, n_sel, KV_BLOCK, HAS_BIAS, HAS_LEN)
 
 
 @gluon.jit
@@ -279,16 +309,16 @@ def _bsa_fwd_gluon_kernel(
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     for s in gl.static_range(K_STAGES):
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, GATHER)
         _load_group(
-            k_desc, K, k_base, s_ks, k_ring, k_bars,
-            _group_segments(p_idx, s, n_sel, KV_BLOCK), p_idx, i_b, i_h, s, n_sel, K_STAGES,
-            KV_BLOCK, HEAD_DIM,
+            k_desc, K, k_base, s_ks, k_ring, k_bars, segs, p_idx, i_b, i_h, s, n_sel,
+            K_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
         )  # fmt: skip
     for s in gl.static_range(V_STAGES):
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, GATHER)
         _load_group(
-            v_desc, V, v_base, s_vs, v_ring, v_bars,
-            _group_segments(p_idx, s, n_sel, KV_BLOCK), p_idx, i_b, i_h, s, n_sel, V_STAGES,
-            KV_BLOCK, HEAD_DIM,
+            v_desc, V, v_base, s_vs, v_ring, v_bars, segs, p_idx, i_b, i_h, s, n_sel,
+            V_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
         )  # fmt: skip
     mbarrier.wait(q_bar, 0)
 
@@ -310,14 +340,15 @@ def _bsa_fwd_gluon_kernel(
         q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
+    segs = _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK, GATHER)
     _load_group(
-        k_desc, K, k_base, s_ks, k_ring, k_bars, _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK),
-        p_idx, i_b, i_h, K_STAGES, n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
+        k_desc, K, k_base, s_ks, k_ring, k_bars, segs, p_idx, i_b, i_h, K_STAGES, n_sel, K_STAGES,
+        KV_BLOCK, HEAD_DIM, GATHER,
     )  # fmt: skip
     # loaded a group ahead: the segments of the next V and K refills (TMA) and the column
     # terms (bias, key validity) of the group
-    seg_v = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK)
-    seg_k = _group_segments(p_idx, K_STAGES + 1, n_sel, KV_BLOCK)
+    seg_v = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK, GATHER)
+    seg_k = _group_segments(p_idx, K_STAGES + 1, n_sel, KV_BLOCK, GATHER)
     cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
     for j in range(n_grp):
         # -- 1. softmax of S_j while O += P_{j-1} V_{j-1} runs ----
@@ -338,9 +369,9 @@ def _bsa_fwd_gluon_kernel(
         if j > 0:
             _load_group(
                 v_desc, V, v_base, s_vs, v_ring, v_bars, seg_v, p_idx, i_b, i_h,
-                j - 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM,
+                j - 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
             )  # fmt: skip
-            seg_v = _group_segments(p_idx, j + V_STAGES, n_sel, KV_BLOCK)
+            seg_v = _group_segments(p_idx, j + V_STAGES, n_sel, KV_BLOCK, GATHER)
         # -- 3. S_{j+1} (the last group's again at the end: nothing refills its stage), then
         # O += P_j V_j; wait for S_{j+1} only and refill its K stage ----
         i_next = gl.minimum(j + 1, n_grp - 1)
@@ -355,9 +386,9 @@ def _bsa_fwd_gluon_kernel(
         s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
         _load_group(
             k_desc, K, k_base, s_ks, k_ring, k_bars, seg_k, p_idx, i_b, i_h, j + 1 + K_STAGES,
-            n_sel, K_STAGES, KV_BLOCK, HEAD_DIM,
+            n_sel, K_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
         )  # fmt: skip
-        seg_k = _group_segments(p_idx, j + 2 + K_STAGES, n_sel, KV_BLOCK)
+        seg_k = _group_segments(p_idx, j + 2 + K_STAGES, n_sel, KV_BLOCK, GATHER)
     acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(K_STAGES):
@@ -381,7 +412,7 @@ def _bsa_fwd_gluon_kernel(
 def _descriptors(*tensors: torch.Tensor, rows: int = BLOCK):
     """``[1, 1, rows, D]`` TMA descriptors of ``[B, H, S, D]`` tensors (any strides that are
     multiples of 16 bytes, the last dimension contiguous: ``_gluon_wanted`` checks), in the
-    shared layout of a 64-row stage (32-row copies fill its halves at kv_block 32)."""
+    shared layout of a 64-row stage (copies of one 16- or 32-key segment fill its rows)."""
     D = tensors[0].shape[-1]
     dtype = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, D], dtype)
@@ -426,18 +457,35 @@ def bsa_forward_gluon(
 
 
 @gluon.jit
+def _store_group_sums(p_out, b_x, i_grp, n_sel, o_col, KV_BLOCK: gl.constexpr):
+    """Store the sums of ``b_x`` [64, 64] over each pair's block (the tile's rows x the slot's
+    keys) of group ``i_grp``: one slot at kv_block 64, else its 64 // KV_BLOCK slots (none past
+    the row's count)."""
+    if KV_BLOCK == 64:
+        # row sums first: in-thread and quad reductions, then one across the rows
+        gl.store(p_out + i_grp, gl.sum(gl.sum(b_x, 1), 0))
+    else:
+        G: gl.constexpr = 64 // KV_BLOCK
+        b_sum = gl.sum(gl.sum(gl.reshape(b_x, [64, G, KV_BLOCK]), 2), 0)
+        slot = i_grp * G + gl.arange(0, G, layout=b_sum.type.layout)
+        gl.store(p_out + slot, b_sum, mask=slot < n_sel)
+
+
+@gluon.jit
 def _bsa_bwd_dq_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, O, LSE, DLSE, DELTA, DQ, DBIAS, MASS, KV_IDX, KV_CNT, BIAS,
     KV_LEN, qk_scale, scale, H, S, NQ, KMAX,
-    HEAD_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr,
-    HAS_DLSE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-    BLOCK: gl.constexpr,
+    HEAD_DIM: gl.constexpr, KV_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
 ):  # fmt: skip
     """dQ pass of ``block_sparse._bsa_bwd_dq_kernel`` (dQ, per-pair d(bias) and probability
-    mass, delta) for kv_block 64 (a gathered version for 16 / 32 lost to the Triton kernel).
-    K_j is read by S_j and by dQ += dS_j K_j (done in step 2 of slot j + 1), so K takes three
-    stages for a slot of distance; V_j only by dP_j: one stage suffices."""
+    mass, delta) over groups of 64 keys as in the forward: one segment at kv_block 64, else
+    64 // KV_BLOCK slots copied by TMA one slot at a time. K_j is read by S_j and by
+    dQ += dS_j K_j (done in step 2 of group j + 1), so K takes three stages for a group of
+    distance; V_j only by dP_j: one stage suffices."""
     gl.static_assert(K_STAGES >= 2)
+    G: gl.constexpr = BLOCK // KV_BLOCK
     i_t = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_row = i_bh.to(gl.int64) * NQ + i_t
@@ -463,6 +511,7 @@ def _bsa_bwd_dq_gluon_kernel(
     fence_async_shared()
 
     n_sel = gl.load(KV_CNT + i_row)
+    n_grp = (n_sel + G - 1) // G
     p_idx = KV_IDX + i_row * KMAX
     p_bias = BIAS + i_row * KMAX
     p_dbias = DBIAS + i_row * KMAX
@@ -471,9 +520,11 @@ def _bsa_bwd_dq_gluon_kernel(
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, do_smem)
     for s in gl.static_range(K_STAGES):
-        _issue_load(k_desc, k_ring, k_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, K_STAGES)
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, False)
+        _copy_group(k_desc, k_ring, k_bars, segs, i_b, i_h, s, n_sel, K_STAGES, KV_BLOCK)
     for s in gl.static_range(V_STAGES):
-        _issue_load(v_desc, v_ring, v_bars, _segment(p_idx, s, n_sel), i_b, i_h, s, n_sel, V_STAGES)
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, False)
+        _copy_group(v_desc, v_ring, v_bars, segs, i_b, i_h, s, n_sel, V_STAGES, KV_BLOCK)
 
     # -- delta = rowsum(dO * O) - dLSE, the softmax-backward row constant; lse in log2 units ----
     o_m = gl.arange(0, BLOCK, layout=row_o)
@@ -500,8 +551,8 @@ def _bsa_bwd_dq_gluon_kernel(
     ds_prev = gl.zeros([BLOCK, BLOCK], q_desc.dtype, layout=ds_layout)
 
     # S_0, dP_0 (a row without slots computes them from empty stages and never reads them)
-    mbarrier.wait(k_bars.index(0), 0, pred=n_sel > 0)
-    mbarrier.wait(v_bars.index(0), 0, pred=n_sel > 0)
+    mbarrier.wait(k_bars.index(0), 0, pred=n_grp > 0)
+    mbarrier.wait(v_bars.index(0), 0, pred=n_grp > 0)
     s_cur = warpgroup_mma(
         q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
@@ -509,32 +560,36 @@ def _bsa_bwd_dq_gluon_kernel(
         do_mat, _mat(v_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur, dp_cur))
-    seg = _segment(p_idx, V_STAGES, n_sel)
-    _issue_load(v_desc, v_ring, v_bars, seg, i_b, i_h, V_STAGES, n_sel, V_STAGES)
-    # loaded an iteration ahead, as in the forward
-    seg_k = _segment(p_idx, K_STAGES, n_sel)
-    seg_v = _segment(p_idx, V_STAGES + 1, n_sel)
-    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, BLOCK, HAS_BIAS, HAS_LEN)
-    for j in range(n_sel):
-        # -- 1. P and dS of slot j while dQ += dS_{j-1} K_{j-1} runs ----
+    segs = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK, False)
+    _copy_group(v_desc, v_ring, v_bars, segs, i_b, i_h, V_STAGES, n_sel, V_STAGES, KV_BLOCK)
+    # loaded a group ahead, as in the forward
+    seg_k = _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK, False)
+    seg_v = _group_segments(p_idx, V_STAGES + 1, n_sel, KV_BLOCK, False)
+    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
+    for j in range(n_grp):
+        # -- 1. P and dS of group j while dQ += dS_{j-1} K_{j-1} runs ----
         b_s, cols = _masked_logits(
-            s_cur, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_dot, BLOCK, HAS_BIAS,
+            s_cur, cols, p_idx, p_bias, KV_LEN, j, n_sel, o_col, bias_to_dot, KV_BLOCK, HAS_BIAS,
             HAS_LEN,
         )  # fmt: skip
         b_p = gl.exp2(b_s * qk_scale - gl.expand_dims(b_lse2, 1))
+        if HAS_BIAS:
+            _store_group_sums(p_mass, b_p, j, n_sel, o_col, KV_BLOCK)
         b_ds = b_p * (dp_cur - gl.expand_dims(b_delta, 1))
         if HAS_BIAS:
-            gl.store(p_dbias + j, gl.sum(gl.sum(b_ds, 1), 0))
-            gl.store(p_mass + j, gl.sum(gl.sum(b_p, 1), 0))
+            _store_group_sums(p_dbias, b_ds, j, n_sel, o_col, KV_BLOCK)
         # -- 2. that product is done: refill K_{j-1}'s stage ----
         acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
         ds_op = gl.convert_layout(b_ds.to(q_desc.dtype), ds_layout)
         if j > 0:
-            _issue_load(k_desc, k_ring, k_bars, seg_k, i_b, i_h, j - 1 + K_STAGES, n_sel, K_STAGES)
-            seg_k = _segment(p_idx, j + K_STAGES, n_sel)
-        # -- 3. S_{j+1}, dP_{j+1} (the last slot's again at the end: nothing refills its
-        # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s stage --
-        i_next = gl.minimum(j + 1, n_sel - 1)
+            _copy_group(
+                k_desc, k_ring, k_bars, seg_k, i_b, i_h, j - 1 + K_STAGES, n_sel, K_STAGES, KV_BLOCK
+            )
+            seg_k = _group_segments(p_idx, j + K_STAGES, n_sel, KV_BLOCK, False)
+        # -- 3. S_{j+1}, dP_{j+1} (the last group's again at the end: nothing refills its
+        # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s
+        # stage ----
+        i_next = gl.minimum(j + 1, n_grp - 1)
         _wait_slot(k_bars, i_next, K_STAGES)
         _wait_slot(v_bars, i_next, V_STAGES)
         s_next = warpgroup_mma(
@@ -548,8 +603,10 @@ def _bsa_bwd_dq_gluon_kernel(
         acc = warpgroup_mma(ds_op, _mat(k_ring, j % K_STAGES), acc_t, is_async=True)
         ds_prev = ds_op
         s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, dp_next))
-        _issue_load(v_desc, v_ring, v_bars, seg_v, i_b, i_h, j + 1 + V_STAGES, n_sel, V_STAGES)
-        seg_v = _segment(p_idx, j + 2 + V_STAGES, n_sel)
+        _copy_group(
+            v_desc, v_ring, v_bars, seg_v, i_b, i_h, j + 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK
+        )
+        seg_v = _group_segments(p_idx, j + 2 + V_STAGES, n_sel, KV_BLOCK, False)
     acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(K_STAGES):
@@ -578,11 +635,12 @@ def bsa_backward_dq_gluon(
     has_bias: bool,
     has_len: bool,
     has_dlse: bool,
+    kv_block: int = 64,
     k_stages: int = 3,
     v_stages: int = 1,
 ) -> None:
-    """The dQ-pass launch of ``block_sparse.bsa_backward`` for q_tile = kv_block = 64 on Hopper,
-    with its prepared arguments (contiguous lse, indices, counts; bias, lengths and dlse or
+    """The dQ-pass launch of ``block_sparse.bsa_backward`` for q_tile = 64 and kv_block 16, 32
+    or 64 on Hopper, with its prepared arguments (contiguous lse, indices, counts; bias, lengths and dlse or
     1-element placeholders where the flag is False). Writes ``grads`` = (dq [B,H,S,D]
     contiguous, delta float32 [B,H,S], raw d(bias), pair mass), the last two zero-filled by the
     caller; ``bsa_backward`` then restores the softmax identity of d(bias) and runs the dK/dV
@@ -590,11 +648,12 @@ def bsa_backward_dq_gluon(
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     dq, delta, dbias, mass = grads
-    q_desc, k_desc, v_desc, do_desc = _descriptors(q, k, v, dout)
+    q_desc, do_desc = _descriptors(q, dout)
+    k_desc, v_desc = _descriptors(k, v, rows=kv_block)
     # the kernel reads O (for delta) with the offsets of a contiguous tensor
     _bsa_bwd_dq_gluon_kernel[(NQ, B * H)](
         q_desc, k_desc, v_desc, do_desc, out.contiguous(), lse, dlse, delta, dq, dbias, mass,
         kv_indices, kv_counts, bias, lens, qk_scale, scale, H, S, NQ, KMAX,
-        HEAD_DIM=D, HAS_BIAS=has_bias, HAS_LEN=has_len, HAS_DLSE=has_dlse, K_STAGES=k_stages,
-        V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
+        HEAD_DIM=D, KV_BLOCK=kv_block, HAS_BIAS=has_bias, HAS_LEN=has_len, HAS_DLSE=has_dlse,
+        K_STAGES=k_stages, V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip

@@ -1,10 +1,12 @@
 """GPU tests of the Hopper Gluon fine-stage kernels (forward, dQ pass) against the float64 torch
-reference: every kernel setting offered, rows with 0, 1 and KMAX slots, a bias, partial and
-empty segments, and q/k/v/dO given as the transposed views a DiT passes ([B, S, H, D] memory)."""
+reference and the dQ pass against the Triton one: every kernel setting offered, rows with 0, 1
+and KMAX slots, a bias, partial and empty segments, and q/k/v/dO given as the transposed views a
+DiT passes ([B, S, H, D] memory)."""
 
 import pytest
 import torch
 
+from vsa2_rl.kernels import block_sparse
 from vsa2_rl.kernels.block_sparse import LOG2E, _gluon_wanted, bsa_backward, bsa_forward
 from vsa2_rl.kernels.naive import block_sparse_attention_torch
 
@@ -73,6 +75,43 @@ def test_gluon_forward_settings_match_reference(k_stages, v_stages, with_lengths
         scale,
     )  # fmt: skip
     _check_forward(out, lse, *ref, counts)
+
+
+@pytest.mark.parametrize("with_lengths", [False, True])
+@pytest.mark.parametrize("kv_block", [64, 32, 16])
+def test_gluon_dq_pass_matches_triton_pass_and_float64(monkeypatch, with_lengths, kv_block):
+    """The Gluon dQ pass at every kv_block, whichever ``_dq_pass`` routes to: dq against float64
+    autograd, and all four outputs (dq, delta, raw d(bias), pair mass) against the Triton pass
+    (checked against float64 by the CPU tests)."""
+    from vsa2_rl.kernels.block_sparse_gluon import bsa_backward_dq_gluon
+
+    q, k, v, ids, counts, bias, lengths, scale, dout = _case(
+        with_lengths, strided=True, kv_block=kv_block
+    )
+    out, lse = bsa_forward(q, k, v, ids, counts, bias, lengths, 64, kv_block, scale)
+    dlse = torch.where(lse.isfinite(), torch.randn_like(lse), 0.0)
+    lens = lengths if with_lengths else torch.zeros(1, device="cuda", dtype=torch.int32)
+    flags = dict(scale=scale, has_bias=True, has_len=with_lengths, has_dlse=True)
+    args = (dout, q, k, v, out, lse, dlse, ids, counts, bias, lens)
+    gluon = block_sparse._dq_pass_outputs(q, bias, has_bias=True)
+    bsa_backward_dq_gluon(*args, gluon, qk_scale=scale * LOG2E, kv_block=kv_block, **flags)
+    monkeypatch.setenv("VSA2_RL_GLUON", "0")
+    triton_ = block_sparse._dq_pass_outputs(q, bias, has_bias=True)
+    block_sparse._dq_pass(*args, triton_, q_tile=64, kv_block=kv_block, **flags)
+    for name, got, ref in zip(("dq", "delta", "dbias", "mass"), gluon, triton_, strict=True):
+        err = (got.double() - ref.double()).abs().max().item()
+        assert err <= 1e-2 * ref.double().abs().max().item(), f"{name}: max difference {err:.3g}"
+
+    leaf = q.double().requires_grad_()
+    ref_out, ref_lse = block_sparse_attention_torch(
+        leaf, k.double(), v.double(), ids, counts, bias.double(), lengths, 64, kv_block, scale
+    )
+    loss = (ref_out * dout.double()).sum() + torch.where(
+        ref_lse.isfinite(), ref_lse * dlse.double(), 0.0
+    ).sum()
+    (ref_dq,) = torch.autograd.grad(loss, leaf)
+    err = (gluon[0].double() - ref_dq).abs().max().item()
+    assert err <= 3e-2 * ref_dq.abs().max().item(), f"dq: max error {err:.3g}"
 
 
 @pytest.mark.parametrize("kv_block", [64, 32, 16])
