@@ -711,8 +711,7 @@ def _gluon_available() -> bool:
 def _gluon_wanted(q_tile: int, kv_block: int, *tensors: torch.Tensor) -> bool:
     """Whether the Hopper Gluon kernels of ``block_sparse_gluon`` take the call: q_tile = 64,
     bf16/fp16, D in {64, 128}, an sm_90 GPU, tensors with 16-byte aligned bases and strides
-    that are multiples of 16 elements (TMA boxes and 16-byte cp.async rows), a Triton with the
-    Gluon API; ``VSA2_RL_GLUON=0`` keeps the Triton kernels (A/B runs)."""
+    that are multiples of 16 elements (TMA boxes), a Triton with the Gluon API; ``VSA2_RL_GLUON=0`` keeps the Triton kernels (A/B runs)."""
     x = tensors[0]
     return (
         os.environ.get("VSA2_RL_GLUON", "1") != "0"

@@ -9,10 +9,8 @@ for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and
 keys and values into two rings of shared-memory stages guarded by mbarriers, each stage
 refilled as soon as the product reading it has completed. A stage holds a group of 64 keys:
 one segment at kv_block 64, 64 // kv_block consecutive slots at 16 and 32, each slot copied by
-TMA into its rows of the stage (the forward at kv_block 16 gathers rows with cp.async instead,
-each thread's copies arriving on the stage's barrier: its eight 2 KB copies per group were
-slower). The slots' bias and validity enter per column, from per-slot values loaded a group
-ahead. Keys and values past a partial segment's length (and the rows of slots past the count,
+TMA into its rows of the stage. The slots' bias and validity enter per column, from per-slot
+values loaded a group ahead. Keys and values past a partial segment's length (and the rows of slots past the count,
 which read segment 0) are copied too, as the Triton TMA path does: their logits are -inf, so
 they take no weight as long as they are finite (the DiT's tile layout pads with zeros).
 Forward, per group j of a query tile (one warpgroup, 64 rows):
@@ -24,7 +22,7 @@ Forward, per group j of a query tile (one warpgroup, 64 rows):
 The dQ pass does the same with S and dP = dO V^T in step 3 and dQ += dS K in place of the P V
 product. Same contracts as ``block_sparse._bsa_fwd_kernel`` and ``_bsa_bwd_dq_kernel`` for
 D in {64, 128}, bf16/fp16, [B, H, S, D] tensors with 16-byte aligned strides (4-D TMA
-descriptors and strided row gathers: the transposed views a DiT passes need no copy). No
+descriptors: the transposed views a DiT passes need no copy). No
 interpreter for Gluon: GPU tests compare them with a float64 reference, and a CPU test
 compiles them for sm_90 and checks the overlap, the copy paths and the register budget.
 """
@@ -34,7 +32,6 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -56,17 +53,17 @@ def _mma_layout(n):
 
 @gluon.jit
 def _kv_rings(k_desc, v_desc, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              ARRIVALS: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
+              HEAD_DIM: gl.constexpr):  # fmt: skip
     """The K and V rings of ``[1, 1, 64, D]`` stages, each with an mbarrier whose phase
-    completes after ``ARRIVALS`` arrivals (a TMA copy: 1; a gather: every thread)."""
+    the stage's TMA copies complete (one arrival with the expected byte count)."""
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, 1, 1, 64, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, 1, 1, 64, HEAD_DIM], v_desc.layout)
     k_bars = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(K_STAGES):
-        mbarrier.init(k_bars.index(s), count=ARRIVALS)
+        mbarrier.init(k_bars.index(s), count=1)
     for s in gl.static_range(V_STAGES):
-        mbarrier.init(v_bars.index(s), count=ARRIVALS)
+        mbarrier.init(v_bars.index(s), count=1)
     return k_ring, v_ring, k_bars, v_bars
 
 
@@ -92,27 +89,6 @@ def _issue_load(desc, ring, bars, seg, i_b, i_h, i_slot, n_sel, STAGES: gl.const
     )  # fmt: skip
 
 
-@gluon.jit
-def _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES: gl.constexpr,
-                  KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
-    """kv_block < 64: the 64 keys of group ``i_grp`` (its 64 // KV_BLOCK slots' segments, slots
-    past the count read segment 0 and are masked later) copied row by row with cp.async into
-    stage ``i_grp % STAGES``; every thread's copies arrive on the stage's barrier (count = the
-    block's threads). Nothing is copied for a group past the count."""
-    if i_grp * (64 // KV_BLOCK) < n_sel:
-        ld: gl.constexpr = gl.BlockedLayout(
-            [1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0]
-        )
-        o_r = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
-        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-        slot = i_grp * (64 // KV_BLOCK) + o_r // KV_BLOCK
-        seg = gl.load(p_idx + slot, mask=slot < n_sel, other=0)
-        tok = (seg * KV_BLOCK + o_r % KV_BLOCK).to(gl.int64)
-        ptrs = X + x_base + gl.expand_dims(tok * s_xs, 1) + gl.expand_dims(o_d, 0)
-        async_copy.async_copy_global_to_shared(_mat(ring, i_grp % STAGES), ptrs)
-        async_copy.mbarrier_arrive(bars.index(i_grp % STAGES), increment_count=False)
-
-
 @gluon.constexpr_function
 def _slots_layout(n):
     """Layout of one value per slot of a group (segment ids, biases, lengths; ``n`` slots), each
@@ -121,15 +97,12 @@ def _slots_layout(n):
 
 
 @gluon.jit
-def _group_segments(p_idx, i_grp, n_sel, KV_BLOCK: gl.constexpr, GATHER: gl.constexpr):
+def _group_segments(p_idx, i_grp, n_sel, KV_BLOCK: gl.constexpr):
     """What ``_copy_group`` needs of group ``i_grp``'s segment ids (0 past the row's count),
     loaded a group ahead by the loops (see ``_segment``): the scalar id of its one slot at
-    kv_block 64; else the vector of its 64 // KV_BLOCK slots' ids, or nothing for a gather
-    (which loads them itself)."""
+    kv_block 64; else the vector of its 64 // KV_BLOCK slots' ids."""
     if KV_BLOCK == 64:
         return _segment(p_idx, i_grp, n_sel)
-    elif GATHER:
-        return 0
     else:
         G: gl.constexpr = 64 // KV_BLOCK
         slot = i_grp * G + gl.arange(0, G, layout=_slots_layout(G))
@@ -159,19 +132,6 @@ def _copy_group(desc, ring, bars, segs, i_b, i_h, i_grp, n_sel, STAGES: gl.const
                 desc, [i_b, i_h, seg * KV_BLOCK, 0], bar,
                 stage.slice(g * KV_BLOCK, KV_BLOCK, dim=2), pred=pred,
             )  # fmt: skip
-
-
-@gluon.jit
-def _load_group(desc, X, x_base, s_xs, ring, bars, segs, p_idx, i_b, i_h, i_grp, n_sel,
-                STAGES: gl.constexpr, KV_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                GATHER: gl.constexpr):  # fmt: skip
-    """The forward's loads of group ``i_grp``: TMA copies (``_copy_group``) or, with
-    ``GATHER`` (kv_block 16, where eight 2 KB copies per group made the forward with lengths
-    slower), a cp.async gather from ``X`` (``_gather_group``)."""
-    if GATHER:
-        _gather_group(X, x_base, s_xs, ring, bars, p_idx, i_grp, n_sel, STAGES, KV_BLOCK, HEAD_DIM)
-    else:
-        _copy_group(desc, ring, bars, segs, i_b, i_h, i_grp, n_sel, STAGES, KV_BLOCK)
 
 
 @gluon.jit
@@ -252,37 +212,30 @@ def _mat(ring, stage):
 
 
 @gluon.jit
-def _wait_slot(bars, i_slot, STAGES: gl.constexpr, GATHER: gl.constexpr = False):
-    """Wait for the load of slot (group) ``i_slot``; data gathered by cp.async, written through
-    the generic proxy, is then fenced for the wgmma that reads it."""
+def _wait_slot(bars, i_slot, STAGES: gl.constexpr):
+    """Wait for the copies of slot (group) ``i_slot``."""
     mbarrier.wait(bars.index(i_slot % STAGES), (i_slot // STAGES) & 1)
-    if GATHER:
-        fence_async_shared()
 
 
 @gluon.jit
 def _bsa_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, K, V, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, O, LSE, KV_IDX, KV_CNT,
-    BIAS, KV_LEN, qk_scale, H, S, NQ, KMAX,
+    q_desc, k_desc, v_desc, O, LSE, KV_IDX, KV_CNT, BIAS, KV_LEN, qk_scale, H, S, NQ, KMAX,
     HEAD_DIM: gl.constexpr, KV_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
     HAS_LEN: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, BLOCK: gl.constexpr,
 ):  # fmt: skip
-    # The loop runs over groups of 64 keys: one segment at kv_block 64, two slots at 32 (TMA
-    # copies), four slots at 16 gathered by cp.async (K / V then come as pointers and strides).
+    # The loop runs over groups of 64 keys: one segment at kv_block 64, else 64 // KV_BLOCK
+    # consecutive slots, each copied by TMA into its rows of the stage.
     # K_j is read by S_j only (done by the end of step 3 of group j - 1): one stage can already
     # hold K_{j+1} a whole group ahead. V_j is read by P_j V_j, done in step 2 of group j + 1, so
     # V needs two stages for the same distance.
     gl.static_assert(V_STAGES >= 2)
     G: gl.constexpr = BLOCK // KV_BLOCK
-    GATHER: gl.constexpr = KV_BLOCK == 16
     i_t = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_row = i_bh.to(gl.int64) * NQ + i_t
     row_base = i_bh * S
     i_b = i_bh // H
     i_h = i_bh % H
-    k_base = i_b.to(gl.int64) * s_kb + i_h.to(gl.int64) * s_kh
-    v_base = i_b.to(gl.int64) * s_vb + i_h.to(gl.int64) * s_vh
 
     s_layout: gl.constexpr = _mma_layout(BLOCK)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -294,10 +247,7 @@ def _bsa_fwd_gluon_kernel(
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, 1, BLOCK, HEAD_DIM], q_desc.layout)
     q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
-    # a TMA copy arrives once on its stage's barrier, a gather once per thread
-    k_ring, v_ring, k_bars, v_bars = _kv_rings(
-        k_desc, v_desc, K_STAGES, V_STAGES, 128 if GATHER else 1, HEAD_DIM
-    )
+    k_ring, v_ring, k_bars, v_bars = _kv_rings(k_desc, v_desc, K_STAGES, V_STAGES, HEAD_DIM)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
@@ -309,17 +259,11 @@ def _bsa_fwd_gluon_kernel(
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     for s in gl.static_range(K_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, GATHER)
-        _load_group(
-            k_desc, K, k_base, s_ks, k_ring, k_bars, segs, p_idx, i_b, i_h, s, n_sel,
-            K_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
-        )  # fmt: skip
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
+        _copy_group(k_desc, k_ring, k_bars, segs, i_b, i_h, s, n_sel, K_STAGES, KV_BLOCK)
     for s in gl.static_range(V_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, GATHER)
-        _load_group(
-            v_desc, V, v_base, s_vs, v_ring, v_bars, segs, p_idx, i_b, i_h, s, n_sel,
-            V_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
-        )  # fmt: skip
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
+        _copy_group(v_desc, v_ring, v_bars, segs, i_b, i_h, s, n_sel, V_STAGES, KV_BLOCK)
     mbarrier.wait(q_bar, 0)
 
     bias_to_dot = 1.4426950408889634 / qk_scale
@@ -334,21 +278,16 @@ def _bsa_fwd_gluon_kernel(
 
     # S_0 (a row without slots computes it from an empty stage and never reads it)
     mbarrier.wait(k_bars.index(0), 0, pred=n_grp > 0)
-    if GATHER:
-        fence_async_shared()
     s_cur = warpgroup_mma(
         q_mat, _mat(k_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
-    segs = _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK, GATHER)
-    _load_group(
-        k_desc, K, k_base, s_ks, k_ring, k_bars, segs, p_idx, i_b, i_h, K_STAGES, n_sel, K_STAGES,
-        KV_BLOCK, HEAD_DIM, GATHER,
-    )  # fmt: skip
+    segs = _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK)
+    _copy_group(k_desc, k_ring, k_bars, segs, i_b, i_h, K_STAGES, n_sel, K_STAGES, KV_BLOCK)
     # loaded a group ahead: the segments of the next V and K refills (TMA) and the column
     # terms (bias, key validity) of the group
-    seg_v = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK, GATHER)
-    seg_k = _group_segments(p_idx, K_STAGES + 1, n_sel, KV_BLOCK, GATHER)
+    seg_v = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK)
+    seg_k = _group_segments(p_idx, K_STAGES + 1, n_sel, KV_BLOCK)
     cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
     for j in range(n_grp):
         # -- 1. softmax of S_j while O += P_{j-1} V_{j-1} runs ----
@@ -367,28 +306,26 @@ def _bsa_fwd_gluon_kernel(
         p_op = gl.convert_layout(b_p.to(q_desc.dtype), p_layout)
         acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         if j > 0:
-            _load_group(
-                v_desc, V, v_base, s_vs, v_ring, v_bars, seg_v, p_idx, i_b, i_h,
-                j - 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
-            )  # fmt: skip
-            seg_v = _group_segments(p_idx, j + V_STAGES, n_sel, KV_BLOCK, GATHER)
+            _copy_group(
+                v_desc, v_ring, v_bars, seg_v, i_b, i_h, j - 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK
+            )
+            seg_v = _group_segments(p_idx, j + V_STAGES, n_sel, KV_BLOCK)
         # -- 3. S_{j+1} (the last group's again at the end: nothing refills its stage), then
         # O += P_j V_j; wait for S_{j+1} only and refill its K stage ----
         i_next = gl.minimum(j + 1, n_grp - 1)
-        _wait_slot(k_bars, i_next, K_STAGES, GATHER)
+        _wait_slot(k_bars, i_next, K_STAGES)
         s_next = warpgroup_mma(
             q_mat, _mat(k_ring, i_next % K_STAGES).permute((1, 0)), zero_s, use_acc=False,
             is_async=True,
         )  # fmt: skip
-        _wait_slot(v_bars, j, V_STAGES, GATHER)
+        _wait_slot(v_bars, j, V_STAGES)
         acc = warpgroup_mma(p_op, _mat(v_ring, j % V_STAGES), acc_t, is_async=True)
         p_prev = p_op
         s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-        _load_group(
-            k_desc, K, k_base, s_ks, k_ring, k_bars, seg_k, p_idx, i_b, i_h, j + 1 + K_STAGES,
-            n_sel, K_STAGES, KV_BLOCK, HEAD_DIM, GATHER,
-        )  # fmt: skip
-        seg_k = _group_segments(p_idx, j + 2 + K_STAGES, n_sel, KV_BLOCK, GATHER)
+        _copy_group(
+            k_desc, k_ring, k_bars, seg_k, i_b, i_h, j + 1 + K_STAGES, n_sel, K_STAGES, KV_BLOCK
+        )
+        seg_k = _group_segments(p_idx, j + 2 + K_STAGES, n_sel, KV_BLOCK)
     acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(K_STAGES):
@@ -447,10 +384,10 @@ def bsa_forward_gluon(
     B, H, S, D = q.shape
     NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     (q_desc,) = _descriptors(q)
-    k_desc, v_desc = _descriptors(k, v, rows=32 if kv_block == 32 else BLOCK)
+    k_desc, v_desc = _descriptors(k, v, rows=kv_block)
     _bsa_fwd_gluon_kernel[(NQ, B * H)](
-        q_desc, k_desc, v_desc, k, v, *k.stride()[:3], *v.stride()[:3], out, lse,
-        kv_indices, kv_counts, bias, lens, qk_scale, H, S, NQ, KMAX,
+        q_desc, k_desc, v_desc, out, lse, kv_indices, kv_counts, bias, lens, qk_scale, H, S, NQ,
+        KMAX,
         HEAD_DIM=D, KV_BLOCK=kv_block, HAS_BIAS=has_bias, HAS_LEN=has_len, K_STAGES=k_stages,
         V_STAGES=v_stages, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
@@ -505,7 +442,7 @@ def _bsa_bwd_dq_gluon_kernel(
     q_mat = q_smem.reshape([BLOCK, HEAD_DIM])
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [1, 1, BLOCK, HEAD_DIM], do_desc.layout)
     do_mat = do_smem.reshape([BLOCK, HEAD_DIM])
-    k_ring, v_ring, k_bars, v_bars = _kv_rings(k_desc, v_desc, K_STAGES, V_STAGES, 1, HEAD_DIM)
+    k_ring, v_ring, k_bars, v_bars = _kv_rings(k_desc, v_desc, K_STAGES, V_STAGES, HEAD_DIM)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
@@ -520,10 +457,10 @@ def _bsa_bwd_dq_gluon_kernel(
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, do_smem)
     for s in gl.static_range(K_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, False)
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
         _copy_group(k_desc, k_ring, k_bars, segs, i_b, i_h, s, n_sel, K_STAGES, KV_BLOCK)
     for s in gl.static_range(V_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK, False)
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
         _copy_group(v_desc, v_ring, v_bars, segs, i_b, i_h, s, n_sel, V_STAGES, KV_BLOCK)
 
     # -- delta = rowsum(dO * O) - dLSE, the softmax-backward row constant; lse in log2 units ----
@@ -560,11 +497,11 @@ def _bsa_bwd_dq_gluon_kernel(
         do_mat, _mat(v_ring, 0).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
     s_cur, dp_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur, dp_cur))
-    segs = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK, False)
+    segs = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK)
     _copy_group(v_desc, v_ring, v_bars, segs, i_b, i_h, V_STAGES, n_sel, V_STAGES, KV_BLOCK)
     # loaded a group ahead, as in the forward
-    seg_k = _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK, False)
-    seg_v = _group_segments(p_idx, V_STAGES + 1, n_sel, KV_BLOCK, False)
+    seg_k = _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK)
+    seg_v = _group_segments(p_idx, V_STAGES + 1, n_sel, KV_BLOCK)
     cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
     for j in range(n_grp):
         # -- 1. P and dS of group j while dQ += dS_{j-1} K_{j-1} runs ----
@@ -585,7 +522,7 @@ def _bsa_bwd_dq_gluon_kernel(
             _copy_group(
                 k_desc, k_ring, k_bars, seg_k, i_b, i_h, j - 1 + K_STAGES, n_sel, K_STAGES, KV_BLOCK
             )
-            seg_k = _group_segments(p_idx, j + K_STAGES, n_sel, KV_BLOCK, False)
+            seg_k = _group_segments(p_idx, j + K_STAGES, n_sel, KV_BLOCK)
         # -- 3. S_{j+1}, dP_{j+1} (the last group's again at the end: nothing refills its
         # stages), then dQ += dS_j K_j; wait for S_{j+1}, dP_{j+1} only, refill V_{j+1}'s
         # stage ----
@@ -606,7 +543,7 @@ def _bsa_bwd_dq_gluon_kernel(
         _copy_group(
             v_desc, v_ring, v_bars, seg_v, i_b, i_h, j + 1 + V_STAGES, n_sel, V_STAGES, KV_BLOCK
         )
-        seg_v = _group_segments(p_idx, j + 2 + V_STAGES, n_sel, KV_BLOCK, False)
+        seg_v = _group_segments(p_idx, j + 2 + V_STAGES, n_sel, KV_BLOCK)
     acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(K_STAGES):
