@@ -12,7 +12,11 @@ accumulation is timed) with ``triton.testing.do_bench`` medians at Wan2.1 shapes
   ``topk`` and, with ``--router-modes topk,topp``, ``topp`` at top_p 0.9 (the recipes' mode;
   on random scores it keeps the whole budget, so the two rows differ only in the router).
 
-Selections are random: each query tile keeps ``round((1 - s) * NSEG)`` distinct segments.
+Selections are random by default: each query tile keeps ``round((1 - s) * NSEG)`` distinct
+segments (the anchors' setting, and the worst case for the L2 cache: every tile gathers blocks
+no neighbour shares). ``--selection local`` keeps the same number of segments nearest to each
+tile in token order instead (neighbouring tiles share most of theirs, as real video selections
+tend to), for the fine-stage rows and FlexAttention; the full op's router picks its own.
 Effective TFLOP/s count only kept blocks (4*B*H*S*keys*D forward, 3.5x that for fwd+bwd).
 Prints a markdown table and writes it to ``--out``.
 
@@ -72,11 +76,18 @@ def time_fwd_bwd(table, shape, method, sparsity, fwd, inputs, go, flops):
     table.add(shape, method, sparsity, "fwd+bwd", bench(fwd_bwd, True), flops * 3.5)
 
 
-def random_selection(B, H, NQ, NSEG, keep, device):
-    """Each query tile keeps ``keep`` distinct random segments (unsorted, as a router emits)."""
-    ids = torch.rand(B, H, NQ, NSEG, device=device).topk(keep, dim=-1).indices.to(torch.int32)
+def select_segments(kind, B, H, NQ, NSEG, keep, device):
+    """``keep`` distinct segments per query tile: ``random`` ones (unsorted, as a router emits)
+    or the ``local`` band of segments nearest to the tile's centre in token order (clipped at
+    the sequence ends, ascending)."""
+    if kind == "random":
+        ids = torch.rand(B, H, NQ, NSEG, device=device).topk(keep, dim=-1).indices
+    else:
+        centre = (torch.arange(NQ, device=device) * 2 + 1) * NSEG // (2 * NQ)
+        start = (centre - keep // 2).clamp(0, NSEG - keep)
+        ids = (start[:, None] + torch.arange(keep, device=device)).expand(B, H, NQ, keep)
     counts = torch.full((B, H, NQ), keep, device=device, dtype=torch.int32)
-    return ids, counts
+    return ids.to(torch.int32).contiguous(), counts
 
 
 def run_shape(args, table, tag):
@@ -102,14 +113,14 @@ def run_shape(args, table, tag):
 
     for s in args.sparsities:
         if not args.no_flex:
-            run_flex(table, tag, s, q, k, v, go)
-        if args.fastvideo:
+            run_flex(table, tag, s, q, k, v, go, args.selection)
+        if args.fastvideo and args.selection == "random":
             run_fastvideo(table, tag, s, q, k, v, go)
         for kvb in args.kv_blocks:
             run_ours(args, table, tag, s, kvb, q, k, v, go)
 
 
-def run_flex(table, tag, s, q, k, v, go):
+def run_flex(table, tag, s, q, k, v, go, selection):
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
     except ImportError as e:
@@ -119,7 +130,7 @@ def run_flex(table, tag, s, q, k, v, go):
     blk = 128
     nb = S // blk
     keep = max(1, round((1 - s) * nb))
-    ids, counts = random_selection(B, H, nb, nb, keep, q.device)
+    ids, counts = select_segments(selection, B, H, nb, nb, keep, q.device)
     full_ids = torch.zeros(B, H, nb, nb, device=q.device, dtype=torch.int32)
     full_ids[..., :keep] = ids.sort(-1).values
     # every kept block is a "full" block: no mask_mod is evaluated inside it
@@ -136,7 +147,7 @@ def run_flex(table, tag, s, q, k, v, go):
     time_fwd_bwd(
         table,
         tag,
-        "flex-blk128",
+        "flex-blk128" + ("-local" if selection == "local" else ""),
         f"{s}",
         lambda: flex(q, k, v, block_mask=bm),
         (q, k, v),
@@ -166,11 +177,12 @@ def run_ours(args, table, tag, s, kvb, q, k, v, go):
     B, H, S, D = q.shape
     NQ, NSEG = S // 64, S // kvb
     keep = max(1, round((1 - s) * NSEG))
-    ids, counts = random_selection(B, H, NQ, NSEG, keep, q.device)
+    ids, counts = select_segments(args.selection, B, H, NQ, NSEG, keep, q.device)
     bias = (0.1 * torch.randn(B, H, NQ, keep, device=q.device)).requires_grad_()
     flops = 4 * B * H * S * keep * kvb * D
     fwd = lambda: block_sparse_attention(q, k, v, ids, counts, bias, kv_block=kvb)[0]
-    time_fwd_bwd(table, tag, f"ours-fine-kv{kvb}", f"{s}", fwd, (q, k, v, bias), go, flops)
+    method = f"ours-fine-kv{kvb}" + ("-local" if args.selection == "local" else "")
+    time_fwd_bwd(table, tag, method, f"{s}", fwd, (q, k, v, bias), go, flops)
     if args.profile:
         profile_kernels(
             lambda: torch.autograd.grad(fwd(), (q, k, v, bias), go), f"{tag} s={s} kv{kvb}"
@@ -242,6 +254,12 @@ def main(argv=None):
     p.add_argument("--no-full", action="store_true", help="skip the full vsa2_attention op")
     p.add_argument("--no-fastvideo", action="store_true", help="skip FastVideo's VSA kernel")
     p.add_argument("--router-modes", default="topk", help="comma list of topk,topp for the full op")
+    p.add_argument(
+        "--selection",
+        choices=("random", "local"),
+        default="random",
+        help="segments each query tile keeps in the fine-stage and FlexAttention rows",
+    )
     p.add_argument("--profile", action="store_true", help="print per-kernel times of our fwd+bwd")
     p.add_argument("--out", default=None, help="write the markdown table here")
     args = p.parse_args(argv)
