@@ -11,11 +11,15 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/vsa2_out}
 mkdir -p "$OUT"
-# installed once per machine: parts may run in parallel calls of this script (one per GPU)
-if [ ! -f /tmp/site/.installed ]; then
+# installed once per set of wheels: parts may run in parallel calls of this script (one per
+# GPU), and a warm machine from an earlier call has the earlier wheels (reinstalled when the
+# wheels' checksums differ from those the install recorded)
+wheels=$(sha256sum .whl/*.whl)
+if [ "$(cat /tmp/site/.installed 2>/dev/null)" != "$wheels" ]; then
+  rm -rf /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  touch /tmp/site/.installed
+  echo "$wheels" > /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
