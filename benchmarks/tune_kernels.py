@@ -15,6 +15,9 @@ is given another one:
 * ``--sweep``: each fine-stage kernel (forward, dQ pass, dK/dV pass) pinned in turn to every
   candidate ``triton.Config`` (the others keep their autotuned choice), timed with
   ``triton.testing.do_bench`` medians; prints one line per configuration, best first;
+* ``--topk``: the router's row-wise top-k (``topk_log_softmax``) at the 720p rows of kv_block
+  64, 32 and 16 (1176 query tiles x 40 heads, 1176 / 2352 / 4704 segments, 5% kept), in
+  "topk" and "topp" mode, for each number of warps per row, against ``torch.topk`` alone;
 * ``--gather-bound``: how close the fine-stage kernels run to the cost of their loads alone.
   A load-only kernel gathers the same 64-row blocks by TMA in the same order (K and V per
   selected segment, query-major, as the forward and dQ pass do; Q and dO per selecting tile,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import itertools
 import pstats
 import sys
@@ -312,6 +316,33 @@ def gather_bound(sparsity: float) -> None:
         print(f"| {pattern} | {kernel} | {ms:.2f} | {gathered_gb / ms:.2f} |")
 
 
+def topk_warps() -> None:
+    """Router top-k per row width and warps per row; ids must not depend on the warps."""
+    from vsa2_rl.kernels.topk import NUM_WARPS, topk_log_softmax
+
+    H, S = SHAPES["720p"]
+    nq = S // 64
+    print("\n-- router top-k, 720p rows (40 x 1176), 5% kept --")
+    print("| segments | mode | warps | ms |")
+    print("|---|---|---|---|")
+    for kv_block in (64, 32, 16):
+        nseg = S // kv_block
+        kmax = -(-nseg // 20)
+        scores = torch.randn(B, H, nq, nseg, device="cuda")
+        ms = do_bench(functools.partial(torch.topk, scores, kmax, dim=-1), return_mode="median")
+        print(f"| {nseg} | torch.topk alone | - | {ms:.3f} |")
+        for top_p in (None, 0.9):
+            mode = "topk" if top_p is None else "topp"
+            ref = topk_log_softmax(scores, kmax, top_p)[1]
+            for warps in (2, 4, 8):
+                call = functools.partial(topk_log_softmax, scores, kmax, top_p, num_warps=warps)
+                if not torch.equal(call()[1], ref):
+                    sys.exit(f"top-k ids at {warps} warps differ from the default's")
+                ms = do_bench(call, return_mode="median")
+                tag = " (default)" if warps == NUM_WARPS else ""
+                print(f"| {nseg} | {mode} | {warps}{tag} | {ms:.3f} |")
+
+
 def fwd_like_configs():
     return [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
@@ -333,6 +364,7 @@ def main(argv=None) -> None:
     p.add_argument("--gather-bound", action="store_true", help="kernels vs their loads alone")
     p.add_argument("--rows", type=int, default=28, help="kernels listed per profile")
     p.add_argument("--host", action="store_true", help="host vs device time of the full op")
+    p.add_argument("--topk", action="store_true", help="router top-k by warps per row")
     p.add_argument("--shape", choices=sorted(SHAPES), default="720p", help="for --host")
     p.add_argument("--kv-block", type=int, default=16, help="for --host")
     p.add_argument("--mode", choices=("topk", "topp"), default="topp", help="for --host")
@@ -348,6 +380,8 @@ def main(argv=None) -> None:
         profile_full_op(64, 0.95, args.rows, mode="topp")
         profile_full_op(64, 0.875, args.rows)
         profile_full_op(16, 0.95, args.rows)
+    if args.topk:
+        topk_warps()
     if args.gather_bound:
         gather_bound(0.95)
         gather_bound(0.875)

@@ -27,10 +27,11 @@ from .ops import resolve_backend
 from .topk import topk_log_softmax
 
 _MODES = ("topk", "topp")
-# rows up to this many segments take the Triton top-k. Measured on an H200 (1 x 40 heads, KMAX =
-# 5% of the row, selection forward): 1176 segments 1.15 ms against 2.20 ms for torch.topk plus
-# the lse passes, 2352 segments 2.5 / 3.5 ms, 4704 segments (kv16 at 720p) 5.8 / 5.9 ms in topk
-# mode and 7.0 / 9.3 ms in topp mode. Wider rows than that were not measured.
+# rows up to this many segments take the Triton top-k. Measured on an H200 (1 x 40 heads x 1176
+# tiles, KMAX = 5% of the row; `benchmarks/tune_kernels.py --topk`), Triton top-k with its lse
+# against torch.topk alone: 1176 segments 0.83 / 1.72 ms, 2352 segments 1.86 / 2.34 ms, 4704
+# segments (kv16 at 720p) 3.92 / 4.24 ms; in "topp" mode (the nucleus too) 1.02, 2.31 and 4.60
+# ms. Wider rows than that were not measured.
 TRITON_TOPK_MAX_SEGMENTS = 8192
 
 

@@ -2,9 +2,9 @@
 
 ``torch.topk`` of KMAX out of NSEG router scores per query tile, with the passes of the row
 log-sum-exp around it, was the largest piece of the router's time at Wan 720p. This kernel
-takes 1.15 ms there (H=40, 1176 segments, KMAX=59, H200) against 2.2 ms, and 5.8 ms against
-5.9 ms at 4704 segments (kv16); see ``router.TRITON_TOPK_MAX_SEGMENTS``. It reads each row once
-and, in registers:
+takes 0.83 ms there (H=40, 1176 segments, KMAX=59, H200; torch.topk alone 1.72 ms), and 3.92
+ms at 4704 segments (kv16; torch.topk alone 4.24 ms); see ``router.TRITON_TOPK_MAX_SEGMENTS``.
+It reads each row once and, in registers:
 
 1. computes the row log-sum-exp (max, then sum of exp);
 2. finds a threshold for the KMAX largest scores exactly by a bitwise binary search over the
@@ -114,8 +114,19 @@ def _keep_top_p(
     tl.store(COUNTS + i_row, n_keep)
 
 
+# warps per row: 4 ran fastest at every router width measured (1176 to 4704 segments, H200;
+# ``benchmarks/tune_kernels.py --topk``): more warps wait longer on the cross-warp sums of the
+# threshold search, fewer spill at 4704
+NUM_WARPS = 4
+
+
 def topk_log_softmax(
-    scores: torch.Tensor, kmax: int, top_p: float | None = None, min_kv: int = 1
+    scores: torch.Tensor,
+    kmax: int,
+    top_p: float | None = None,
+    min_kv: int = 1,
+    *,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The ``kmax`` largest entries of each row of float32 ``scores [..., NSEG]``, and with
     ``top_p`` the nucleus among them.
@@ -128,7 +139,8 @@ def topk_log_softmax(
     row hold that set, ascending, the rest the other winners, ascending; without it ``counts``
     is None. Every
     row needs at least ``kmax`` scores above -inf (the router's budget never exceeds its valid
-    segments). No host synchronisation.
+    segments). No host synchronisation. ``num_warps`` per row (a power of two) overrides
+    ``NUM_WARPS`` (``benchmarks/tune_kernels.py --topk`` times the choices).
     """
     if scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32, got {scores.dtype}")
@@ -148,6 +160,6 @@ def topk_log_softmax(
         scores, log_probs, ids, lse, counts, nseg, kmax,
         1.0 if top_p is None else float(top_p), min_kv,
         NSEG_PAD=nseg_pad, KMAX_PAD=triton.next_power_of_2(kmax), TOPP=top_p is not None,
-        num_warps=4 if nseg_pad <= 2048 else 8,
+        num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     return log_probs, ids, lse, counts
