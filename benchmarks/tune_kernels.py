@@ -318,6 +318,7 @@ def gather_bound(sparsity: float) -> None:
 
 def topk_warps() -> None:
     """Router top-k per row width and warps per row; ids must not depend on the warps."""
+    from vsa2_rl.kernels.router import max_kv_for
     from vsa2_rl.kernels.topk import NUM_WARPS, topk_log_softmax
 
     H, S = SHAPES["720p"]
@@ -327,7 +328,7 @@ def topk_warps() -> None:
     print("|---|---|---|---|")
     for kv_block in (64, 32, 16):
         nseg = S // kv_block
-        kmax = -(-nseg // 20)
+        kmax = max_kv_for(0.95, nseg)
         scores = torch.randn(B, H, nq, nseg, device="cuda")
         ms = do_bench(functools.partial(torch.topk, scores, kmax, dim=-1), return_mode="median")
         print(f"| {nseg} | torch.topk alone | - | {ms:.3f} |")

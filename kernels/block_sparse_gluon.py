@@ -135,6 +135,24 @@ def _copy_group(desc, ring, bars, segs, i_b, i_h, i_grp, n_sel, STAGES: gl.const
 
 
 @gluon.jit
+def _fill_ring(desc, ring, bars, p_idx, i_b, i_h, n_sel, STAGES: gl.constexpr,
+               KV_BLOCK: gl.constexpr):  # fmt: skip
+    """Start the copies of a row's first ``STAGES`` groups, one into each stage of ``ring``."""
+    for s in gl.static_range(STAGES):
+        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
+        _copy_group(desc, ring, bars, segs, i_b, i_h, s, n_sel, STAGES, KV_BLOCK)
+
+
+@gluon.jit
+def _invalidate_rings(k_bars, v_bars, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """Invalidate the barriers of the rings of ``_kv_rings``."""
+    for s in gl.static_range(K_STAGES):
+        mbarrier.invalidate(k_bars.index(s))
+    for s in gl.static_range(V_STAGES):
+        mbarrier.invalidate(v_bars.index(s))
+
+
+@gluon.jit
 def _group_columns(p_idx, p_bias, KV_LEN, i_grp, n_sel, KV_BLOCK: gl.constexpr,
                    HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr):  # fmt: skip
     """kv_block < 64: the bias (0 without one) and the number of valid keys (0 past the row's
@@ -171,7 +189,7 @@ def _column_terms(cols, o_col, KV_BLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK: gl.constexpr,
+def _first_columns(p_idx, p_bias, KV_LEN, n_sel, KV_BLOCK: gl.constexpr,
                    HAS_BIAS: gl.constexpr, HAS_LEN: gl.constexpr):  # fmt: skip
     """The column terms of group 0 for ``_masked_logits``."""
     if KV_BLOCK == 64:
@@ -258,12 +276,8 @@ def _bsa_fwd_gluon_kernel(
     p_bias = BIAS + i_row * KMAX
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
-    for s in gl.static_range(K_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
-        _copy_group(k_desc, k_ring, k_bars, segs, i_b, i_h, s, n_sel, K_STAGES, KV_BLOCK)
-    for s in gl.static_range(V_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
-        _copy_group(v_desc, v_ring, v_bars, segs, i_b, i_h, s, n_sel, V_STAGES, KV_BLOCK)
+    _fill_ring(k_desc, k_ring, k_bars, p_idx, i_b, i_h, n_sel, K_STAGES, KV_BLOCK)
+    _fill_ring(v_desc, v_ring, v_bars, p_idx, i_b, i_h, n_sel, V_STAGES, KV_BLOCK)
     mbarrier.wait(q_bar, 0)
 
     bias_to_dot = 1.4426950408889634 / qk_scale
@@ -288,7 +302,7 @@ def _bsa_fwd_gluon_kernel(
     # terms (bias, key validity) of the group
     seg_v = _group_segments(p_idx, V_STAGES, n_sel, KV_BLOCK)
     seg_k = _group_segments(p_idx, K_STAGES + 1, n_sel, KV_BLOCK)
-    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
+    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, KV_BLOCK, HAS_BIAS, HAS_LEN)
     for j in range(n_grp):
         # -- 1. softmax of S_j while O += P_{j-1} V_{j-1} runs ----
         b_s, cols = _masked_logits(
@@ -328,10 +342,7 @@ def _bsa_fwd_gluon_kernel(
         seg_k = _group_segments(p_idx, j + 2 + K_STAGES, n_sel, KV_BLOCK)
     acc_t, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.invalidate(q_bar)
-    for s in gl.static_range(K_STAGES):
-        mbarrier.invalidate(k_bars.index(s))
-    for s in gl.static_range(V_STAGES):
-        mbarrier.invalidate(v_bars.index(s))
+    _invalidate_rings(k_bars, v_bars, K_STAGES, V_STAGES)
 
     # -- epilogue: O = acc / l, lse = m + log l (natural log); rows without keys: 0 and -inf ----
     m_nz = l_i > 0
@@ -456,12 +467,8 @@ def _bsa_bwd_dq_gluon_kernel(
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, do_smem)
-    for s in gl.static_range(K_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
-        _copy_group(k_desc, k_ring, k_bars, segs, i_b, i_h, s, n_sel, K_STAGES, KV_BLOCK)
-    for s in gl.static_range(V_STAGES):
-        segs = _group_segments(p_idx, s, n_sel, KV_BLOCK)
-        _copy_group(v_desc, v_ring, v_bars, segs, i_b, i_h, s, n_sel, V_STAGES, KV_BLOCK)
+    _fill_ring(k_desc, k_ring, k_bars, p_idx, i_b, i_h, n_sel, K_STAGES, KV_BLOCK)
+    _fill_ring(v_desc, v_ring, v_bars, p_idx, i_b, i_h, n_sel, V_STAGES, KV_BLOCK)
 
     # -- delta = rowsum(dO * O) - dLSE, the softmax-backward row constant; lse in log2 units ----
     o_m = gl.arange(0, BLOCK, layout=row_o)
@@ -502,7 +509,7 @@ def _bsa_bwd_dq_gluon_kernel(
     # loaded a group ahead, as in the forward
     seg_k = _group_segments(p_idx, K_STAGES, n_sel, KV_BLOCK)
     seg_v = _group_segments(p_idx, V_STAGES + 1, n_sel, KV_BLOCK)
-    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, o_col, KV_BLOCK, HAS_BIAS, HAS_LEN)
+    cols = _first_columns(p_idx, p_bias, KV_LEN, n_sel, KV_BLOCK, HAS_BIAS, HAS_LEN)
     for j in range(n_grp):
         # -- 1. P and dS of group j while dQ += dS_{j-1} K_{j-1} runs ----
         b_s, cols = _masked_logits(
@@ -546,10 +553,7 @@ def _bsa_bwd_dq_gluon_kernel(
         seg_v = _group_segments(p_idx, j + 2 + V_STAGES, n_sel, KV_BLOCK)
     acc_t, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_prev))
     mbarrier.invalidate(q_bar)
-    for s in gl.static_range(K_STAGES):
-        mbarrier.invalidate(k_bars.index(s))
-    for s in gl.static_range(V_STAGES):
-        mbarrier.invalidate(v_bars.index(s))
+    _invalidate_rings(k_bars, v_bars, K_STAGES, V_STAGES)
     gl.store(DQ + p_rows, (acc_t * scale).to(q_desc.dtype))
 
 
@@ -572,14 +576,14 @@ def bsa_backward_dq_gluon(
     has_bias: bool,
     has_len: bool,
     has_dlse: bool,
-    kv_block: int = 64,
+    kv_block: int,
     k_stages: int = 3,
     v_stages: int = 1,
 ) -> None:
     """The dQ-pass launch of ``block_sparse.bsa_backward`` for q_tile = 64 and kv_block 16, 32
-    or 64 on Hopper, with its prepared arguments (contiguous lse, indices, counts; bias, lengths and dlse or
-    1-element placeholders where the flag is False). Writes ``grads`` = (dq [B,H,S,D]
-    contiguous, delta float32 [B,H,S], raw d(bias), pair mass), the last two zero-filled by the
+    or 64 on Hopper, with its prepared arguments (contiguous lse, indices, counts; bias,
+    lengths and dlse or 1-element placeholders where the flag is False). Writes ``grads`` = (dq
+    [B,H,S,D] contiguous, delta float32 [B,H,S], raw d(bias), pair mass), the last two zero-filled by the
     caller; ``bsa_backward`` then restores the softmax identity of d(bias) and runs the dK/dV
     pass."""
     B, H, S, D = q.shape

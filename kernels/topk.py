@@ -116,7 +116,7 @@ def _keep_top_p(
 
 # warps per row: 4 ran fastest at every router width measured (1176 to 4704 segments, H200;
 # ``benchmarks/tune_kernels.py --topk``): more warps wait longer on the cross-warp sums of the
-# threshold search, fewer spill at 4704
+# threshold search, fewer hold too many of a wide row's scores each (2 warps: 11.4 ms at 4704)
 NUM_WARPS = 4
 
 
