@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
+#     [toy_build] [toy_rl]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -141,5 +142,30 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py ddp=/tmp/mg/ddp_2gpu ddp_resumed=/tmp/mg/ddp_2gpu_resumed \
         zero2=/tmp/mg/zero2 zero2_resumed=/tmp/mg/zero2_resumed --out "$OUT/resume.md" ;;
+    toy_build)  # the toy model (scripts/build_toy_model.py) into $OUT/toy; TOY_RESUME=DIR
+      # continues a build whose first stages are done
+      timeout ${TOY_BUILD_S:-570} python3 -P scripts/build_toy_model.py --device cuda \
+        --out "$OUT/toy" ${TOY_RESUME:+--resume-from $TOY_RESUME} > "$OUT/toy_build.log" 2>&1
+      echo "toy_build rc=$?"; grep -v " step " "$OUT/toy_build.log" | grep "^|\|saved" ;;
+    toy_rl)  # the embedded default on the GPU (float32, torch attention as on the CPU) with the
+      # model in $OUT/toy, all runs at once: each variant of TOY_VARIANTS ("name=override,..."
+      # with the default's reward) and the random-reward control, seeds TOY_SEEDS; then the table
+      mkdir -p /tmp/toy_rl
+      for variant in ${TOY_VARIANTS:-default=} control=; do
+        name=${variant%%=*}; overrides=${variant#*=}
+        config=configs/default.yaml; [ $name = control ] && config=configs/toy_control.yaml
+        for seed in ${TOY_SEEDS:-0 1}; do
+          PYTHONSAFEPATH=1 timeout ${TOY_RL_S:-400} python3 train_rl.py --config $config \
+            model.path=${TOY_PATH:-$OUT/toy} device=cuda model.dtype=float32 attention.backend=torch \
+            seed=$seed out_dir=/tmp/toy_rl/${name}_$seed train.checkpoint_every=0 \
+            train.sample_every=0 logging.progress=false ${overrides//,/ } \
+            > /tmp/toy_rl/${name}_$seed.log 2>&1 &
+        done
+      done
+      wait
+      for variant in ${TOY_VARIANTS:-default=} control=; do
+        dirs=$(ls -d /tmp/toy_rl/${variant%%=*}_*/ | paste -sd,); echo "${variant%%=*}=$dirs"
+      done > /tmp/toy_rl/groups
+      python3 benchmarks/efficacy_table.py $(cat /tmp/toy_rl/groups) --out "$OUT/toy_rl.md" ;;
   esac
 done

@@ -31,7 +31,7 @@ from torch import nn
 from .image_quality import sample_frames
 from .registry import RewardFn, register_reward
 
-_KEY = "rewards.aesthetic"
+_KEY = "kwargs"
 
 
 class AestheticMLP(nn.Module):

@@ -175,7 +175,7 @@ def build_flow_estimator(
     raft_path: str | None = None,
     num_flow_updates: int = 12,
     chunk_size: int = 16,
-    config_prefix: str = "rewards",
+    config_prefix: str = "kwargs",
 ) -> FlowEstimator:
     """Return the flow estimator ``backend`` (one of ``FLOW_BACKENDS``).
 

@@ -136,7 +136,7 @@ def _flow_reward(
         raft_path=raft_path,
         num_flow_updates=num_flow_updates,
         chunk_size=chunk_size,
-        config_prefix=f"rewards.{name}",
+        config_prefix="kwargs",
     )
 
     def reward(videos: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -165,9 +165,7 @@ def dynamic_degree(
 ) -> RewardFn:
     """Continuous VBench dynamic degree (pixels at a 256-pixel short side); range [0, inf)."""
     if not 0 < top_fraction <= 1:
-        raise ValueError(
-            f"rewards.dynamic_degree.top_fraction: must be in (0, 1], got {top_fraction}"
-        )
+        raise ValueError(f"kwargs.top_fraction: must be in (0, 1], got {top_fraction}")
     return _flow_reward(
         "dynamic_degree",
         lambda cache: dynamic_degree_from_flow(cache.consecutive, top_fraction),
@@ -211,7 +209,7 @@ def temporal_flicker(
     ``block``: side in pixels of the averaging blocks; default an eighth of the short side.
     """
     if block is not None and block < 1:
-        raise ValueError(f"rewards.temporal_flicker.block: must be >= 1, got {block}")
+        raise ValueError(f"kwargs.block: must be >= 1, got {block}")
 
     def per_video(cache: _FlowCache) -> torch.Tensor:
         window = block or _default_block(cache.video)
@@ -250,13 +248,13 @@ def motion_quality(
     }
     for key, value in weights.items():
         if value < 0:
-            raise ValueError(f"rewards.motion_quality.{key}: must be >= 0, got {value}")
+            raise ValueError(f"kwargs.{key}: must be >= 0, got {value}")
     total = sum(weights.values())
     if total <= 0:
         raise ValueError("rewards.motion_quality: at least one of the three weights must be > 0")
     for key, value in (("dynamic_scale", dynamic_scale), ("error_scale", error_scale)):
         if value <= 0:
-            raise ValueError(f"rewards.motion_quality.{key}: must be > 0, got {value}")
+            raise ValueError(f"kwargs.{key}: must be > 0, got {value}")
 
     def per_video(cache: _FlowCache) -> torch.Tensor:
         degree = dynamic_degree_from_flow(cache.consecutive)

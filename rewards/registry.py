@@ -16,8 +16,9 @@ with the three positional arguments ``(videos, prompts, metadata)`` (e.g. a zero
 factory); otherwise it is the reward function itself.
 
 Output contract (enforced by :class:`Reward`): a float32 tensor of shape [B] with finite values.
-A reward that raises or breaks the contract raises :class:`RewardError` (a ``ValueError``)
-whose message names the reward. Bad *input* (videos of the wrong rank, fewer than 2 frames,
+A reward that raises (``SystemExit`` included; not ``KeyboardInterrupt``), changes its input
+videos in place, or breaks the contract raises :class:`RewardError` (a ``ValueError``) whose
+message names the reward. Bad *input* (videos of the wrong rank, fewer than 2 frames,
 values outside [0, 1]) raises a plain ``ValueError`` before any reward runs.
 """
 
@@ -159,13 +160,27 @@ class Reward:
         ``drop_sample`` policy masks them); ``checked_input=True`` skips the input check when the
         caller already ran :func:`check_videos` on the same batch.
         """
-        batch = len(videos) if checked_input else check_videos(videos, prompts, metadata)
+        try:
+            batch = len(videos) if checked_input else check_videos(videos, prompts, metadata)
+        except ValueError as error:  # bad input, not a reward failure: still says which reward
+            raise ValueError(f"reward {self.name!r}: {error}") from None
         if metadata is None:
             metadata = [{} for _ in range(batch)]
+        version = videos._version  # bumped by any in-place edit of videos or a view of it
         try:
             out = self.fn(videos, list(prompts), list(metadata))
-        except Exception as exc:  # any failure inside a reward is reported with its name
+        except RewardError:  # already names a reward
+            raise
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit included: a reward failure, with its name
             raise RewardError(self.name, f"raised {type(exc).__name__}: {exc}") from exc
+        if videos._version != version:
+            raise RewardError(
+                self.name,
+                "changed the videos in place (the rewards after it would score the edited "
+                "pixels); work on a copy: videos = videos.clone()",
+            )
         if not isinstance(out, torch.Tensor):
             raise RewardError(self.name, f"must return a torch.Tensor [B], got {type(out)}")
         if tuple(out.shape) != (batch,):

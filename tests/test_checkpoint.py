@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from vsa2_rl.rl.checkpoint import (
     restore_rng_state,
     save_checkpoint,
     stage_checkpoint,
+    verify_checkpoint,
 )
 from vsa2_rl.rl.ema import EMA
 
@@ -236,3 +238,35 @@ def test_ema_of_parameter_list_and_bad_arguments():
         EMA(params, update_every=0)
     with pytest.raises(ValueError, match="trainable"):
         EMA([torch.nn.Parameter(torch.zeros(1), requires_grad=False)])
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # same size, other bytes
+        path.write_bytes(bytes(b ^ 0x5A for b in data))
+
+
+@pytest.mark.parametrize(
+    ("file", "how", "problem"),
+    [
+        ("model.safetensors", "truncate", r"model.safetensors has \d+ bytes, \d+ were written"),
+        ("optimizer.pt", "garble", "optimizer.pt does not match the checksum"),
+        ("meta.json", "garble", "meta.json is missing or does not match the checksum"),
+    ],
+)
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_whole_one(tmp_path, file, how, problem):
+    state = {"model": {"w": torch.arange(64.0)}, "optimizer": {"lr": 0.1, "m": torch.ones(64)}}
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, state)
+    assert verify_checkpoint(tmp_path / "step_2") is None
+    _damage(tmp_path / "step_2" / file, how)
+    assert re.search(problem, verify_checkpoint(tmp_path / "step_2"))
+    with pytest.warns(UserWarning, match=rf"skipping damaged checkpoints \(step_2: {problem}"):
+        assert find_latest(tmp_path) == tmp_path / "step_1"
+    with pytest.raises(ValueError, match=rf"step_2 is not a usable checkpoint: {problem}"):
+        load_checkpoint(tmp_path / "step_2")
+    _damage(tmp_path / "step_1" / "model.safetensors", "truncate")
+    with pytest.raises(ValueError, match=r"no checkpoint under .* verifies \(step_2: .*; step_1"):
+        find_latest(tmp_path)

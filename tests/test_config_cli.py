@@ -27,7 +27,8 @@ def test_default_config_is_valid_and_embedded():
     config = load_config()
     assert config.model.kind == "toy"
     assert config.sparsity.eval < config.sparsity.train  # hard-to-easy
-    assert [f.name for f in config.rewards.functions] == ["image_quality", "motion_quality"]
+    assert [f.name for f in config.rewards.functions] == ["prompt_motion"]
+    assert [g.name for g in config.eval.guard_rewards] == ["shape_fidelity", "image_quality"]
 
 
 @pytest.mark.parametrize(
@@ -49,6 +50,13 @@ def test_default_config_is_valid_and_embedded():
         (["eval.sparsities=[0.0,1.0]"], "eval.sparsities: each must be in [0, 1)"),
         (["rewards.functions=[{weight: 1}]"], "rewards.functions[0].name"),
         (["prompts.file=/no/such/prompts.txt"], "prompts.file: file not found"),
+        (["train.warmup_steps=-2"], "train.warmup_steps: must be >= 0, got -2"),
+        (["train.checkpoint_every=-1"], "train.checkpoint_every: must be >= 0"),
+        (["train.sample_every=-5"], "train.sample_every: must be >= 0 (0 = never)"),
+        (["train.weight_decay=-0.1"], "train.weight_decay: must be >= 0"),
+        (["train.max_grad_norm=-1"], "train.max_grad_norm: must be >= 0"),
+        (["model.lora.alpha=0"], "model.lora.alpha: must be > 0"),
+        (["eval.guard_rewards=[{kwargs: {}}]"], "eval.guard_rewards[0].name"),
     ],
 )
 def test_bad_config_names_the_key(overrides, expected):
@@ -113,9 +121,18 @@ def test_wan_recipes_are_valid_configs(recipe, tmp_path):
     assert config.sparsity.eval < config.sparsity.train
 
 
-def test_toy_motion_recipe_is_a_valid_config():
-    config = load_config(os.path.join(REPO, "configs", "toy_motion.yaml"), [])
-    assert config.model.kind == "toy"
-    assert [f.name for f in config.rewards.functions] == ["dynamic_degree"]
-    # only the first half of the steps is stochastic, so trained steps fall inside that window
-    assert list(config.sampler.sde_window) == [0, 4]
+def test_control_recipe_differs_from_the_default_in_its_reward_alone():
+    from omegaconf import OmegaConf
+
+    default = OmegaConf.to_container(OmegaConf.structured(load_config(None, [])))
+    control = OmegaConf.to_container(
+        OmegaConf.structured(load_config(os.path.join(REPO, "configs", "toy_control.yaml"), []))
+    )
+    assert [f["name"] for f in control["rewards"]["functions"]] == ["random"]
+    assert [f["name"] for f in default["rewards"]["functions"]] == ["prompt_motion"]
+    # the control scores the default's reward as a guard, next to the default's guards
+    guards = [g["name"] for g in control["eval"].pop("guard_rewards")]
+    assert guards == ["prompt_motion"] + [g["name"] for g in default["eval"].pop("guard_rewards")]
+    for config in (default, control):
+        del config["out_dir"], config["rewards"]["functions"]
+    assert control == default

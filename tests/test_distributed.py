@@ -20,6 +20,7 @@ TINY = [
     "model.height=16",
     "model.width=16",
     "sampler.num_steps=3",
+    "sampler.sde_window=[0,2]",
     "grpo.prompts_per_step=1",
     "grpo.group_size=4",
     "grpo.train_batch_size=4",

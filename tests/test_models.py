@@ -324,26 +324,27 @@ def _euler_sample(bundle, prompts, num_frames, size, steps, seed):
     return bundle.decode(x)
 
 
-def test_shipped_toy_model_draws_the_prompted_colours():
+def test_shipped_toy_model_draws_its_shapes():
+    """On held-out prompts, dense and at the rollouts' sparsity, the shipped toy draws one blob
+    of the prompted colour and about the prompted size in most frames (the model shipped before
+    2026-12-01 drew scattered 2x2 patches: 0.0 here)."""
+    from vsa2_rl.data.prompts import toy_prompts
     from vsa2_rl.models.toy import ASSET_DIR, load_toy_bundle
+    from vsa2_rl.rewards import get_reward
 
     assert (ASSET_DIR / "toy.safetensors").exists(), "run scripts/build_toy_model.py"
+    prompts = toy_prompts("eval")[:8]
+    fidelity = get_reward("shape_fidelity")
+    dense = load_toy_bundle(VSA2Config(enabled=False), path=ASSET_DIR)
+    videos = _euler_sample(dense, prompts, num_frames=8, size=32, steps=10, seed=0)
+    assert fidelity(videos, prompts).mean() >= 0.8
     bundle = load_toy_bundle(VSA2Config(backend="torch"), path=ASSET_DIR)
     assert isinstance(bundle, VideoDiTBundle)
     bundle.sparsity_state.sparsity = 0.9  # the embedded default's rollout sparsity
-    prompts = [
-        "a red square moving right fast",
-        "a blue circle moving down fast",
-        "a green triangle moving left slowly",
-    ]
     videos = _euler_sample(bundle, prompts, num_frames=8, size=32, steps=10, seed=0)
-    assert videos.shape == (3, 8, 3, 32, 32)
+    assert videos.shape == (8, 8, 3, 32, 32)
     assert bundle.sparsity_state.pop_density() == pytest.approx(0.1015625)  # 13 of 128 segments
-    for video, channel in zip(videos, [0, 2, 1], strict=True):
-        assert int(video.mean((0, 2, 3)).argmax()) == channel  # the prompted colour dominates
-        # An object on a black background, not an empty or a noise-filled frame.
-        lit = (video.amax(1) > 0.5).float().mean((1, 2))  # (T,) lit fraction per frame
-        assert bool((lit > 0.01).all()) and bool((lit < 0.3).all())
+    assert fidelity(videos, prompts).mean() >= 0.75
 
 
 def test_compiled_vsa2_model_follows_the_sparsity_state_without_recompiling():

@@ -118,15 +118,11 @@ def test_motion_smoothness_needs_three_frames():
 
 
 def test_bad_flow_options():
-    with pytest.raises(ValueError, match=r"rewards.dynamic_degree.flow: unknown flow backend 'lk'"):
+    with pytest.raises(ValueError, match=r"kwargs.flow: unknown flow backend 'lk'"):
         get_reward("dynamic_degree", flow="lk")
-    with pytest.raises(
-        ValueError, match=r"rewards.temporal_flicker.raft_path: flow='raft_small' needs"
-    ):
+    with pytest.raises(ValueError, match=r"kwargs.raft_path: flow='raft_small' needs"):
         get_reward("temporal_flicker", flow="raft_small")
-    with pytest.raises(
-        ValueError, match=r"rewards.motion_quality.raft_path: file not found: /no/raft.pt"
-    ):
+    with pytest.raises(ValueError, match=r"kwargs.raft_path: file not found: /no/raft.pt"):
         get_reward("motion_quality", flow="raft_large", raft_path="/no/raft.pt")
     with pytest.raises(RewardError, match=r"DIS flow needs .* use flow='farneback'"):
         get_reward("dynamic_degree")(torch.rand(1, 2, 3, 8, 8), ["p"])

@@ -8,7 +8,13 @@ import torch.nn.functional as F
 
 from vsa2_rl.rewards import get_reward
 from vsa2_rl.rewards.aesthetic import AestheticMLP, load_aesthetic_mlp
-from vsa2_rl.rewards.image_quality import colorfulness, exposure, sharpness
+from vsa2_rl.rewards.image_quality import (
+    NOISE_SCALE,
+    colorfulness,
+    exposure,
+    noise_level,
+    sharpness,
+)
 
 # A tiny open_clip architecture (random weights): 32x32 images, 16-d embeddings.
 TINY_CLIP = {
@@ -98,15 +104,13 @@ def test_aesthetic_mlp_loads_from_state_dict(tmp_path):
 def test_aesthetic_missing_files_fail_at_construction(tiny_clip_files, tmp_path):
     config, clip_path, predictor_path, _ = tiny_clip_files
     missing = str(tmp_path / "missing.pth")
-    with pytest.raises(
-        ValueError, match=r"rewards.aesthetic.predictor_path: file not found: .*missing"
-    ):
+    with pytest.raises(ValueError, match=r"kwargs.predictor_path: file not found: .*missing"):
         get_reward("aesthetic", clip_path=clip_path, predictor_path=missing, clip_model=config)
-    with pytest.raises(ValueError, match=r"rewards.aesthetic.clip_path: file not found: .*missing"):
+    with pytest.raises(ValueError, match=r"kwargs.clip_path: file not found: .*missing"):
         get_reward("aesthetic", clip_path=missing, predictor_path=predictor_path, clip_model=config)
-    with pytest.raises(ValueError, match=r"rewards.aesthetic.clip_path: required"):
+    with pytest.raises(ValueError, match=r"kwargs.clip_path: required"):
         get_reward("aesthetic", predictor_path=predictor_path)
-    with pytest.raises(ValueError, match=r"rewards.aesthetic.clip_model: unknown open_clip config"):
+    with pytest.raises(ValueError, match=r"kwargs.clip_model: unknown open_clip config"):
         get_reward(
             "aesthetic", clip_path=clip_path, predictor_path=predictor_path, clip_model="ViT-Q-99"
         )
@@ -155,6 +159,45 @@ def test_image_quality_is_weighted_mean_of_terms():
     values = reward(videos, ["a", "b"])
     flat = videos.flatten(0, 1)
     per_frame = (sharpness(flat) + 2.0 * colorfulness(flat)) / 3.0
+    per_frame = per_frame * torch.exp(-noise_level(flat) / NOISE_SCALE)
     torch.testing.assert_close(values, per_frame.view(2, 3).mean(dim=1))
-    with pytest.raises(ValueError, match=r"rewards.image_quality.num_frames: must be >= 1"):
+    with pytest.raises(ValueError, match=r"kwargs.num_frames: must be >= 1"):
         get_reward("image_quality", num_frames=0)
+
+
+def test_noise_level_estimates_gaussian_sigma():
+    generator = torch.Generator().manual_seed(0)
+    grey = torch.full((4, 3, 64, 64), 0.5)
+    for sigma in (0.01, 0.05, 0.1):
+        noisy = grey + sigma * torch.randn(4, 1, 64, 64, generator=generator)  # same in R, G, B
+        estimate = noise_level(noisy)
+        assert torch.allclose(estimate, torch.full((4,), sigma), rtol=0.1)
+    # piecewise-constant and linear-ramp frames carry no noise: the mask is blind to them
+    ramp = torch.linspace(0, 1, 64).view(1, 1, 1, 64).expand(1, 3, 64, 64)
+    square = torch.zeros(1, 3, 64, 64)
+    square[..., 20:40, 20:40] = 1.0
+    assert noise_level(ramp).item() < 1e-6 and noise_level(square).item() < 1e-6
+
+
+def _blur(videos, kernel=5, sigma=1.0):
+    import torchvision.transforms.functional as TF
+
+    return TF.gaussian_blur(videos.flatten(0, 1), kernel, sigma).view_as(videos).clamp(0, 1)
+
+
+def test_image_quality_prefers_clean_frames_to_noisy_and_blurred_ones():
+    from vsa2_rl.data.synthetic import random_specs, render_batch
+
+    generator = torch.Generator().manual_seed(1)
+    shapes = render_batch(random_specs(8, generator), list(range(8)), 4, 32, 32)
+    # a smooth random field (structure at several pixels, like natural images; fine texture at
+    # the pixel scale reads partly as noise to the gate: the measure's documented limit)
+    texture = _blur(torch.rand(8, 4, 3, 64, 64, generator=generator), kernel=9, sigma=3.0)
+    texture = (texture - texture.amin()) / (texture.amax() - texture.amin())
+    reward = get_reward("image_quality")
+    for clean in (shapes, texture):
+        noisy = (clean + 0.1 * torch.randn(clean.shape, generator=generator)).clamp(0, 1)
+        score = reward(clean, ["p"] * 8)
+        assert bool((score > reward(noisy, ["p"] * 8)).all())
+        assert bool((score > reward(_blur(clean), ["p"] * 8)).all())
+    assert reward(torch.rand(4, 2, 3, 32, 32, generator=generator), ["p"] * 4).max() < 0.01

@@ -323,7 +323,7 @@ def test_mixer_construction_errors(tmp_path):
     missing = tmp_path / "nope.pt"
     with pytest.raises(
         ValueError,
-        match=r"rewards.functions\[1\] \(aesthetic\): rewards.aesthetic.clip_path: file not found",
+        match=r"rewards.functions\[1\] \(aesthetic\): kwargs.clip_path: file not found",
     ):
         RewardMixer(
             [
@@ -337,3 +337,25 @@ def test_mixer_construction_errors(tmp_path):
         RewardMixer([("image_quality", 1.0)], on_error="ignore")
     with pytest.raises(ValueError, match=r"rewards.aggregation: got 'sum'"):
         RewardMixer([("image_quality", 1.0)], aggregation="sum")
+
+
+def exits(videos, prompts, metadata):
+    raise SystemExit(3)
+
+
+def edits_in_place(videos, prompts, metadata):
+    videos.mul_(0.0)  # e.g. a normalisation written in place
+    return torch.zeros(len(videos))
+
+
+def test_system_exit_and_in_place_edits_are_reward_failures():
+    videos = _videos(batch=2)
+    with pytest.raises(RewardError, match=r"reward 'exits': raised SystemExit: 3"):
+        get_reward("test_rewards_registry:exits")(videos, ["a", "b"])
+    with pytest.raises(RewardError, match=r"reward 'edits_in_place': changed the videos in place"):
+        get_reward("test_rewards_registry:edits_in_place")(videos, ["a", "b"])
+    mixer = RewardMixer(
+        [("test_rewards_registry:exits", 1.0), ("image_quality", 1.0)], on_error="skip"
+    )
+    with pytest.raises(RewardSkip, match=r"reward 'exits'"):
+        mixer(_videos(batch=2), ["a", "b"])

@@ -18,6 +18,7 @@ TINY = [
     "model.height=16",
     "model.width=16",
     "sampler.num_steps=3",
+    "sampler.sde_window=[0,2]",
     "grpo.prompts_per_step=2",
     "grpo.group_size=2",
     "grpo.train_batch_size=4",
@@ -106,6 +107,57 @@ def test_two_steps_change_parameters_and_log_every_key(tmp_path):
     changed = [k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))]
     assert changed, "no parameter changed after two GRPO steps"
     assert os.path.exists(os.path.join(config.out_dir, "reward_curve.png"))
+
+
+def test_guard_metrics_are_scored_at_every_evaluation_and_never_trained_on(tmp_path):
+    config = _config(
+        tmp_path,
+        "train.num_steps=2",
+        "eval.every=1",
+        "eval.num_prompts=2",
+        "eval.guard_rewards=[{name: 'test_trainer:brightness'}, {name: shape_fidelity}]",
+    )
+    train(config)
+    rows = _rows(config.out_dir)
+    evaluations = [row for row in rows if "eval/reward" in row]
+    assert [row["step"] for row in evaluations] == [0, 1, 2]
+    for row in evaluations:
+        # the guard scores the same evaluation videos as the trained reward of the same function
+        assert row["eval/guard/brightness"] == pytest.approx(row["eval/reward/brightness"])
+        assert 0.0 <= row["eval/guard/shape_fidelity"] <= 1.0
+    for row in rows[1:]:  # training steps: only the trained reward enters reward/*
+        assert not [key for key in row if key.startswith("reward/") and "shape" in key]
+        assert row["reward/mean"] == pytest.approx(row["reward/brightness"])
+    with pytest.raises(ConfigError, match=r"eval.guard_rewards\[0\] \(no_such_reward\)"):
+        train(_config(tmp_path, "eval.guard_rewards=[{name: no_such_reward}]", name="bad"))
+    assert not os.path.exists(tmp_path / "bad")
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
+    train(_config(tmp_path, "train.num_steps=1"))
+    before = sorted(os.listdir(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"out_dir: .* holds a run \(checkpoints and metrics"):
+        train(_config(tmp_path, "train.num_steps=2", "train.resume=none"))
+    assert sorted(os.listdir(tmp_path / "run")) == before  # nothing moved, nothing written
+    assert [row["step"] for row in _rows(tmp_path / "run")] == [1]
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
+    from vsa2_rl.eval.sweep import _targets
+
+    train(_config(tmp_path, "train.num_steps=2", "train.checkpoint_every=1"))
+    weights = tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, its COMPLETE marker still there
+    with pytest.warns(UserWarning, match=r"skipping damaged checkpoints \(step_2: model"):
+        (target,) = _targets(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
+    assert target.checkpoint.endswith("step_1")
+    with pytest.warns(UserWarning, match=r"skipping damaged checkpoints \(step_2: model"):
+        train(_config(tmp_path, "train.num_steps=3", "train.checkpoint_every=1"))
+    # step 2 is redone from step 1: its first row is replaced, not duplicated
+    assert [row["step"] for row in _rows(tmp_path / "run")] == [1, 2, 3]
+    with pytest.raises(ConfigError, match=r"train.resume: .*step_2 is not a usable checkpoint"):
+        weights.write_bytes(b"garbage")
+        train(_config(tmp_path, f"train.resume={weights.parent}", "train.num_steps=4"))
 
 
 def test_resume_equals_uninterrupted(tmp_path):

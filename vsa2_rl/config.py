@@ -54,6 +54,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _check(self.rank >= 1, "model.lora.rank", f"must be >= 1, got {self.rank}")
+        _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _check(bool(self.target_modules), "model.lora.target_modules", "must not be empty")
 
 
@@ -396,6 +397,15 @@ class TrainConfig:
         _check(
             0 <= self.ema_decay < 1, "train.ema_decay", f"must be in [0, 1), got {self.ema_decay}"
         )
+        # a negative warm-up would give a negative learning rate (gradient ascent)
+        for key in ("weight_decay", "warmup_steps", "max_grad_norm", "checkpoint_every"):
+            value = getattr(self, key)
+            _check(value >= 0, f"train.{key}", f"must be >= 0, got {value}")
+        _check(
+            self.sample_every >= 0,
+            "train.sample_every",
+            f"must be >= 0 (0 = never), got {self.sample_every}",
+        )
         _check(self.keep_last >= 1, "train.keep_last", f"must be >= 1, got {self.keep_last}")
         if self.resume not in ("auto", "none"):
             _check(
@@ -422,9 +432,21 @@ class EvalConfig:
         "every N steps and after the last (logged as eval/*); 0 = never.",
         default=0,
     )
+    guard_rewards: list[RewardEntry] = _doc(
+        "Guard metrics, each {name, kwargs} like rewards.functions (weight unused): scored at "
+        "every evaluation (logged as eval/guard/<name>, and by vsa2-rl eval), never trained on, "
+        "so that reward hacking shows.",
+        default_factory=list,
+    )
 
     def __post_init__(self) -> None:
         _check(bool(self.sparsities), "eval.sparsities", "needs at least one value")
+        for index, entry in enumerate(self.guard_rewards):
+            _check(
+                entry.name not in ("", "???"),
+                f"eval.guard_rewards[{index}].name",
+                "is missing: give a registered reward name or 'package.module:callable'",
+            )
         for value in self.sparsities:
             _check(0.0 <= value < 1.0, "eval.sparsities", f"each must be in [0, 1), got {value}")
         _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")

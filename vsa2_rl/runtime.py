@@ -103,7 +103,10 @@ def load_model(
     from vsa2_rl.rl.checkpoint import load_checkpoint
 
     trainable_parameters(bundle.transformer, config)
-    restored = load_checkpoint(checkpoint)
+    try:
+        restored = load_checkpoint(checkpoint)
+    except ValueError as error:
+        raise ConfigError(f"checkpoint: {error}") from None
     weights = dict(restored["model"])
     shadow = (restored.get("ema") or {}).get("shadow", {}) if use_ema else {}
     weights.update({name: value for name, value in shadow.items() if name in weights})

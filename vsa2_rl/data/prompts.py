@@ -1,24 +1,44 @@
 """Built-in prompt sets of the embedded default: captions of the synthetic moving-shape videos.
 
-``toy_prompts("train")`` lists every caption the toy model was trained on
-("a <color> <shape> moving <direction> <speed>", see :mod:`vsa2_rl.data.synthetic`);
-``toy_prompts("eval")`` is a fixed 21-prompt subset that covers every colour, shape, direction
-and speed, small enough for a quick sparsity sweep on CPU.
+The 144 captions "a <color> <shape> moving <direction> <speed>" (:mod:`vsa2_rl.data.synthetic`)
+split into disjoint sets, so that evaluation measures generalisation to unseen combinations,
+not memorisation: ``toy_prompts("eval")`` holds the 24 combinations whose index sum
+``color + shape + direction + 3 * speed`` is a multiple of 6 (every colour occurs 4 times, every
+shape 8, every direction 6 and each speed 12, in other company than in training),
+``toy_prompts("train")`` the other 120. The eval prompts come in a fixed shuffled order, so
+that the first N (``eval.num_prompts``) mix all attribute values.
 """
 
 from __future__ import annotations
 
-from vsa2_rl.data.synthetic import all_specs
+import torch
+
+from vsa2_rl.data.synthetic import COLORS, DIRECTIONS, SHAPES, TRAVEL, ShapeSpec, all_specs
 
 SPLITS = ("train", "eval")
-EVAL_STRIDE = 7  # every 7th spec of all_specs(): 21 prompts, every attribute value covered
+HELD_OUT_MODULUS = 6  # 1 combination in 6 is held out for evaluation
+_EVAL_ORDER_SEED = 0
+
+
+def is_held_out(spec: ShapeSpec) -> bool:
+    """Whether ``spec``'s combination belongs to the evaluation split."""
+    index = (
+        list(COLORS).index(spec.color)
+        + SHAPES.index(spec.shape)
+        + list(DIRECTIONS).index(spec.direction)
+        + 3 * list(TRAVEL).index(spec.speed)
+    )
+    return index % HELD_OUT_MODULUS == 0
 
 
 def toy_prompts(split: str = "train") -> list[str]:
-    """Prompts of the toy motion task for ``split`` ("train" or "eval")."""
+    """Prompts of the toy motion task for ``split`` ("train" or "eval"), disjoint sets."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    specs = all_specs()
-    if split == "eval":
-        specs = specs[::EVAL_STRIDE]
+    held_out = split == "eval"
+    specs = [spec for spec in all_specs() if is_held_out(spec) == held_out]
+    if held_out:
+        generator = torch.Generator().manual_seed(_EVAL_ORDER_SEED)
+        order = torch.randperm(len(specs), generator=generator)
+        specs = [specs[i] for i in order.tolist()]
     return [spec.prompt for spec in specs]

@@ -10,6 +10,13 @@ resolution: the shape's half size is ``HALF_SIZE`` of the frame and over a clip 
 ``TRAVEL[speed]`` of the frame; the start point is drawn so the shape stays fully inside. Edges
 are anti-aliased over one pixel (coverage from a signed distance), so sub-pixel motion at 16 px
 still changes the pixels smoothly.
+
+A video may also move other than its caption says (``displacement=``): that is how motion
+rewards are validated on videos whose true motion is known (static, wrong direction, wrong
+speed), and how the toy model's pretraining data gets its caption noise
+(:func:`pretraining_batch`): like web captions, only part of them describe the motion right, so
+the pretrained model follows motion words only part of the time and RL on a motion reward has a
+known right answer to reach for.
 """
 
 from __future__ import annotations
@@ -79,12 +86,24 @@ def all_specs() -> list[ShapeSpec]:
     ]
 
 
-def start_position(spec: ShapeSpec, seed: int) -> tuple[float, float]:
-    """Start centre (x, y) drawn from ``seed`` so the shape stays inside over the clip."""
+# Every motion a pretraining video can show: the 4 directions at both speeds, and standing still.
+MOTIONS = [
+    *((dx * travel, dy * travel) for dx, dy in DIRECTIONS.values() for travel in TRAVEL.values()),
+    (0.0, 0.0),
+]
+
+
+def start_position(
+    spec: ShapeSpec, seed: int, displacement: tuple[float, float] | None = None
+) -> tuple[float, float]:
+    """Start centre (x, y) drawn from ``seed`` so the shape stays inside over the clip.
+
+    ``displacement``: the motion the video really shows (default: the caption's).
+    """
     generator = torch.Generator().manual_seed(int(seed))
     u = torch.rand(2, generator=generator, dtype=torch.float64).tolist()
     start = []
-    for axis, delta in enumerate(spec.velocity()):
+    for axis, delta in enumerate(displacement or spec.velocity()):
         low = HALF_SIZE + max(0.0, -delta)
         high = 1.0 - HALF_SIZE - max(0.0, delta)
         start.append(low + (high - low) * u[axis])
@@ -107,36 +126,78 @@ def _signed_distance(shape: str, dx: torch.Tensor, dy: torch.Tensor) -> torch.Te
 
 
 def render_video(
-    spec: ShapeSpec, seed: int, num_frames: int, height: int, width: int
+    spec: ShapeSpec,
+    seed: int,
+    num_frames: int,
+    height: int,
+    width: int,
+    displacement: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """One video [T, 3, H, W] float32 in [0, 1]."""
+    """One video [T, 3, H, W] float32 in [0, 1]; ``displacement`` overrides the caption's motion."""
+    return render_batch([spec], [seed], num_frames, height, width, [displacement])[0]
+
+
+def render_batch(
+    specs: list[ShapeSpec],
+    seeds: list[int],
+    num_frames: int,
+    height: int,
+    width: int,
+    displacements: list[tuple[float, float] | None] | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Videos [B, T, 3, H, W] float32 in [0, 1] for paired specs and seeds, rendered at once.
+
+    ``displacements[i]`` (frame units over the clip, None = the caption's) is the motion video i
+    really shows. Geometry is computed in float64 on ``device``.
+    """
     if num_frames < 2 or height < 4 or width < 4:
         raise ValueError(
             f"need num_frames >= 2 and height, width >= 4, got {num_frames}x{height}x{width}"
         )
-    x0, y0 = start_position(spec, seed)
-    vx, vy = spec.velocity()
-    progress = torch.linspace(0.0, 1.0, num_frames, dtype=torch.float64)
-    cx = (x0 + vx * progress).view(-1, 1, 1)  # (T, 1, 1)
-    cy = (y0 + vy * progress).view(-1, 1, 1)
-    ys = ((torch.arange(height, dtype=torch.float64) + 0.5) / height).view(1, -1, 1)
-    xs = ((torch.arange(width, dtype=torch.float64) + 0.5) / width).view(1, 1, -1)
-    distance = _signed_distance(spec.shape, xs - cx, ys - cy)  # (T, H, W)
+    displacements = displacements or [None] * len(specs)
+    if not len(specs) == len(seeds) == len(displacements):
+        raise ValueError(
+            f"specs, seeds and displacements must pair up, got {len(specs)}, {len(seeds)} and "
+            f"{len(displacements)}"
+        )
+    f64 = {"dtype": torch.float64, "device": device}
+    moves = [d or s.velocity() for s, d in zip(specs, displacements, strict=True)]
+    starts = [start_position(s, i, d) for s, i, d in zip(specs, seeds, moves, strict=True)]
+    x0, y0 = torch.tensor(starts, **f64).view(-1, 2, 1, 1, 1).unbind(1)  # (B, 1, 1, 1) each
+    vx, vy = torch.tensor(moves, **f64).view(-1, 2, 1, 1, 1).unbind(1)
+    progress = torch.linspace(0.0, 1.0, num_frames, **f64).view(1, -1, 1, 1)
+    ys = ((torch.arange(height, **f64) + 0.5) / height).view(1, 1, -1, 1)
+    xs = ((torch.arange(width, **f64) + 0.5) / width).view(1, 1, 1, -1)
+    dx, dy = torch.broadcast_tensors(xs - (x0 + vx * progress), ys - (y0 + vy * progress))
+    distance = torch.zeros_like(dx)  # (B, T, H, W)
+    for shape in SHAPES:
+        rows = torch.tensor([s.shape == shape for s in specs], device=device)
+        if bool(rows.any()):
+            distance[rows] = _signed_distance(shape, dx[rows], dy[rows])
     # One-pixel anti-aliasing ramp, measured in pixels of the smaller side.
     coverage = (0.5 - distance * min(height, width)).clamp(0.0, 1.0)
-    color = torch.tensor(COLORS[spec.color], dtype=torch.float64).view(1, 3, 1, 1)
-    return (coverage.unsqueeze(1) * color).float()
+    color = torch.tensor([COLORS[s.color] for s in specs], **f64).view(-1, 1, 3, 1, 1)
+    return (coverage.unsqueeze(2) * color).float()
 
 
-def render_batch(
-    specs: list[ShapeSpec], seeds: list[int], num_frames: int, height: int, width: int
-) -> torch.Tensor:
-    """Videos [B, T, 3, H, W] in [0, 1] for paired specs and seeds."""
-    if len(specs) != len(seeds):
-        raise ValueError(f"specs and seeds must pair up, got {len(specs)} and {len(seeds)}")
-    return torch.stack(
-        [render_video(s, i, num_frames, height, width) for s, i in zip(specs, seeds, strict=True)]
-    )
+def pretraining_batch(
+    count: int, generator: torch.Generator, caption_noise: float
+) -> tuple[list[ShapeSpec], list[int], list[tuple[float, float] | None]]:
+    """Captions, seeds and true motions of ``count`` pretraining videos.
+
+    With probability ``caption_noise`` a video's motion is drawn uniformly from :data:`MOTIONS`
+    instead of following its caption (it may match by chance), so a model trained on them follows
+    motion words in about ``1 - caption_noise * 8 / 9`` of its samples.
+    """
+    if not 0.0 <= caption_noise <= 1.0:
+        raise ValueError(f"caption_noise must be in [0, 1], got {caption_noise}")
+    specs = random_specs(count, generator)
+    seeds = torch.randint(1 << 30, (count,), generator=generator).tolist()
+    noisy = (torch.rand(count, generator=generator) < caption_noise).tolist()
+    picks = torch.randint(len(MOTIONS), (count,), generator=generator).tolist()
+    moves = [MOTIONS[pick] if flip else None for flip, pick in zip(noisy, picks, strict=True)]
+    return specs, seeds, moves
 
 
 def random_specs(count: int, generator: torch.Generator) -> list[ShapeSpec]:

@@ -47,7 +47,10 @@ def _targets(config: RunConfig) -> list[EvalTarget]:
         saved = os.path.join(run_dir, "config.yaml")
         if not os.path.isfile(saved):
             raise ConfigError(f"run_dir: {run_dir} is not a training run (no config.yaml)")
-        latest = find_latest(os.path.join(run_dir, "checkpoints"))
+        try:
+            latest = find_latest(os.path.join(run_dir, "checkpoints"))
+        except ValueError as error:
+            raise ConfigError(f"run_dir: {error}") from None
         if latest is None:
             raise ConfigError(
                 f"run_dir: no complete checkpoint under {os.path.join(run_dir, 'checkpoints')} "
@@ -72,16 +75,29 @@ def _targets(config: RunConfig) -> list[EvalTarget]:
     return targets
 
 
-def _reward_fns(config: RunConfig) -> list:
-    from vsa2_rl.rewards import get_reward
+GUARD_PREFIX = "guard/"
+
+
+def reward_fns(entries: list, key: str, prefix: str = "") -> list:
+    """The rewards of config ``entries`` (``key`` names them in errors), each named
+    ``prefix + name``; a reward that cannot be built raises ConfigError naming ``key[i]``."""
+    from vsa2_rl.rewards import Reward, get_reward
 
     fns = []
-    for index, entry in enumerate(config.rewards.functions):
+    for index, entry in enumerate(entries):
         try:
-            fns.append(get_reward(entry.name, **dict(entry.kwargs)))
+            reward = get_reward(entry.name, **dict(entry.kwargs))
         except (ValueError, OSError) as error:
-            raise ConfigError(f"rewards.functions[{index}] ({entry.name}): {error}") from None
+            raise ConfigError(f"{key}[{index}] ({entry.name}): {error}") from None
+        fns.append(Reward(prefix + reward.name, reward.fn) if prefix else reward)
     return fns
+
+
+def _reward_fns(config: RunConfig) -> list:
+    """Trained rewards, then guard metrics (``reward/guard/<name>`` in the table)."""
+    return reward_fns(config.rewards.functions, "rewards.functions") + reward_fns(
+        config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX
+    )
 
 
 def sweep_model(
@@ -99,7 +115,8 @@ def sweep_model(
     progress: bool = True,
     label: str = "",
 ) -> tuple[list[dict], dict[float, torch.Tensor]]:
-    """ODE-samples ``prompts`` at each sparsity; returns the rows and a few videos per sparsity."""
+    """ODE-samples ``prompts`` at each sparsity; returns the rows and the first (up to 8) videos
+    per sparsity."""
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
     noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
@@ -147,7 +164,7 @@ def sweep_model(
             row[f"reward/{reward.name}"] = values.mean().item()
             row[f"reward/{reward.name}_std"] = values.std(correction=0).item()
         rows.append(row)
-        previews[sparsity] = videos[: min(4, len(videos))]
+        previews[sparsity] = videos[: min(8, len(videos))]
     bar.close()
     return rows, previews
 

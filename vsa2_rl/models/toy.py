@@ -10,10 +10,13 @@ is the transformer output plus a fixed linear estimate of the velocity
 It is trained by :func:`build_toy_model` (``scripts/build_toy_model.py``) with rectified-flow
 matching (Liu et al. 2022; the velocity is noise - data and the timestep sigma * 1000, as in
 Wan2.1) from DiT's adaLN-Zero initialisation on synthetic moving-shape videos
-(:mod:`vsa2_rl.data.synthetic`), progressively: dense attention at 16x16 px; sparse rebasing to
-VSA2 (:mod:`vsa2_rl.models.rebase`) with the sparsity annealed from 0 to the target, then drawn
-from the range used for RL and evaluation; finally 32x32 px at the RL training sparsity. The
-checkpoint (safetensors + json) ships in ``assets/toy/``; :func:`load_toy_bundle` loads it as a
+(:mod:`vsa2_rl.data.synthetic`) whose captions describe the motion only part of the time
+(``caption_noise``), in stages: dense attention at 32x32 px; sparse rebasing to VSA2
+(:mod:`vsa2_rl.models.rebase`) with the sparsity annealed from 0 to the target, then drawn from
+the RL range; finally every sparsity from dense to the rollouts'. Each stage ends on the EMA of
+its weights; :func:`sample_report` scores what the model draws after each (the toy task's shape
+detector on ODE samples of held-out prompts). The checkpoint (safetensors + json with the recipe
+and every stage's figures) ships in ``assets/toy/``; :func:`load_toy_bundle` loads it as a
 ``VideoDiTBundle``.
 """
 
@@ -22,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -34,13 +36,12 @@ from torch import nn
 
 from vsa2_rl.attention import SparsityState
 from vsa2_rl.config import VSA2Config
-from vsa2_rl.data.synthetic import random_specs, render_batch
+from vsa2_rl.data.synthetic import pretraining_batch, render_batch
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.text import ToyTextEncoder, WordTokenizer, toy_vocabulary
 from vsa2_rl.models.wan import enable_vsa2, resolve_dtype, wan_velocity
 
 ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "toy"
-CACHE_DIR = Path(os.path.expanduser("~/.cache/vsa2_rl/toy"))
 WEIGHTS_FILE = "toy.safetensors"
 CONFIG_FILE = "config.json"
 
@@ -218,19 +219,18 @@ def load_toy_bundle(
 
     ``dtype`` is a torch dtype or "auto" (bf16 on CUDA, fp32 on CPU); the text encoder stays fp32.
 
-    ``path`` None: the shipped ``assets/toy`` checkpoint, else ``~/.cache/vsa2_rl/toy``, built
-    there with :func:`build_toy_model` (a few minutes on CPU) if missing. With
-    ``vsa2.enabled = False`` the checkpoint's VSA2 parameters are not used (plain dense model).
+    ``path`` None: the shipped ``assets/toy`` checkpoint of a source checkout. A missing
+    checkpoint is an error that says how to build one (minutes on a GPU, hours on a CPU: never
+    started silently). With ``vsa2.enabled = False`` the checkpoint's VSA2 parameters are not
+    used (plain dense model).
     """
-    if path is None:
-        path = ASSET_DIR if (ASSET_DIR / WEIGHTS_FILE).exists() else CACHE_DIR
-        if not (Path(path) / WEIGHTS_FILE).exists():
-            build_toy_model(path)
-    path = Path(path)
+    path = Path(ASSET_DIR if path is None else path)
     if not (path / WEIGHTS_FILE).exists() or not (path / CONFIG_FILE).exists():
         raise ValueError(
             f"model.path={str(path)!r} has no toy checkpoint ({WEIGHTS_FILE} + {CONFIG_FILE}); "
-            "leave model.path empty for the shipped toy model or run scripts/build_toy_model.py"
+            "leave model.path empty in a source checkout (assets/toy), point it at a folder "
+            "written by scripts/build_toy_model.py, or build one there with "
+            "`python scripts/build_toy_model.py --device cuda --out DIR`"
         )
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
@@ -263,7 +263,7 @@ def load_toy_bundle(
 
 @dataclass
 class ToyStage:
-    """One resolution stage of the progressive training."""
+    """One stage of the progressive training."""
 
     size: int  # height = width in pixels
     num_frames: int
@@ -282,24 +282,32 @@ class ToyBuildConfig:
     seed: int = 0
     stages: list[ToyStage] = field(
         default_factory=lambda: [
-            ToyStage(16, 8, steps=450, batch_size=8, vsa2=False),
-            # Gentler learning rate after the switch: the fresh optimizer must not undo stage 0.
-            ToyStage(16, 8, 30, 8, vsa2=True, sparsity_range=(0.5, 0.9), lr_scale=0.3),
-            # 32 px at the RL training sparsity only: the CPU torch reference of the fine
-            # stage gets slow at low sparsity on 2048-token sequences.
-            ToyStage(32, 8, 150, 4, vsa2=True, sparsity_range=(0.9, 0.9), lr_scale=0.5),
+            ToyStage(32, 8, steps=5000, batch_size=64, vsa2=False),
+            # Sparse rebasing: the ramp to the target sparsity, then the RL rollout range;
+            # a gentler learning rate so the fresh optimizer does not undo stage 0.
+            ToyStage(32, 8, 600, 64, vsa2=True, sparsity_range=(0.5, 0.9), lr_scale=0.3),
+            # Every sparsity that RL and evaluation use, from dense (0) to the rollouts' 0.9.
+            ToyStage(32, 8, 400, 64, vsa2=True, sparsity_range=(0.0, 0.9), lr_scale=0.1),
         ]
     )
-    lr: float = 3e-3
-    # Noise levels of training samples: "uniform" in (0, 1), or "logit_normal" (SD3).
-    sigma_sampling: str = "uniform"
+    lr: float = 1e-3
+    # Noise levels of training samples: "uniform" in (0, 1), or "logit_normal" (SD3: more of the
+    # middle noise levels, where a sample's layout is decided).
+    sigma_sampling: str = "logit_normal"
     adaln_zero: bool = True  # start from DiT's adaLN-Zero init (see adaln_zero_init)
-    warmup_lr_steps: int = 20
+    warmup_lr_steps: int = 100
+    ema_decay: float = 0.999  # each stage ends on the EMA of its weights (DiT's sampling weights)
+    # Share of pretraining videos whose motion ignores the caption (synthetic.pretraining_batch):
+    # the base model follows motion words only part of the time, which RL is to fix.
+    caption_noise: float = 0.5
     target_sparsity: float = 0.9
-    rebase_steps: int = 30  # density 1 -> 1 - target_sparsity at the first VSA2 stage's start
+    rebase_steps: int = 300  # density 1 -> 1 - target_sparsity at the first VSA2 stage's start
     vsa2: VSA2Config = field(default_factory=lambda: VSA2Config(backend="torch"))
-    val_videos: int = 16
+    val_videos: int = 64
     eval_sparsities: tuple[float, ...] = (0.0, 0.5, 0.75, 0.9)
+    # Detector figures (sample_report) after each stage: eval prompts x seeds, dense ODE steps.
+    report_seeds: int = 4
+    report_steps: int = 10
 
 
 def flow_matching_loss(
@@ -316,16 +324,23 @@ def flow_matching_loss(
     return (pred - (noise - latents)).pow(2).mean()
 
 
-def _validation_set(config: ToyBuildConfig, stage: ToyStage):
+def _training_videos(
+    config: ToyBuildConfig, stage: ToyStage, count: int, generator: torch.Generator, device
+) -> tuple[list[str], torch.Tensor]:
+    """Captions and latents [B, C, T, H, W] of pretraining videos (with caption noise)."""
+    specs, seeds, moves = pretraining_batch(count, generator, config.caption_noise)
+    videos = render_batch(specs, seeds, stage.num_frames, stage.size, stage.size, moves, device)
+    return [s.prompt for s in specs], pixels_to_latents(videos)
+
+
+def _validation_set(config: ToyBuildConfig, stage: ToyStage, device):
     generator = torch.Generator().manual_seed(config.seed + 10_000)
-    specs = random_specs(config.val_videos, generator)
-    seeds = torch.randint(1 << 30, (config.val_videos,), generator=generator).tolist()
-    videos = render_batch(specs, seeds, stage.num_frames, stage.size, stage.size)
-    latents = pixels_to_latents(videos)
-    noise = torch.randn(latents.shape, generator=generator)
+    prompts, latents = _training_videos(config, stage, config.val_videos, generator, "cpu")
+    latents = latents.to(device)
+    noise = torch.randn(latents.shape, generator=generator).to(device)
     # Evenly spread noise levels so the loss covers the whole trajectory.
-    sigma = (torch.arange(config.val_videos) + 0.5) / config.val_videos
-    return [s.prompt for s in specs], latents, noise, sigma
+    sigma = ((torch.arange(config.val_videos) + 0.5) / config.val_videos).to(device)
+    return prompts, latents, noise, sigma
 
 
 @torch.no_grad()
@@ -338,8 +353,10 @@ def validation_losses(
     stage: ToyStage,
 ) -> dict[str, float]:
     """Flow-matching loss on a fixed validation batch, dense and (if enabled) per sparsity."""
-    prompts, latents, noise, sigma = _validation_set(config, stage)
-    text_emb = text_encoder(*tokenizer(prompts))
+    device = next(transformer.parameters()).device
+    prompts, latents, noise, sigma = _validation_set(config, stage, device)
+    ids, mask = tokenizer(prompts)
+    text_emb = text_encoder(ids.to(device), mask.to(device))
     if state is None:
         return {"dense": flow_matching_loss(transformer, latents, text_emb, sigma, noise).item()}
     losses = {}
@@ -353,87 +370,264 @@ def validation_losses(
     return losses
 
 
+@torch.no_grad()
+def sample_report(
+    bundle: ToyBundle,
+    prompts: list[str],
+    *,
+    seeds_per_prompt: int,
+    num_steps: int,
+    num_frames: int = 8,
+    size: int = 32,
+) -> dict[str, float]:
+    """What the model draws: deterministic ODE samples of ``prompts`` x ``seeds_per_prompt``
+    scored by the toy task's detector (:mod:`vsa2_rl.rewards.shapes`), at the bundle's current
+    sparsity.
+
+    ``shape_fidelity``: share of frames with one blob of the prompted colour and about the
+    prompted shape's area; ``prompt_motion``: mean motion score; ``motion_match``: share of
+    videos whose motion scores >= 0.9 (right direction, about the right speed);
+    ``group_std``: standard deviation of the motion score among a prompt's seeds, averaged over
+    prompts (the spread GRPO's group advantages feed on).
+    """
+    from vsa2_rl.rewards import get_reward
+    from vsa2_rl.sampling import sample, seeded_noise, sigma_schedule
+
+    repeated = [p for p in prompts for _ in range(seeds_per_prompt)]
+    noise = seeded_noise(bundle.latent_shape(num_frames, size, size), list(range(len(repeated))))
+    text_emb = bundle.encode_prompts(repeated)
+    sigmas = sigma_schedule(num_steps)
+
+    videos = []
+    for start in range(0, len(repeated), 64):
+        part = noise[start : start + 64].to(bundle.device)
+        emb = text_emb[start : start + 64]
+        trajectory = sample(
+            lambda x, sigma, emb=emb: bundle.velocity(x.to(bundle.dtype), sigma, emb),
+            part,
+            sigmas,
+            kind="ode",
+            noise_level=0.0,
+        )
+        videos.append(bundle.decode(trajectory.latents[-1]).float().cpu())
+    videos = torch.cat(videos)
+    fidelity = get_reward("shape_fidelity")(videos, repeated)
+    motion = get_reward("prompt_motion")(videos, repeated)
+    return {
+        "shape_fidelity": fidelity.mean().item(),
+        "prompt_motion": motion.mean().item(),
+        "motion_match": (motion >= 0.9).float().mean().item(),
+        "group_std": motion.view(len(prompts), seeds_per_prompt).std(dim=1).mean().item(),
+    }
+
+
+def _stage_report(
+    transformer: nn.Module,
+    text_encoder: ToyTextEncoder,
+    tokenizer: WordTokenizer,
+    state: SparsityState | None,
+    config: ToyBuildConfig,
+) -> dict[str, dict[str, float]]:
+    """:func:`sample_report` on the held-out eval prompts, dense and at each eval sparsity."""
+    from vsa2_rl.data.prompts import toy_prompts
+
+    bundle = ToyBundle(transformer, state or SparsityState(), text_encoder, tokenizer)
+    settings = [None] if state is None else list(config.eval_sparsities)
+    report = {}
+    for sparsity in settings:
+        if state is not None:
+            state.sparsity = sparsity
+        label = "dense" if sparsity is None else f"vsa2@{sparsity}"
+        report[label] = sample_report(
+            bundle,
+            toy_prompts("eval"),
+            seeds_per_prompt=config.report_seeds,
+            num_steps=config.report_steps,
+        )
+        if state is not None:
+            state.pop_density()
+    return report
+
+
+class _EMA:
+    """Exponential moving average of modules' parameters, with the usual warm-up of the decay
+    (``min(decay, (1 + n) / (10 + n))`` at update n) so that short stages average their own
+    steps rather than their start."""
+
+    def __init__(self, modules: list[nn.Module], decay: float) -> None:
+        self.decay = decay
+        self.updates = 0
+        self.params = [p for m in modules for p in m.parameters()]
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        self.updates += 1
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1.0 - decay)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for param, shadow in zip(self.params, self.shadow, strict=True):
+            param.copy_(shadow)
+
+
+def _draw_sigma(config: ToyBuildConfig, count: int, generator: torch.Generator) -> torch.Tensor:
+    if config.sigma_sampling == "uniform":
+        return torch.rand(count, generator=generator)
+    return torch.sigmoid(torch.randn(count, generator=generator))
+
+
+def _train_stage(
+    index: int,
+    stage: ToyStage,
+    modules: tuple[nn.Module, ToyTextEncoder, WordTokenizer],
+    state: SparsityState | None,
+    schedule: RebaseSchedule | None,
+    config: ToyBuildConfig,
+    generator: torch.Generator,
+    log: Callable[[str], None],
+) -> None:
+    """One stage of flow matching (AdamW, warm-up + cosine); ends on the stage's EMA weights."""
+    transformer, text_encoder, tokenizer = modules
+    device = next(transformer.parameters()).device
+    params = list(transformer.parameters()) + list(text_encoder.parameters())
+    optimizer = torch.optim.AdamW(params, lr=config.lr * stage.lr_scale, weight_decay=0.0)
+    warmup = config.warmup_lr_steps
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, stage.steps - warmup)))
+
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    ema = _EMA([transformer, text_encoder], config.ema_decay)
+    start = time.time()
+    for step in range(stage.steps):
+        if state is not None:
+            if schedule is not None and step < schedule.steps:
+                schedule.apply(state, step)
+            else:
+                low, high = stage.sparsity_range
+                state.sparsity = low + (high - low) * torch.rand((), generator=generator).item()
+        prompts, latents = _training_videos(config, stage, stage.batch_size, generator, device)
+        noise = torch.randn(latents.shape, generator=generator).to(device)
+        sigma = _draw_sigma(config, stage.batch_size, generator).to(device)
+        ids, mask = tokenizer(prompts)
+        text_emb = text_encoder(ids.to(device), mask.to(device))
+        # bf16 autocast on CUDA (float32 weights and optimizer); plain float32 on the CPU
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            loss = flow_matching_loss(transformer, latents, text_emb, sigma, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        lr_schedule.step()
+        ema.update()
+        if state is not None:
+            state.pop_density()
+        if step % 250 == 0 or step == stage.steps - 1:
+            sparsity = f" sparsity {state.sparsity:.2f}" if state is not None else ""
+            log(
+                f"stage {index} step {step:5d} loss {loss.item():.4f}{sparsity} "
+                f"({time.time() - start:.0f}s)"
+            )
+    ema.copy_to_model()
+
+
+def _resume_build(
+    path: Path, config: ToyBuildConfig, transformer: nn.Module, text_encoder: ToyTextEncoder
+) -> tuple[dict, SparsityState | None]:
+    """Weights and info of a partial build in ``path`` whose finished stages are ``config``'s
+    first stages; returns (info, sparsity state or None when no VSA2 stage ran yet)."""
+    saved = json.loads((path / CONFIG_FILE).read_text())["training"]
+    done = [entry["stage"] for entry in saved["stages"]]
+    expected = json.loads(json.dumps([asdict(stage) for stage in config.stages[: len(done)]]))
+    if not done or done != expected:
+        raise ValueError(
+            f"resume_from={str(path)!r}: its finished stages {done} are not the first stages "
+            f"of this recipe {expected}; build from scratch or use the recipe it was built with"
+        )
+    state = None
+    if any(stage["vsa2"] for stage in done):
+        state = SparsityState()
+        rebase_to_vsa2(transformer, config.vsa2, state)
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    transformer.load_state_dict(_split(tensors, "transformer."))
+    text_encoder.load_state_dict(_split(tensors, "text_encoder."))
+    info = {"recipe": asdict(config), "stages": saved["stages"]}
+    info["resumed_after_seconds"] = saved.get("build_seconds", saved.get("resumed_after_seconds"))
+    return info, state
+
+
 def build_toy_model(
     out_dir: str | Path,
     config: ToyBuildConfig | None = None,
     log: Callable[[str], None] | None = None,
+    device: torch.device | str = "cpu",
+    resume_from: str | Path | None = None,
 ) -> dict:
-    """Train the toy model per ``config`` and save it to ``out_dir``; returns the training info.
+    """Train the toy model per ``config`` on ``device`` and save it to ``out_dir`` (after every
+    stage); returns the training info (per stage: validation losses and the detector's report).
 
-    ``log`` receives progress lines (default: print, flushed).
+    Stage i draws its data and initialises what it adds from seed ``config.seed + 1000 * i``, so
+    ``resume_from`` (a folder this function wrote, with the first stages of ``config`` done)
+    continues as the uninterrupted build would. ``log`` receives progress lines (default: print,
+    flushed). Weights train in float32 (bf16 autocast and TF32 products on CUDA).
     """
     log = log or functools.partial(print, flush=True)
     config = config or ToyBuildConfig()
+    device = torch.device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(config.seed)
-    generator = torch.Generator().manual_seed(config.seed)
     transformer = make_toy_transformer()
     if config.adaln_zero:
         adaln_zero_init(transformer)
     tokenizer, text_encoder = make_toy_text_encoder()
     state: SparsityState | None = None
     info: dict = {"recipe": asdict(config), "stages": []}
+    if resume_from is not None:
+        info, state = _resume_build(Path(resume_from), config, transformer, text_encoder)
+        log(f"resumed from {resume_from} after stage {len(info['stages']) - 1}")
+    transformer.to(device)
+    text_encoder.to(device)
     start = time.time()
     for index, stage in enumerate(config.stages):
+        if index < len(info["stages"]):
+            continue
+        torch.manual_seed(config.seed + 1000 * index)
+        generator = torch.Generator().manual_seed(config.seed + 1000 * index)
         schedule = None
         if stage.vsa2 and state is None:
             state = SparsityState()
             rebase_to_vsa2(transformer, config.vsa2, state)
+            transformer.to(device)
             schedule = RebaseSchedule(config.target_sparsity, config.rebase_steps)
             log(f"stage {index}: rebased to VSA2, sparsity 0 -> {config.target_sparsity}")
-        params = list(transformer.parameters()) + list(text_encoder.parameters())
-        optimizer = torch.optim.AdamW(params, lr=config.lr * stage.lr_scale, weight_decay=0.0)
-        warmup = config.warmup_lr_steps
-
-        def lr_factor(step: int, steps: int = stage.steps, warmup: int = warmup) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-        lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-        for step in range(stage.steps):
-            if state is not None:
-                if schedule is not None and step < schedule.steps:
-                    schedule.apply(state, step)
-                else:
-                    low, high = stage.sparsity_range
-                    draw = torch.rand((), generator=generator).item()
-                    state.sparsity = low + (high - low) * draw
-            specs = random_specs(stage.batch_size, generator)
-            seeds = torch.randint(1 << 30, (stage.batch_size,), generator=generator).tolist()
-            videos = render_batch(specs, seeds, stage.num_frames, stage.size, stage.size)
-            latents = pixels_to_latents(videos)
-            noise = torch.randn(latents.shape, generator=generator)
-            if config.sigma_sampling == "uniform":
-                sigma = torch.rand(stage.batch_size, generator=generator)
-            else:
-                sigma = torch.sigmoid(torch.randn(stage.batch_size, generator=generator))
-            text_emb = text_encoder(*tokenizer([s.prompt for s in specs]))
-            loss = flow_matching_loss(transformer, latents, text_emb, sigma, noise)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            lr_schedule.step()
-            if state is not None:
-                state.pop_density()
-            if step % 50 == 0 or step == stage.steps - 1:
-                sparsity = f" sparsity {state.sparsity:.2f}" if state is not None else ""
-                log(
-                    f"stage {index} step {step:4d} loss {loss.item():.4f}{sparsity} "
-                    f"({time.time() - start:.0f}s)"
-                )
+        modules = (transformer, text_encoder, tokenizer)
+        _train_stage(index, stage, modules, state, schedule, config, generator, log)
+        transformer.eval()
         losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
+        report = _stage_report(transformer, text_encoder, tokenizer, state, config)
+        transformer.train()
         log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses}")
-        info["stages"].append({"stage": asdict(stage), "validation": losses})
+        log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)}")
+        info["stages"].append({"stage": asdict(stage), "validation": losses, "samples": report})
+        info["build_seconds"] = round(time.time() - start, 1)
+        save_toy_checkpoint(out_dir, transformer, text_encoder, info)  # kept if a later stage dies
     # The dense reference at the final resolution: the same weights without the VSA2 layers.
     final = config.stages[-1]
-    dense = make_toy_transformer()
+    dense = make_toy_transformer().to(device).eval()
     dense.load_state_dict({k: v for k, v in transformer.state_dict().items() if ".vsa2." not in k})
     info["final_dense_without_vsa2"] = validation_losses(
         dense, text_encoder, tokenizer, None, config, final
     )["dense"]
+    info["final_dense_samples"] = _stage_report(dense, text_encoder, tokenizer, None, config)
     info["build_seconds"] = round(time.time() - start, 1)
+    info["build_device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     log(f"dense attention (VSA2 layers removed): {info['final_dense_without_vsa2']:.4f}")
+    log(f"dense samples: {json.dumps(info['final_dense_samples'])}")
     save_toy_checkpoint(out_dir, transformer, text_encoder, info)
     log(f"saved to {out_dir} after {info['build_seconds']}s")
     return info

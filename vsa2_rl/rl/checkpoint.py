@@ -5,9 +5,9 @@ Layout under a checkpoints directory::
     step_120/
         model.safetensors      # an entry that is a flat {name: tensor} dict (weights, LoRA)
         optimizer.pt           # any other entry (optimizer / LR scheduler states, RNG, python)
-        meta.json              # step and the file format of every entry
+        meta.json              # step, the file format of every entry, size + sha256 of every file
         deepspeed/             # DeepSpeed runs only: the engine's per-rank shards (engines.py)
-        COMPLETE               # written last: a directory without it is not a checkpoint
+        COMPLETE               # written last (with meta.json's sha256): without it, no checkpoint
     .tmp-step_130-x1y2/        # a save in progress (or killed mid-way): ignored, then removed
 
 A save writes everything into a temporary directory next to the final one, fsyncs every file and
@@ -20,10 +20,16 @@ read.
 Weights go to safetensors (no pickle, mmap-able); other states go through ``torch.save`` and are
 loaded with ``weights_only=True`` by default, which covers tensors, numbers, strings and
 containers of them: optimizer and LR-scheduler ``state_dict()``s and :func:`capture_rng_state`.
+
+Every file's size and sha256 are recorded at save time and checked before anything is read
+(:func:`verify_checkpoint`): a truncated or overwritten file (a disk filling up, a copy cut short)
+is reported by name, and :func:`find_latest` falls back to the newest checkpoint that verifies,
+with a warning naming the bad ones, so one damaged checkpoint never blocks a resume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -98,10 +104,66 @@ def list_checkpoints(checkpoints_dir: str | os.PathLike) -> list[tuple[int, Path
     return sorted(found)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """None if the checkpoint at ``path`` is whole, else what is wrong with it (one line).
+
+    Checks the completion marker, meta.json against the checksum in the marker, and every file
+    against the size and sha256 that meta.json recorded. Checkpoints written before checksums
+    were recorded (a marker without one) pass on the marker alone.
+    """
+    path = Path(path)
+    marker = path / COMPLETE_MARKER
+    if not marker.is_file():
+        return f"no {COMPLETE_MARKER} marker (a save that did not finish)"
+    fields = marker.read_text().split()
+    if "sha256" not in fields:
+        return None
+    expected = fields[fields.index("sha256") + 1]
+    if not (path / META_FILE).is_file() or _sha256(path / META_FILE) != expected:
+        return f"{META_FILE} is missing or does not match the checksum in {COMPLETE_MARKER}"
+    for name, record in json.loads((path / META_FILE).read_text())["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != record["size"]:
+            return f"{name} has {file.stat().st_size} bytes, {record['size']} were written"
+        if _sha256(file) != record["sha256"]:
+            return f"{name} does not match the checksum recorded when it was written"
+    return None
+
+
 def find_latest(checkpoints_dir: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step, or None (temp and unmarked dirs ignored)."""
-    found = list_checkpoints(checkpoints_dir)
-    return found[-1][1] if found else None
+    """The newest complete checkpoint that verifies, or None when there is none at all.
+
+    Newer checkpoints that fail :func:`verify_checkpoint` are skipped with a warning naming
+    them; if checkpoints exist but none verifies, raises ValueError listing what is wrong with
+    each (resuming from scratch would silently discard the run).
+    """
+    problems = []
+    for step, path in reversed(list_checkpoints(checkpoints_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            if problems:
+                warnings.warn(
+                    f"skipping damaged checkpoints ({'; '.join(problems)}); using {path}",
+                    stacklevel=2,
+                )
+            return path
+        problems.append(f"step_{step}: {problem}")
+    if problems:
+        raise ValueError(
+            f"no checkpoint under {checkpoints_dir} verifies ({'; '.join(problems)}); start a "
+            "new out_dir or point train.resume at a checkpoint folder copied from elsewhere"
+        )
+    return None
 
 
 def _check_step(step: Any) -> None:
@@ -176,10 +238,15 @@ def save_checkpoint(
                 torch.save(value, f)
             formats[name] = "torch"
         _fsync_path(path)
-    for file_name, text in (
-        (META_FILE, json.dumps({"step": step, "entries": formats}, indent=1)),
-        (COMPLETE_MARKER, f"step {step}\n"),
-    ):
+    files = {
+        str(file.relative_to(tmp)): {"size": file.stat().st_size, "sha256": _sha256(file)}
+        for file in sorted(tmp.rglob("*"))
+        if file.is_file()
+    }
+    meta = json.dumps({"step": step, "entries": formats, "files": files}, indent=1)
+    for file_name, text in ((META_FILE, meta), (COMPLETE_MARKER, None)):
+        if text is None:  # the marker carries meta.json's checksum: written last
+            text = f"step {step}\n{META_FILE} sha256 {_sha256(tmp / META_FILE)}\n"
         with open(tmp / file_name, "w") as f:
             f.write(text)
             f.flush()
@@ -211,11 +278,9 @@ def load_checkpoint(
     checkpoints you wrote yourself: unpickling runs code).
     """
     path = Path(path)
-    if not (path / COMPLETE_MARKER).is_file():
-        raise ValueError(
-            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker); use "
-            "find_latest() to pick one"
-        )
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"{path} is not a usable checkpoint: {problem}")
     meta = json.loads((path / META_FILE).read_text())
     state: dict[str, Any] = {}
     for name, fmt in meta["entries"].items():

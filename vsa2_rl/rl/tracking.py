@@ -92,18 +92,22 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_reward_curve(rows: list[dict[str, Any]], path: str, eval_points=None) -> None:
-    """Rollout reward per step (mean with a +-std band) and, if given, the evaluation rewards."""
+def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:
+    """Rollout reward per step (mean with a +-std band), the evaluation reward and, in a second
+    panel, the evaluation guard metrics (``eval/guard/*``), from metrics.jsonl rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [row for row in rows if isinstance(row.get("reward/mean"), (int, float))]
-    steps = [row["step"] for row in rows]
-    mean = [row["reward/mean"] for row in rows]
-    std = [row.get("reward/std", 0.0) for row in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    train = [row for row in rows if isinstance(row.get("reward/mean"), (int, float))]
+    evals = [row for row in rows if "eval/reward" in row]
+    guards = sorted({key for row in evals for key in row if key.startswith("eval/guard/")})
+    fig, axes = plt.subplots(1, 2 if guards else 1, figsize=(11 if guards else 6, 3.5))
+    ax = axes[0] if guards else axes
+    steps = [row["step"] for row in train]
+    mean = [row["reward/mean"] for row in train]
+    std = [row.get("reward/std", 0.0) for row in train]
     ax.plot(steps, mean, marker="o", ms=3, label="rollout reward (SDE, train sparsity)")
     ax.fill_between(
         steps,
@@ -111,13 +115,24 @@ def plot_reward_curve(rows: list[dict[str, Any]], path: str, eval_points=None) -
         [m + s for m, s in zip(mean, std, strict=True)],
         alpha=0.2,
     )
-    if eval_points:
-        xs, ys = zip(*eval_points, strict=True)
-        ax.plot(xs, ys, marker="s", color="C3", label="eval reward (ODE, eval sparsity)")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("reward")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if evals:
+        ax.plot(
+            [row["step"] for row in evals],
+            [row["eval/reward"] for row in evals],
+            marker="s",
+            color="C3",
+            label="eval reward (ODE, eval sparsity, eval prompts)",
+        )
+    ax.set_title("trained reward", fontsize=10)
+    for key in guards:
+        points = [(row["step"], row[key]) for row in evals if key in row]
+        axes[1].plot(*zip(*points, strict=True), marker="s", label=key.removeprefix("eval/"))
+    if guards:
+        axes[1].set_title("guard metrics (eval, never trained on)", fontsize=10)
+    for panel in axes if guards else [axes]:
+        panel.set_xlabel("RL step")
+        panel.grid(alpha=0.3)
+        panel.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vsa2_rl.config import ConfigError, RunConfig, to_yaml
-from vsa2_rl.eval.sweep import sweep_model
+from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import (
@@ -136,12 +136,29 @@ def _chunks(n: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
 
+def _refuse_abandoned_run(config: RunConfig) -> None:
+    """A fresh run (``train.resume=none``) must not share its folder with an earlier run: a later
+    ``resume=auto`` would continue from the abandoned run's checkpoints and metrics."""
+    held = [
+        name
+        for name in ("checkpoints", "metrics.jsonl")
+        if os.path.exists(os.path.join(config.out_dir, name))
+        and (name != "checkpoints" or os.listdir(os.path.join(config.out_dir, name)))
+    ]
+    if config.train.resume == "none" and held:
+        raise ConfigError(
+            f"out_dir: {config.out_dir} holds a run ({' and '.join(held)}); use "
+            "train.resume=auto to continue it, or a new out_dir for a fresh run"
+        )
+
+
 class _Setup:
     """Everything the loop needs, built before any file is written."""
 
     def __init__(self, config: RunConfig):
         from accelerate import Accelerator
 
+        _refuse_abandoned_run(config)
         self.config = config
         self.accelerator = Accelerator(cpu=resolve_device(config.device).type == "cpu")
         engines.check_options(self.accelerator, config)
@@ -164,6 +181,7 @@ class _Setup:
             self.rewards = RewardMixer.from_config(config.rewards)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
             self.bundle = build_bundle(config, self.device, self.dtype)
 
@@ -196,10 +214,11 @@ def _reference_policy(bundle, acc, config: RunConfig):
     return frozen_copy
 
 
-def _evaluate(setup: _Setup, sparsity: float, ema) -> dict:
+def _evaluate(setup: _Setup, sparsity: float, ema, step: int) -> dict:
     """ODE rewards on the fixed evaluation prompts at ``sparsity`` (EMA weights if kept), run on
     the unwrapped model of this process (no collectives but ZeRO-3's weight gathers), as
-    ``eval/*`` metrics."""
+    ``eval/*`` metrics; the main process also writes the first videos as
+    ``samples/eval_step_<step>.{png,gif}``."""
     config, bundle, acc = setup.config, setup.bundle, setup.accelerator
     live = bundle.transformer
     bundle.transformer = acc.unwrap_model(live)
@@ -207,11 +226,11 @@ def _evaluate(setup: _Setup, sparsity: float, ema) -> dict:
     saved = state.sparsity, state.phase
     try:
         with ema.swapped() if ema is not None else contextlib.nullcontext():
-            (row,), _ = sweep_model(
+            (row,), previews = sweep_model(
                 bundle,
                 setup.eval_prompts,
                 [sparsity],
-                list(setup.rewards.rewards.values()),
+                [*setup.rewards.rewards.values(), *setup.guards],
                 num_steps=config.sampler.eval_num_steps,
                 shift=config.sampler.shift,
                 guidance_scale=config.sampler.guidance_scale,
@@ -223,9 +242,19 @@ def _evaluate(setup: _Setup, sparsity: float, ema) -> dict:
     finally:
         bundle.transformer = live
         state.sparsity, state.phase = saved
+    if acc.is_main_process:
+        from vsa2_rl.eval.media import save_video_grid
+
+        shown = previews[sparsity]
+        prefix = os.path.join(config.out_dir, "samples", f"eval_step_{step}")
+        save_video_grid(shown, prefix, titles=setup.eval_prompts[: len(shown)])
     total = sum(w * row[f"reward/{name}"] for name, w in setup.rewards.weights.items())
     metrics = {"eval/reward": total, "eval/density": row["density"]}
-    metrics.update({f"eval/{k}": v for k, v in row.items() if k.startswith("reward/")})
+    for key, value in row.items():  # reward/<name> -> eval/reward/<name>, guards eval/guard/<name>
+        if key.startswith("reward/" + GUARD_PREFIX):
+            metrics["eval/" + key[len("reward/") :]] = value
+        elif key.startswith("reward/"):
+            metrics[f"eval/{key}"] = value
     return metrics
 
 
@@ -292,12 +321,15 @@ def train(config: RunConfig) -> dict:
     checkpoints = os.path.join(config.out_dir, "checkpoints")
     start_step = 0
     resume_from = None
-    if config.train.resume == "auto":
-        resume_from = find_latest(checkpoints)
-    elif config.train.resume != "none":
-        resume_from = config.train.resume
+    try:  # a damaged checkpoint is skipped (find_latest warns) or named in one error line
+        if config.train.resume == "auto":
+            resume_from = find_latest(checkpoints)
+        elif config.train.resume != "none":
+            resume_from = config.train.resume
+        restored = load_checkpoint(resume_from) if resume_from else None
+    except ValueError as error:
+        raise ConfigError(f"train.resume: {error}") from None
     if resume_from:
-        restored = load_checkpoint(resume_from)
         if engines.uses_deepspeed(acc):  # weights and optimizer shards, DeepSpeed's own files
             engines.load_engine_state(acc, resume_from)
         elif "optimizer" not in restored:
@@ -327,7 +359,7 @@ def train(config: RunConfig) -> dict:
     # sharded weights, a collective every rank must join (the logger writes on the main only)
     evaluates = is_main or engines.zero_stage(acc) >= 3
     if config.eval.every and start_step == 0 and evaluates:
-        logger.log(0, _evaluate(setup, schedule(0).eval, ema))
+        logger.log(0, _evaluate(setup, schedule(0).eval, ema, step=0))
     acc.wait_for_everyone()
 
     def checkpoint_if_due(step: int) -> None:
@@ -410,7 +442,10 @@ def train(config: RunConfig) -> dict:
 
         # ---- rewards and advantages --------------------------------------------------------
         videos = torch.cat(videos).float()
-        metadata = [{"prompt_index": i, "step": step} for i in batch.prompt_indices]
+        metadata = [
+            {"prompt_index": p, "step": step, "sample_seed": _sample_seed(config.seed, step, i)}
+            for p, i in zip(batch.prompt_indices, global_index, strict=True)
+        ]
         try:
             scored, skip_reason = setup.rewards(videos, prompts, metadata), ""
         except RewardSkip as error:
@@ -536,7 +571,7 @@ def train(config: RunConfig) -> dict:
         metrics["train/skipped_nonfinite"] = skipped
         last = step == config.train.num_steps
         if config.eval.every and evaluates and (step % config.eval.every == 0 or last):
-            metrics.update(_evaluate(setup, sparsities.eval, ema))
+            metrics.update(_evaluate(setup, sparsities.eval, ema, step))
         acc.wait_for_everyone()
         logger.log(step, metrics)
         bar.set_postfix(
@@ -560,7 +595,7 @@ def train(config: RunConfig) -> dict:
         train_rows = [r for r in rows if isinstance(r.get("reward/mean"), float)]
         points = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
         if train_rows:
-            plot_reward_curve(train_rows, os.path.join(config.out_dir, "reward_curve.png"), points)
+            plot_reward_curve(rows, os.path.join(config.out_dir, "reward_curve.png"))
         if len(points) >= 2:
             summary["reward_start"], summary["reward_end"] = points[0][1], points[-1][1]
             print(

@@ -1,0 +1,182 @@
+"""The toy task's known-answer rewards (prompt_motion, shape_fidelity), the control reward and
+the held-out prompt split, checked on the synthetic generator's own videos, whose true motion is
+known in closed form."""
+
+import pytest
+import torch
+
+from vsa2_rl.data.prompts import toy_prompts
+from vsa2_rl.data.synthetic import (
+    COLORS,
+    DIRECTIONS,
+    MOTIONS,
+    SHAPES,
+    TRAVEL,
+    ShapeSpec,
+    pretraining_batch,
+    random_specs,
+    render_batch,
+    render_video,
+)
+from vsa2_rl.rewards import RewardError, get_reward
+from vsa2_rl.rewards.shapes import (
+    blob_displacement,
+    detect_blobs,
+    largest_component,
+    motion_score,
+    prompt_motion,
+)
+
+
+def _generated(count, seed):
+    """``count`` generator videos whose motions cycle through every motion (static included)
+    while their prompts are drawn at random: right, wrong speed, wrong direction, static."""
+    generator = torch.Generator().manual_seed(seed)
+    specs = random_specs(count, generator)
+    moves = [MOTIONS[i % len(MOTIONS)] for i in range(count)]
+    videos = render_batch(specs, list(range(count)), 8, 32, 32, moves)
+    return videos, [s.prompt for s in specs], specs, moves
+
+
+def _level(spec, move):
+    """The issue's order of motions for a prompt: 0 the asked motion, 1 the right direction at
+    the other speed, 2 another direction, 3 static (the worst)."""
+    if move == (0.0, 0.0):
+        return 3
+    direction = DIRECTIONS[spec.direction]
+    along = direction[0] * move[0] + direction[1] * move[1]
+    if abs(along) != abs(move[0]) + abs(move[1]) or along < 0:
+        return 2
+    return 0 if abs(along - TRAVEL[spec.speed]) < 1e-9 else 1
+
+
+def _average_ranks(values):
+    values = values.double()
+    ranks = torch.empty_like(values)
+    ranks[values.argsort()] = torch.arange(len(values), dtype=torch.double)
+    for value in values.unique():
+        ranks[values == value] = ranks[values == value].mean()
+    return ranks
+
+
+def _spearman(a, b):
+    return torch.corrcoef(torch.stack([_average_ranks(a), _average_ranks(b)]))[0, 1].item()
+
+
+def test_prompt_motion_separates_the_asked_motion_from_wrong_ones():
+    videos, prompts, specs, moves = _generated(72, seed=3)
+    scores = get_reward("prompt_motion")(videos, prompts)
+    levels = torch.tensor([_level(s, m) for s, m in zip(specs, moves, strict=True)])
+    assert all(int((levels == level).sum()) >= 5 for level in range(4))
+    # every video of a better level scores above every video of a worse one
+    for better in range(3):
+        assert scores[levels == better].min() > scores[levels == better + 1].max()
+    assert scores[levels == 0].min() > 0.95 and scores[levels == 3].max() < 0.05
+
+
+def test_prompt_motion_tracks_the_true_motion_of_generated_videos():
+    videos, prompts, specs, moves = _generated(60, seed=5)
+    measured = torch.stack([blob_displacement(detect_blobs(video)) for video in videos])
+    truth = torch.tensor(moves)
+    # the tracker recovers the generator's displacement to a fraction of a pixel at 32 px
+    assert (measured - truth).norm(dim=1).max() < 0.02
+    target = torch.tensor([s.velocity() for s in specs])
+    scores = get_reward("prompt_motion")(videos, prompts)
+    assert _spearman(scores, motion_score(truth, target)) >= 0.9
+
+
+def test_motion_score_closed_form():
+    target = torch.tensor([0.55, 0.0])  # "right fast"
+    cases = {
+        (0.55, 0.0): 1.0,
+        (0.25, 0.0): 2 / 3 + 0.25 / 0.55 / 3,
+        (0.0, 0.55): 2 / 3 * 0.5 + 1 / 3,
+        (-0.55, 0.0): 1 / 3,
+        (0.0, 0.0): 0.0,
+        (0.05, 0.0): 2 / 3 * 0.4 + 0.05 / 0.55 / 3,  # barely moving: direction counts 40%
+    }
+    for move, expected in cases.items():
+        assert motion_score(torch.tensor(move), target).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_largest_component_picks_the_larger_blob_in_each_frame():
+    mask = torch.zeros(2, 10, 10, dtype=torch.bool)
+    mask[0, 1:3, 1:3] = True  # 4 pixels
+    mask[0, 5:9, 5:8] = True  # 12 pixels
+    mask[1, 0, :] = True  # a 10-pixel line, diagonal neighbours do not connect:
+    mask[1, 2, 0] = mask[1, 3, 1] = mask[1, 4, 2] = True
+    largest = largest_component(mask)
+    assert int(largest[0].sum()) == 12 and bool(largest[0, 6, 6]) and not bool(largest[0, 1, 1])
+    assert int(largest[1].sum()) == 10 and bool(largest[1, 0].all())
+    assert not bool(largest_component(torch.zeros(1, 4, 4, dtype=torch.bool)).any())
+
+
+def test_shape_fidelity_on_right_wrong_and_broken_videos():
+    fidelity = get_reward("shape_fidelity")
+    videos, prompts, specs, _ = _generated(12, seed=7)
+    assert torch.equal(fidelity(videos, prompts), torch.ones(12))
+    recoloured = [
+        f"a {'blue' if s.color != 'blue' else 'red'} {s.shape} moving up fast" for s in specs
+    ]
+    assert torch.equal(fidelity(videos, recoloured), torch.zeros(12))
+    assert torch.equal(fidelity(torch.zeros_like(videos), prompts), torch.zeros(12))
+    # every frame blanked from a little left of the shape's centre: a third of it is left
+    cut = videos.clone()
+    centre_x = [detect_blobs(v).centroid[:, 0] for v in videos]
+    for video, xs in zip(cut, centre_x, strict=True):
+        for frame, x in zip(video, xs, strict=True):
+            frame[..., int((x - 0.06) * 32) :] = 0.0
+    assert torch.equal(fidelity(cut, prompts), torch.zeros(12))
+
+
+def test_toy_rewards_refuse_prompts_and_videos_they_cannot_score():
+    videos, prompts, _, _ = _generated(2, seed=1)
+    for name in ("prompt_motion", "shape_fidelity"):
+        reward = get_reward(name)
+        with pytest.raises(RewardError, match=rf"reward '{name}': cannot read prompt 'a cat'"):
+            reward(videos, [prompts[0], "a cat"])
+        with pytest.raises(RewardError, match=rf"reward '{name}': .*'a purple square"):
+            reward(videos, ["a purple square moving up fast", prompts[1]])
+        # the bare function (no wrapper) refuses a single frame instead of scoring 0
+        with pytest.raises(RewardError, match=rf"reward '{name}': needs RGB videos \[B, T >= 2"):
+            reward.fn(videos[:, :1], prompts, [{}, {}])
+        with pytest.raises(ValueError, match=rf"reward '{name}': videos: .*at least 2 frames"):
+            reward(videos[:, :1], prompts)
+    with pytest.raises(ValueError, match=r"kwargs\.threshold: must be in"):
+        prompt_motion(threshold=1.5)
+
+
+def test_random_reward_ignores_the_pixels_and_follows_the_sample():
+    reward = get_reward("random", seed=3)
+    videos = torch.rand(6, 2, 3, 8, 8)
+    metadata = [{"sample_seed": 100 + i} for i in range(6)]
+    first = reward(videos, ["p"] * 6, metadata)
+    assert torch.equal(first, reward(torch.zeros_like(videos), ["q"] * 6, metadata))
+    assert len(set(first.tolist())) == 6 and bool(((first >= 0) & (first < 1)).all())
+    assert not torch.equal(first, get_reward("random", seed=4)(videos, ["p"] * 6, metadata))
+    many = get_reward("random")(torch.rand(400, 2, 1, 4, 4), ["p"] * 400, [
+        {"sample_seed": i} for i in range(400)])  # fmt: skip
+    assert abs(many.mean().item() - 0.5) < 0.05
+
+
+def test_train_and_eval_prompts_are_disjoint_and_cover_every_attribute():
+    train, held_out = toy_prompts("train"), toy_prompts("eval")
+    assert len(train) == 120 and len(held_out) == 24 and not set(train) & set(held_out)
+    specs = [ShapeSpec.from_prompt(p) for p in held_out]
+    for values, attribute in ((COLORS, "color"), (SHAPES, "shape"), (DIRECTIONS, "direction")):
+        counts = [sum(getattr(s, attribute) == v for s in specs) for v in values]
+        assert len(set(counts)) == 1, attribute  # each value equally often
+    assert sorted({s.speed for s in specs}) == sorted(TRAVEL)
+
+
+def test_rendered_displacement_and_caption_noise():
+    spec = ShapeSpec("red", "square", "right", "fast")
+    for move in ((0.0, 0.0), (-0.25, 0.0), (0.0, 0.55)):
+        video = render_video(spec, 4, 8, 32, 32, displacement=move)
+        measured = blob_displacement(detect_blobs(video))
+        assert torch.allclose(measured, torch.tensor(move), atol=0.02)
+    specs, _, moves = pretraining_batch(4000, torch.Generator().manual_seed(0), 0.5)
+    follows = [m is None or m == s.velocity() for s, m in zip(specs, moves, strict=True)]
+    assert sum(follows) / len(follows) == pytest.approx(1 - 0.5 * 8 / 9, abs=0.03)
+    with pytest.raises(ValueError, match="caption_noise"):
+        pretraining_batch(1, torch.Generator(), 1.5)
