@@ -8,13 +8,18 @@ Both read prompts of the synthetic task ("a red square moving left fast",
   is the blob. Per frame it reports the blob's area (pixels), centroid (frame units, 0..1) and
   the palette colour nearest to its mean colour. Frames are area-downsampled to at most
   ``MAX_SIDE`` pixels first, so that the component search stays cheap at any resolution.
-- ``prompt_motion``: the blob's displacement over the clip, a least-squares line through its
-  centroids, against the displacement the prompt asks for (direction and speed,
-  ``synthetic.TRAVEL``). :func:`motion_score` maps the pair to [0, 1]: 2/3 for the direction
-  (``(1 + cos) / 2``, gated by how far the blob moved) and 1/3 for the speed (the ratio of the
-  slower to the faster of the two lengths). So a static video scores 0, a wrong direction at
-  most 2/3, the right direction at the wrong speed 0.82 and the asked motion 1. The score is
-  validated on the generator's own videos, whose true motion is known (tests).
+- ``prompt_motion``: the prompted shape's displacement over the clip, a least-squares line
+  through the blob's centroids in the frames where the blob *is* the shape (prompted colour,
+  area within ``area_tolerance`` of the shape's), against the displacement the prompt asks for
+  (direction and speed, ``synthetic.TRAVEL``). Frames where the shape is not found do not count,
+  so a policy cannot buy motion by fraying the shape into fragments whose largest piece jumps
+  about (an RL run on the untracked blob did just that); with fewer than 2 such frames there is
+  no shape to track and the score is 0, as for a static one. :func:`motion_score` maps the
+  pair to [0, 1]: 2/3 for the direction (``(1 + cos) / 2``, gated by how far the blob moved)
+  and 1/3 for the speed (the ratio of the slower to the faster of the two lengths). So a static
+  video scores 0, a wrong direction at most 2/3, the right direction at the wrong speed 0.82
+  and the asked motion 1. The score is validated on the generator's own videos, whose true
+  motion is known (tests).
 - ``shape_fidelity``: fraction of frames whose blob has the prompted colour and an area within
   ``area_tolerance`` (default 50%) of the prompted shape's true area at that resolution. A guard
   metric: it falls when a policy buys motion with smeared, split or recoloured shapes.
@@ -113,12 +118,13 @@ def detect_blobs(video: torch.Tensor, threshold: float = FOREGROUND_THRESHOLD) -
     return Blobs(found, area, torch.stack([cx, cy], dim=1), colors)
 
 
-def blob_displacement(blobs: Blobs) -> torch.Tensor:
+def blob_displacement(blobs: Blobs, frames: torch.Tensor | None = None) -> torch.Tensor:
     """Displacement (dx, dy) over the clip of a least-squares line through the blob centroids
-    of the frames where one was found; (0, 0) with fewer than 2 such frames."""
-    frames = blobs.found.numel()
-    progress = torch.linspace(0.0, 1.0, frames, device=blobs.centroid.device)[blobs.found]
-    points = blobs.centroid[blobs.found]  # (K, 2)
+    of the frames where one was found (and ``frames``, bool [T], allows); (0, 0) with fewer
+    than 2 such frames."""
+    valid = blobs.found if frames is None else blobs.found & frames.to(blobs.found.device)
+    progress = torch.linspace(0.0, 1.0, valid.numel(), device=blobs.centroid.device)[valid]
+    points = blobs.centroid[valid]  # (K, 2)
     if points.shape[0] < 2:
         return torch.zeros(2, device=points.device)
     centred = progress - progress.mean()
@@ -164,24 +170,6 @@ def _check_frames(name: str, videos: torch.Tensor) -> None:
         )
 
 
-@register_reward("prompt_motion")
-def prompt_motion(*, threshold: float = FOREGROUND_THRESHOLD) -> RewardFn:
-    """How closely the detected shape moves as the prompt asks (:func:`motion_score`); [0, 1]."""
-    if not 0.0 < threshold < 1.0:
-        raise ValueError(f"kwargs.threshold: must be in (0, 1), got {threshold}")
-
-    @torch.no_grad()
-    def reward(videos: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        _check_frames("prompt_motion", videos)
-        specs = parse_prompts("prompt_motion", prompts)
-        moved = torch.stack([blob_displacement(detect_blobs(v, threshold)) for v in videos])
-        target = torch.tensor([s.velocity() for s in specs], device=moved.device)
-        return motion_score(moved, target).float()
-
-    reward.__name__ = "prompt_motion"
-    return reward
-
-
 @functools.lru_cache(maxsize=256)
 def true_area(shape: str, color: str, height: int, width: int, threshold: float) -> float:
     """Detected area (pixels, at the detection resolution) of a shape drawn by the generator."""
@@ -190,28 +178,62 @@ def true_area(shape: str, color: str, height: int, width: int, threshold: float)
     return float(detect_blobs(frame, threshold).area[0])
 
 
-@register_reward("shape_fidelity")
-def shape_fidelity(
-    *, threshold: float = FOREGROUND_THRESHOLD, area_tolerance: float = 0.5
-) -> RewardFn:
-    """Fraction of frames whose blob has the prompted colour and about the true area; [0, 1]."""
+def shape_frames(
+    video: torch.Tensor, spec: ShapeSpec, threshold: float, area_tolerance: float
+) -> tuple[Blobs, torch.Tensor]:
+    """The video's blobs and which frames' blob is the prompted shape (colour and area), [T]."""
+    blobs = detect_blobs(video, threshold)
+    height, width = _downsample(video[:1].float()).shape[-2:]
+    expected = true_area(spec.shape, spec.color, height, width, threshold)
+    right_size = ((blobs.area - expected).abs() <= area_tolerance * expected).cpu()
+    right_color = torch.tensor([c == spec.color for c in blobs.color])
+    return blobs, right_size & right_color
+
+
+def _check_kwargs(threshold: float, area_tolerance: float) -> None:
     if not 0.0 < threshold < 1.0:
         raise ValueError(f"kwargs.threshold: must be in (0, 1), got {threshold}")
     if not 0.0 < area_tolerance < 1.0:
         raise ValueError(f"kwargs.area_tolerance: must be in (0, 1), got {area_tolerance}")
 
+
+@register_reward("prompt_motion")
+def prompt_motion(
+    *, threshold: float = FOREGROUND_THRESHOLD, area_tolerance: float = 0.5
+) -> RewardFn:
+    """How closely the prompted shape moves as the prompt asks (:func:`motion_score`); [0, 1]."""
+    _check_kwargs(threshold, area_tolerance)
+
+    @torch.no_grad()
+    def reward(videos: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        _check_frames("prompt_motion", videos)
+        specs = parse_prompts("prompt_motion", prompts)
+        moved = []
+        for video, spec in zip(videos, specs, strict=True):
+            blobs, is_shape = shape_frames(video, spec, threshold, area_tolerance)
+            moved.append(blob_displacement(blobs, is_shape))
+        target = torch.tensor([s.velocity() for s in specs])
+        return motion_score(torch.stack(moved).cpu(), target).float().to(videos.device)
+
+    reward.__name__ = "prompt_motion"
+    return reward
+
+
+@register_reward("shape_fidelity")
+def shape_fidelity(
+    *, threshold: float = FOREGROUND_THRESHOLD, area_tolerance: float = 0.5
+) -> RewardFn:
+    """Fraction of frames whose blob has the prompted colour and about the true area; [0, 1]."""
+    _check_kwargs(threshold, area_tolerance)
+
     @torch.no_grad()
     def reward(videos: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         _check_frames("shape_fidelity", videos)
         specs = parse_prompts("shape_fidelity", prompts)
-        height, width = _downsample(videos[0, :1].float()).shape[-2:]
-        scores = []
-        for video, spec in zip(videos, specs, strict=True):
-            blobs = detect_blobs(video, threshold)
-            expected = true_area(spec.shape, spec.color, height, width, threshold)
-            right_size = (blobs.area - expected).abs() <= area_tolerance * expected
-            right_color = torch.tensor([c == spec.color for c in blobs.color])
-            scores.append((right_size.cpu() & right_color).float().mean())
+        scores = [
+            shape_frames(video, spec, threshold, area_tolerance)[1].float().mean()
+            for video, spec in zip(videos, specs, strict=True)
+        ]
         return torch.stack(scores).to(videos.device)
 
     reward.__name__ = "shape_fidelity"

@@ -57,12 +57,58 @@ def test_default_config_is_valid_and_embedded():
         (["train.max_grad_norm=-1"], "train.max_grad_norm: must be >= 0"),
         (["model.lora.alpha=0"], "model.lora.alpha: must be > 0"),
         (["eval.guard_rewards=[{kwargs: {}}]"], "eval.guard_rewards[0].name"),
+        (["train.num_steps=[1,2"], "train.num_steps: cannot parse the value '[1,2' as YAML"),
+        (["eval.sparsities=0.5"], "eval.sparsities: expects a list, e.g. eval.sparsities=[0.0"),
     ],
 )
 def test_bad_config_names_the_key(overrides, expected):
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("train: {num_steps: 2\n", "is not valid YAML: while parsing a flow mapping"),
+        ("- a\n- b\n", "must hold a mapping of keys"),
+        (
+            "rewards:\n  functions:\n    - name: image_quality\n      kwargs: [1, 2]\n",
+            "rewards.functions[0].kwargs: Cannot merge incompatible container types",
+        ),
+    ],
+)
+def test_bad_yaml_files_name_the_problem(tmp_path, text, expected):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path), [])
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_folders_that_are_not_what_a_key_needs(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"model.path: .*empty is an empty folder"):
+        load_config(None, [f"model.path={empty}"])
+    with pytest.raises(ConfigError, match=r"train.resume: .*empty is not a checkpoint \(no COMP"):
+        load_config(None, [f"train.resume={empty}"])
+    with pytest.raises(ConfigError, match=r"checkpoint: .*empty is not a checkpoint folder"):
+        load_config(None, [f"checkpoint={empty}"])
+
+
+def test_help_shows_the_values_a_plain_run_uses():
+    lines = "\n".join(help_lines())
+    default = load_config(None, [])
+    assert (
+        f"  train.learning_rate = {default.train.learning_rate!r}  (default.yaml; schema "
+        f"default 0.0001)" in lines
+    )
+    assert f"  sampler.num_steps = {default.sampler.num_steps!r}  (default.yaml" in lines
+    assert "  train.max_grad_norm = 1.0\n" in lines  # not in default.yaml: the schema default
+    assert "  rewards.functions = [{'name': 'prompt_motion'" in lines
+    # an installed wheel has no configs/: the schema defaults are what a run uses
+    assert "  train.learning_rate = 0.0001\n" in "\n".join(help_lines(path="/no/default.yaml"))
 
 
 def test_help_lists_every_documented_key():
@@ -83,6 +129,8 @@ def test_help_lists_every_documented_key():
         ["train", "model.kind=wan", "model.path=/no/such/dir"],
         ["eval", "eval.sparsities=[1.5]"],
         ["train", "not-a-key-value"],
+        ["train", "train.num_steps=[1,2"],
+        ["train", "train.warmup_steps=-2"],
     ],
 )
 def test_cli_bad_input_exits_2_and_writes_nothing(argv, tmp_path, capsys):
@@ -116,6 +164,7 @@ def test_train_rl_script_is_the_train_subcommand(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["wan2_1_1.3b_vsa2_grpo.yaml", "wan2_1_14b_vsa2_grpo.yaml"])
 def test_wan_recipes_are_valid_configs(recipe, tmp_path):
+    (tmp_path / "model_index.json").write_text("{}")  # a model folder is not empty
     config = load_config(os.path.join(REPO, "configs", recipe), [f"model.path={tmp_path}"])
     assert config.model.kind == "wan" and config.model.lora.enabled
     assert config.sparsity.eval < config.sparsity.train

@@ -80,6 +80,7 @@ def test_the_14b_recipe_runs_under_zero3(tmp_path):
     import os
 
     recipe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+    (tmp_path / "model_index.json").write_text("{}")  # a model folder is not empty
     config = load_config(
         os.path.join(recipe, "wan2_1_14b_vsa2_grpo.yaml"), [f"model.path={tmp_path}"]
     )

@@ -343,7 +343,8 @@ def test_shipped_toy_model_draws_its_shapes():
     bundle.sparsity_state.sparsity = 0.9  # the embedded default's rollout sparsity
     videos = _euler_sample(bundle, prompts, num_frames=8, size=32, steps=10, seed=0)
     assert videos.shape == (8, 8, 3, 32, 32)
-    assert bundle.sparsity_state.pop_density() == pytest.approx(0.1015625)  # 13 of 128 segments
+    # topp picks a variable number of segments, at most 13 of 128 (ceil(0.1 * 128))
+    assert 0.05 < bundle.sparsity_state.pop_density() <= 0.1015625
     assert fidelity(videos, prompts).mean() >= 0.75
 
 

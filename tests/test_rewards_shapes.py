@@ -180,3 +180,16 @@ def test_rendered_displacement_and_caption_noise():
     assert sum(follows) / len(follows) == pytest.approx(1 - 0.5 * 8 / 9, abs=0.03)
     with pytest.raises(ValueError, match="caption_noise"):
         pretraining_batch(1, torch.Generator(), 1.5)
+
+
+def test_prompt_motion_tracks_the_shape_not_its_fragments():
+    spec = ShapeSpec("red", "square", "right", "fast")
+    video = render_video(spec, 2, 8, 32, 32)[None]
+    reward = get_reward("prompt_motion")
+    assert reward(video, [spec.prompt]).item() > 0.95
+    # the same motion frayed into single pixels (a checkerboard of holes): no frame shows the
+    # shape, so there is nothing to track, however the pieces move
+    checker = (torch.arange(32).view(-1, 1) + torch.arange(32).view(1, -1)) % 2
+    assert reward(video * checker, [spec.prompt]).item() == 0.0
+    # a prompt of another colour: the red square is not the prompted shape either
+    assert reward(video, ["a blue square moving right fast"]).item() == 0.0

@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "default.yaml")
@@ -98,6 +99,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_choice(self.kind, "model.kind", ("toy", "wan"))
         _check_choice(self.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
+        if self.path and os.path.isdir(self.path):
+            _check(
+                bool(os.listdir(self.path)),
+                "model.path",
+                f"{self.path} is an empty folder; point it at the model's files",
+            )
         for key in ("num_frames", "height", "width"):
             value = getattr(self, key)
             _check(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
@@ -413,6 +420,12 @@ class TrainConfig:
                 "train.resume",
                 f"checkpoint folder not found: {self.resume} (use auto, none or a folder)",
             )
+            _check(
+                os.path.isfile(os.path.join(self.resume, "COMPLETE")),
+                "train.resume",
+                f"{self.resume} is not a checkpoint (no COMPLETE marker); give a "
+                "checkpoints/step_N folder of a run, or auto",
+            )
 
 
 @dataclass
@@ -520,6 +533,13 @@ class RunConfig:
                 "model.path",
                 f"directory not found: {self.model.path} (leave empty for the shipped toy model)",
             )
+        if self.checkpoint:
+            _check(
+                os.path.isfile(os.path.join(self.checkpoint, "COMPLETE")),
+                "checkpoint",
+                f"{self.checkpoint} is not a checkpoint folder (no COMPLETE marker); give a "
+                "run's checkpoints/step_N folder, or run_dir= for its newest",
+            )
 
 
 def _all_keys(schema: Any, prefix: str = "") -> list[str]:
@@ -537,6 +557,8 @@ def _friendly(error: OmegaConfBaseException) -> ConfigError:
     """Turns an OmegaConf error into one line naming the key and the fix."""
     key = getattr(error, "full_key", None) or ""
     message = str(error).splitlines()[0]
+    if "is not a ListConfig" in message:
+        return ConfigError(f"{key}: expects a list, e.g. {key}=[0.0,0.5] (brackets, no spaces)")
     if "not in struct" in message or ("Key '" in message and "not" in message):
         close = difflib.get_close_matches(key, _all_keys(RunConfig), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -553,16 +575,57 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     path = path or DEFAULT_CONFIG
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file not found: {path}")
+    layers = [_load_yaml(path)] + [_parse_override(item) for item in overrides or []]
     try:
-        schema = OmegaConf.structured(RunConfig)
-        merged = OmegaConf.merge(
-            schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or []))
-        )
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), *layers)
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise _friendly(error) from None
+    except TypeError as error:  # a list where a mapping belongs (OmegaConf cannot merge them)
+        raise ConfigError(f"{_list_where_mapping(layers)}: {error}; write a mapping") from None
     assert isinstance(config, RunConfig)
     return config
+
+
+def _yaml_problem(error: Exception) -> str:
+    return " ".join(str(error).split())  # PyYAML's multi-line report on one line
+
+
+def _load_yaml(path: str) -> DictConfig:
+    """The mapping in the YAML file ``path``; ConfigError for broken YAML or a non-mapping."""
+    try:
+        loaded = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as error:
+        raise ConfigError(f"--config: {path} is not valid YAML: {_yaml_problem(error)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(
+            f"--config: {path} must hold a mapping of keys (e.g. 'train: {{num_steps: 2}}'), "
+            f"got a {type(loaded).__name__}"
+        )
+    return loaded
+
+
+def _parse_override(item: str) -> DictConfig:
+    key, _, value = item.partition("=")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except (yaml.YAMLError, OmegaConfBaseException) as error:
+        raise ConfigError(
+            f"{key}: cannot parse the value {value!r} as YAML ({_yaml_problem(error)}); quote "
+            "strings that hold brackets, braces or colons"
+        ) from None
+
+
+def _list_where_mapping(layers: list[DictConfig]) -> str:
+    """The first key whose value is a list where the schema has a mapping (for the error)."""
+    for layer in layers:
+        for key, value in _flatten(OmegaConf.to_container(layer)).items():
+            if isinstance(value, list) and key.endswith("kwargs"):
+                return key
+            for index, item in enumerate(value if isinstance(value, list) else []):
+                if isinstance(item, dict) and isinstance(item.get("kwargs"), list):
+                    return f"{key}[{index}].kwargs"
+    return "config"
 
 
 def to_yaml(config: RunConfig) -> str:
@@ -570,16 +633,33 @@ def to_yaml(config: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-def help_lines(schema: Any = RunConfig, prefix: str = "") -> list[str]:
-    """One line per key: ``key = default  help``; used by the CLI's ``--help``."""
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def help_lines(schema: Any = RunConfig, prefix: str = "", path: str | None = DEFAULT_CONFIG):
+    """One line per key for the CLI's ``--help``: ``key = value  help``, where value is what a
+    run without ``--config`` uses: the value in ``path`` (configs/default.yaml) where it sets
+    the key, with the schema default beside it, else the schema default."""
+    # an installed wheel has no configs/ folder: then the schema defaults are what a run uses
+    found = path is not None and os.path.isfile(path)
+    used = _flatten(OmegaConf.to_container(OmegaConf.load(path))) if found else {}
     lines = []
     for f in dataclasses.fields(schema):
         name = prefix + f.name
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
-            lines.extend(help_lines(type(default), name + "."))
+            lines.extend(help_lines(type(default), name + ".", path))
             continue
         if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
             default = [dataclasses.asdict(item) for item in default]
-        lines.append(f"  {name} = {default!r}\n      {f.metadata.get('help', '')}")
+        shown = f"{default!r}"
+        if name in used and used[name] != default:
+            shown = f"{used[name]!r}  (default.yaml; schema default {default!r})"
+        lines.append(f"  {name} = {shown}\n      {f.metadata.get('help', '')}")
     return lines
