@@ -1,15 +1,20 @@
-"""GPU benchmark: one Flow-GRPO iteration of a Wan-1.3B-shaped DiT at 480p, dense vs VSA2.
+"""GPU benchmark: one Flow-GRPO iteration of a Wan-1.3B-shaped DiT at 480p, dense vs VSA2, at
+the attention settings of ``configs/wan2_1_1.3b_vsa2_grpo.yaml`` (kv_block 16, top-p 0.9) unless
+told otherwise.
 
-The iteration is the trainer's (vsa2_rl.rl.trainer): an SDE rollout of ``--samples`` videos with
-``--steps`` denoising steps (vsa2_rl.sampling, per-step log-probs), then a policy update that
-recomputes the log-prob of ``--train-steps`` transitions per sample with gradients (PPO-clip
-loss, vsa2_rl.rl.grpo), full fine-tuning with AdamW and gradient checkpointing of the blocks.
-Random weights (bf16), random text embeddings and a random reward: the timing does not depend on
-them. VAE decoding and reward models are outside the measured loop (they do not change with the
-attention). Reports rollout and train seconds, the iteration speed-up of VSA2 over dense cuDNN
+The iteration follows the trainer's (vsa2_rl.rl.trainer) with the library's own pieces: an SDE
+rollout of ``--samples`` videos with ``--steps`` denoising steps (vsa2_rl.sampling, per-step
+log-probs), then a policy update that recomputes the log-prob of ``--train-steps`` transitions
+per sample with gradients (PPO-clip loss, vsa2_rl.rl.grpo), AdamW, gradient checkpointing of the
+blocks. What it leaves out of the trainer's step, and of the 1.3B recipe: LoRA (it fine-tunes
+every weight), classifier-free guidance (the recipe's guidance 5 doubles every forward, dense
+and sparse alike), the KL reference forward, VAE decoding, rewards, EMA and logging. Random
+weights (bf16), random text embeddings and a random reward: the timing does not depend on them.
+Each setting runs a warm-up iteration of one video (which compiles, with ``--compile``), then
+``--reps`` timed ones; the table gives the median iteration, its speed-up over dense cuDNN
 attention in the same run, and peak GPU memory.
 
-    python benchmarks/bench_rl_step.py --out rl_step.md
+    python benchmarks/bench_rl_step.py --compile --out rl_step.md
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from vsa2_rl.rl.grpo import group_advantages, grpo_loss
 from vsa2_rl.sampling import sample, sigma_schedule, step_log_prob
 
 
-def _model(sparsity: float | None, compile_blocks: bool = False):
+def _model(sparsity: float | None, args):
     from diffusers import WanTransformer3DModel
 
     from vsa2_rl.attention import SparsityState
@@ -39,8 +44,11 @@ def _model(sparsity: float | None, compile_blocks: bool = False):
     model.enable_gradient_checkpointing()
     if sparsity is not None:
         state = SparsityState(sparsity=sparsity)
-        enable_vsa2(model, VSA2Config(kv_block=64, mode="topk", backend="triton"), state)
-    if compile_blocks:  # as model.compile_blocks=true in the trainer; the warm-up compiles
+        vsa2 = VSA2Config(
+            kv_block=args.kv_block, mode=args.mode, top_p=args.top_p, backend="triton"
+        )
+        enable_vsa2(model, vsa2, state)
+    if args.compile:  # as model.compile_blocks=true in the trainer; the warm-up compiles
         compile_blocks(model)
     return model, lambda x, s, e: wan_velocity(model, x, s, e)
 
@@ -102,20 +110,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="denoising steps per rollout")
     parser.add_argument("--train-steps", type=int, default=5, help="trained steps per video")
     parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--kv-block", type=int, default=16, choices=(16, 32, 64))
+    parser.add_argument("--mode", default="topp", choices=("topp", "topk"))
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--reps", type=int, default=3, help="timed iterations (median)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
     parser.add_argument("--out", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
     rows = []
-    for label, sparsity in (("dense cuDNN", None), (f"VSA2 {args.sparsity} kv64", args.sparsity)):
-        model, velocity = _model(sparsity, args.compile)
+    vsa2_label = f"VSA2 {args.sparsity} kv{args.kv_block} {args.mode}"
+    for label, sparsity in (("dense cuDNN", None), (vsa2_label, args.sparsity)):
+        model, velocity = _model(sparsity, args)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            # warm-up (and compilation) on one video: every forward holds one video anyway
             iteration(model, velocity, argparse.Namespace(**{**vars(args), "samples": 1}))
             torch.cuda.reset_peak_memory_stats()
-            rollout, train = iteration(model, velocity, args)
+            times = sorted((iteration(model, velocity, args) for _ in range(args.reps)), key=sum)
+        rollout, train = times[len(times) // 2]  # the iteration of median total time
         peak = torch.cuda.max_memory_allocated() / 2**30
         rows.append((label, rollout, train, peak))
-        print(f"{label}: rollout {rollout:.2f} s, train {train:.2f} s, peak {peak:.1f} GiB")
+        spread = ", ".join(f"{r + t:.2f}" for r, t in times)
+        print(f"{label}: rollout {rollout:.2f} s, train {train:.2f} s (iterations {spread} s)")
         del model, velocity
         gc.collect()
         torch.cuda.empty_cache()
@@ -123,7 +139,8 @@ def main() -> None:
     dense_total = rows[0][1] + rows[0][2]
     lines = [
         f"RL iteration, Wan-1.3B shape, {args.resolution}, {args.samples} videos x "
-        f"{args.steps} SDE steps, {args.train_steps} trained steps per video, full fine-tuning "
+        f"{args.steps} SDE steps, {args.train_steps} trained steps per video, median of "
+        f"{args.reps} iterations after a warm-up, full fine-tuning "
         f"(AdamW, gradient checkpointing{', compiled blocks' if args.compile else ''}), bf16, "
         f"{torch.cuda.get_device_name()}, "
         f"{datetime.date.today()}",

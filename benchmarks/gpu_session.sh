@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
-#     [toy_build] [toy_rl]
+#     [toy_build] [toy_rl] [reward_signal]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -36,7 +36,7 @@ for part in "${parts[@]}"; do
       timeout 160 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \
         --out "$OUT/attention.md" 2>&1 | tail -60 ;;
     rl)
-      timeout 200 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --out "$OUT/rl_step.md" 2>&1 | tail -12 ;;
+      timeout 300 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --out "$OUT/rl_step.md" 2>&1 | tail -12 ;;
     e2e)
       timeout 80 python3 benchmarks/bench_e2e.py --grids 720p --compile off --forward-only --reps 2 \
         --warmup 1 --only "VSA2 0.95 kv64" \
@@ -52,7 +52,7 @@ for part in "${parts[@]}"; do
       timeout 240 python3 benchmarks/bench_e2e.py --grids 720p --compile on --forward-only \
         --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8 ;;
     rl_compiled)  # issue 6 with torch.compile of the blocks: one RL iteration at 480p
-      timeout 300 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --compile \
+      timeout 400 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --compile \
         --out "$OUT/rl_step_compiled.md" > "$OUT/rl_compiled.log" 2>&1; tail -8 "$OUT/rl_compiled.log" ;;
     ddp)  # the trainer on 2 GPUs (DDP, NCCL) vs 1 GPU, same global batch and seeds (toy model)
       toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy train.num_steps=3
@@ -147,18 +147,29 @@ for part in "${parts[@]}"; do
       timeout ${TOY_BUILD_S:-570} python3 -P scripts/build_toy_model.py --device cuda \
         --out "$OUT/toy" ${TOY_RESUME:+--resume-from $TOY_RESUME} > "$OUT/toy_build.log" 2>&1
       echo "toy_build rc=$?"; grep -v " step " "$OUT/toy_build.log" | grep "^|\|saved" ;;
+    reward_signal)  # gradient signal-to-noise of the default run's settings (SIGNAL_SETTINGS:
+      # "label=override;..." each), benchmarks/reward_signal.py, into $OUT/reward_signal.md
+      for setting in ${SIGNAL_SETTINGS:-default=}; do
+        overrides=${setting#*=}
+        PYTHONSAFEPATH=1 timeout ${SIGNAL_S:-300} python3 benchmarks/reward_signal.py \
+          --prompts ${SIGNAL_PROMPTS:-128} --label ${setting%%=*} --out "$OUT/reward_signal.md" \
+          device=cuda model.dtype=float32 attention.backend=torch \
+          model.path=${TOY_PATH:-$OUT/toy} ${overrides//;/ } 2>&1 | grep -v "^|" | tail -3
+      done ;;
     toy_rl)  # the embedded default on the GPU (float32, torch attention as on the CPU) with the
-      # model in $OUT/toy, all runs at once: each variant of TOY_VARIANTS ("name=override,..."
-      # with the default's reward) and the random-reward control, seeds TOY_SEEDS; then the table
+      # model in $OUT/toy, all runs at once: each variant of TOY_VARIANTS ("name=override;..."
+      # with the default's reward) and the random-reward control, seeds TOY_SEEDS, every run
+      # with the overrides TOY_COMMON (a variant named control_X gets X's overrides, with the
+      # control config); then the table
       mkdir -p /tmp/toy_rl
       for variant in ${TOY_VARIANTS:-default=} control=; do
         name=${variant%%=*}; overrides=${variant#*=}
-        config=configs/default.yaml; [ $name = control ] && config=configs/toy_control.yaml
+        config=configs/default.yaml; [ ${name%%_*} = control ] && config=configs/toy_control.yaml
         for seed in ${TOY_SEEDS:-0 1}; do
           PYTHONSAFEPATH=1 timeout ${TOY_RL_S:-400} python3 train_rl.py --config $config \
             model.path=${TOY_PATH:-$OUT/toy} device=cuda model.dtype=float32 attention.backend=torch \
             seed=$seed out_dir=/tmp/toy_rl/${name}_$seed train.checkpoint_every=0 \
-            train.sample_every=0 logging.progress=false ${overrides//,/ } \
+            train.sample_every=0 logging.progress=false ${TOY_COMMON:-} ${overrides//;/ } \
             > /tmp/toy_rl/${name}_$seed.log 2>&1 &
         done
       done

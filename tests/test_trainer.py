@@ -4,6 +4,7 @@ ratio is 1, resume equals an uninterrupted run, failures never touch the weights
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -181,6 +182,41 @@ def test_resume_equals_uninterrupted(tmp_path):
     full_w, part_w = _weights(full.out_dir), _weights(part.out_dir)
     for key in full_w:
         torch.testing.assert_close(full_w[key], part_w[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("same_noise", [True, False])
+def test_same_noise_per_group_starts_a_group_from_one_noise(tmp_path, monkeypatch, same_noise):
+    starts, videos = [], []
+    real_sample = trainer_module.sample
+
+    def recording_sample(velocity_fn, noise, sigmas, **kwargs):
+        starts.append(noise.clone())
+        return real_sample(velocity_fn, noise, sigmas, **kwargs)
+
+    def recording_reward(batch, prompts, metadata):
+        videos.append(batch.clone())
+        return brightness(batch, prompts, metadata)
+
+    monkeypatch.setattr(trainer_module, "sample", recording_sample)
+    monkeypatch.setattr(sys.modules[__name__], "recorded_reward", recording_reward, raising=False)
+    config = _config(
+        tmp_path,
+        "train.num_steps=1",
+        f"sampler.same_noise_per_group={str(same_noise).lower()}",
+        "rewards.functions=[{name: 'test_trainer:recorded_reward'}]",
+    )
+    train(config)
+    (start,), (video,) = starts, videos  # 2 groups of 2, one rollout chunk
+    assert torch.equal(start[0], start[1]) == same_noise
+    assert torch.equal(start[2], start[3]) == same_noise
+    assert not torch.equal(start[0], start[2])
+    # the SDE noise still makes a group's videos differ
+    assert (video[0] - video[1]).abs().max() > 1e-3 and (video[2] - video[3]).abs().max() > 1e-3
+
+
+def test_same_noise_per_group_needs_sde_noise():
+    with pytest.raises(ConfigError, match=r"sampler\.same_noise_per_group"):
+        load_config(None, ["sampler.same_noise_per_group=true", "sampler.noise_level=0"])
 
 
 def test_nan_reward_skips_the_step_without_touching_weights(tmp_path):

@@ -222,6 +222,11 @@ class SamplerConfig:
         "[start, end) step indices that are stochastic and trained; empty = all steps.",
         default=None,
     )
+    same_noise_per_group: bool = _doc(
+        "One initial noise per prompt for its whole group (flow_grpo same_latent, DanceGRPO "
+        "use_same_noise): a group's samples then differ only through the SDE noise.",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         _check_choice(self.kind, "sampler.kind", ("sde", "cps"))
@@ -239,6 +244,12 @@ class SamplerConfig:
             self.guidance_scale >= 1.0,
             "sampler.guidance_scale",
             f"must be >= 1 (1 disables guidance), got {self.guidance_scale}",
+        )
+        _check(
+            not (self.same_noise_per_group and self.noise_level == 0),
+            "sampler.same_noise_per_group",
+            "with sampler.noise_level 0 every sample of a group would be the same video; "
+            "raise sampler.noise_level or set same_noise_per_group false",
         )
         if self.sde_window is not None:
             _check(

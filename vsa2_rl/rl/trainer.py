@@ -87,6 +87,18 @@ def _advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tup
     return advantages, zero_var, gathered.all_rewards
 
 
+def initial_noise(
+    config: RunConfig, step: int, latent_shape: tuple, global_index: list[int]
+) -> torch.Tensor:
+    """The rollouts' starting latents: one seed per sample, or per group with
+    ``sampler.same_noise_per_group`` (then every sample of a group starts from its group's
+    noise; samples are laid out group after group, see ``GroupedPromptSampler``)."""
+    if config.sampler.same_noise_per_group:
+        group = config.grpo.group_size
+        global_index = [i // group * group for i in global_index]
+    return seeded_noise(latent_shape, [_sample_seed(config.seed, step, i) for i in global_index])
+
+
 def _update_plan(acc, chunks: list, timesteps: list[int]) -> tuple[list, float]:
     """The (chunk, timestep, counted) backward passes of one update and the loss scale.
 
@@ -410,9 +422,7 @@ def train(config: RunConfig) -> dict:
         global_index = [
             acc.process_index * sampler.samples_per_rank + i for i in range(len(prompts))
         ]
-        noise = seeded_noise(
-            latent_shape, [_sample_seed(config.seed, step, i) for i in global_index]
-        ).to(device)
+        noise = initial_noise(config, step, latent_shape, global_index).to(device)
         generators = [  # per-sample SDE noise: the same whatever the number of ranks
             torch.Generator(device=device).manual_seed(_sample_seed(config.seed + 1, step, i))
             for i in global_index
