@@ -305,3 +305,36 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path, lora):
     # model's own gradients to 1e-4)
     for key in ("train/grad_norm", "eval/reward"):
         assert rows_c[-1][key] == pytest.approx(rows_e[-1][key], rel=1e-2 if lora else 1e-3), key
+
+
+def _first_update(tmp_path, monkeypatch, name, *extra):
+    """The logged metrics and the gradient of a 1-step run's update (before the optimizer)."""
+    grads = []
+    real_finish = trainer_module.engines.finish_update
+
+    def recording_finish(acc, optimizer, params, max_grad_norm, losses):
+        grads.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
+        return real_finish(acc, optimizer, params, max_grad_norm, losses)
+
+    monkeypatch.setattr(trainer_module.engines, "finish_update", recording_finish)
+    config = _config(tmp_path, "train.num_steps=1", *extra, name=name)
+    train(config)
+    (grad,) = grads
+    return _rows(config.out_dir)[-1], grad
+
+
+@pytest.mark.parametrize("kl_beta", ["0.0", "0.5"])
+def test_every_sample_weighs_the_same_whatever_the_chunking(tmp_path, monkeypatch, kl_beta):
+    # 2 groups of 3: chunks of 4 split the second group and leave a chunk of 2; one chunk of 6
+    # is the reference. The on-policy loss of zero-mean advantages is 0 in both.
+    kl = f"grpo.kl_beta={kl_beta} grpo.group_size=3".split()
+    whole, whole_grad = _first_update(
+        tmp_path, monkeypatch, "whole", "grpo.train_batch_size=6", *kl
+    )
+    split, split_grad = _first_update(
+        tmp_path, monkeypatch, "split", "grpo.train_batch_size=4", *kl
+    )
+    assert abs(whole["loss/policy"]) < 1e-6 and abs(split["loss/policy"]) < 1e-6
+    assert split["loss/kl"] == pytest.approx(whole["loss/kl"], rel=1e-4, abs=1e-12)
+    error = (split_grad - whole_grad).norm() / whole_grad.norm()
+    assert error < 1e-4, f"relative gradient difference {error:.2e}"

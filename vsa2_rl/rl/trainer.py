@@ -99,21 +99,26 @@ def initial_noise(
     return seeded_noise(latent_shape, [_sample_seed(config.seed, step, i) for i in global_index])
 
 
-def _update_plan(acc, chunks: list, timesteps: list[int]) -> tuple[list, float]:
-    """The (chunk, timestep, counted) backward passes of one update and the loss scale.
+def _update_plan(acc, chunks: list, timesteps: list[int], kl_beta: float) -> tuple[list, float]:
+    """The (chunk, timestep, counted) backward passes of one update and the weight of a sample.
 
-    Only samples with a non-zero advantage count (a zero-variance group teaches nothing). Every
-    rank must run the same number of backward passes, though: DDP all-reduces in the last one
-    and DeepSpeed reduces in each, so with several processes the other chunks also run, with
-    weight 0, instead of being skipped. The scale ``num_processes / counted passes of all
-    ranks`` makes the rank-averaged gradient the mean over every counted pass, as in a
-    1-process run of the same global batch. Empty when no rank counts a pass.
+    The update is the mean over every sample of the step (all ranks) and every trained
+    timestep, as one batch would give it, however ``grpo.train_batch_size`` cuts the samples:
+    a pass's loss is its chunk's mean times the chunk's size times the returned weight
+    ``num_processes / (samples of all ranks * timesteps)`` (DDP then averages over ranks). A
+    chunk whose advantages are all zero adds nothing unless a KL term is trained, so it is not
+    counted; with several processes it still runs, with weight 0, since every rank must run
+    the same number of backward passes (DDP all-reduces in the last one and DeepSpeed reduces
+    in each). Empty when no sample of any rank has a non-zero advantage: the step teaches
+    nothing and the weights stay as they are.
     """
-    counted = [bool(chunk.advantages.abs().sum() > 0) for chunk in chunks]
-    local = torch.tensor([float(sum(counted) * len(timesteps))], device=acc.device)
-    total = float(acc.reduce(local, reduction="sum").item())
-    if total == 0:
+    useful = [bool(chunk.advantages.abs().sum() > 0) for chunk in chunks]
+    samples = sum(chunk.advantages.numel() for chunk in chunks)
+    local = torch.tensor([float(any(useful)), float(samples)], device=acc.device)
+    any_useful, all_samples = acc.reduce(local, reduction="sum").tolist()
+    if any_useful == 0:
         return [], 0.0
+    counted = [flag or kl_beta > 0 for flag in useful]
     keep_all = acc.num_processes > 1
     work = [
         (chunk, j, flag)
@@ -121,27 +126,23 @@ def _update_plan(acc, chunks: list, timesteps: list[int]) -> tuple[list, float]:
         for j in timesteps
         if flag or keep_all
     ]
-    return work, acc.num_processes / total
+    return work, acc.num_processes / (all_samples * len(timesteps))
 
 
-def _update_metrics(acc, device, losses, kls, clip_fracs, ratio_dev_first) -> dict:
-    """Loss statistics over the counted passes of every rank (the main process logs them)."""
-    sums = torch.stack(
+def _update_metrics(acc, device, sums: dict, count: float, ratio_dev_first) -> dict:
+    """Per-sample means of the update's loss statistics over every rank (``sums`` hold this
+    rank's sums over samples and timesteps, ``count`` is the number of both of all ranks)."""
+    totals = torch.stack(
         [
             torch.stack(values).float().sum() if values else torch.zeros((), device=device)
-            for values in (losses, kls, clip_fracs)
+            for values in sums.values()
         ]
-        + [torch.tensor(float(len(losses)), device=device)]
     )
-    sums = acc.reduce(sums, reduction="sum")
+    totals = acc.reduce(totals, reduction="sum")
     ratio = acc.gather(torch.tensor([ratio_dev_first or 0.0], device=device))
-    count = max(float(sums[3]), 1.0)
-    return {
-        "loss/policy": float(sums[0]) / count,
-        "loss/kl": float(sums[1]) / count,
-        "train/clip_frac": float(sums[2]) / count,
-        "train/ratio_dev_first": float(ratio.max()),
-    }
+    count = max(count, 1.0)
+    means = {name: float(total) / count for name, total in zip(sums, totals, strict=True)}
+    return {**means, "train/ratio_dev_first": float(ratio.max())}
 
 
 def _chunks(n: int, size: int) -> list[slice]:
@@ -502,14 +503,15 @@ def train(config: RunConfig) -> dict:
         trainable_steps = torch.nonzero(stochastic).flatten().tolist()
         step_gen = torch.Generator().manual_seed(_sample_seed(config.seed + 2, step, 0))
         num_train = max(1, round(grpo.timestep_fraction * len(trainable_steps)))
-        losses, kls, clip_fracs, ratio_dev_first, grad_norms = [], [], [], None, []
-        skipped = 0
+        sums = {"loss/policy": [], "loss/kl": [], "train/clip_frac": []}
+        ratio_dev_first, grad_norms, count, skipped = None, [], 0.0, 0
         for _epoch in range(grpo.num_inner_epochs):
             order = torch.randperm(len(trainable_steps), generator=step_gen)[:num_train]
             timesteps = sorted(trainable_steps[i] for i in order.tolist())
-            work, scale = _update_plan(acc, chunks, timesteps)
+            work, weight = _update_plan(acc, chunks, timesteps, grpo.kl_beta)
             if not work:
                 continue  # no rank has a sample with a non-zero advantage
+            count += acc.num_processes / weight
             optimizer.zero_grad(set_to_none=True)
             for index, (chunk, j, counted) in enumerate(work):
                 last = index == len(work) - 1
@@ -549,14 +551,15 @@ def train(config: RunConfig) -> dict:
                             samp.noise_level,
                         )[1]
                         kl = gaussian_kl(mean, ref_mean, std).mean()
-                    total = (loss + grpo.kl_beta * kl) * (scale if counted else 0.0)
+                    size = x.shape[0]  # the chunk's means, as sums over its samples
+                    total = (loss + grpo.kl_beta * kl) * size * (weight if counted else 0.0)
                     engines.backward(acc, total, last)
                 if counted:
-                    losses.append(loss.detach())
-                    kls.append(kl.detach())
-                    clip_fracs.append(stats["clip_frac"])
+                    sums["loss/policy"].append(loss.detach() * size)
+                    sums["loss/kl"].append(kl.detach() * size)
+                    sums["train/clip_frac"].append(stats["clip_frac"] * size)
             stepped, grad_norm = engines.finish_update(
-                acc, optimizer, params, config.train.max_grad_norm, losses
+                acc, optimizer, params, config.train.max_grad_norm, sums["loss/policy"]
             )
             if stepped:
                 if ema is not None:
@@ -575,7 +578,7 @@ def train(config: RunConfig) -> dict:
         metrics["perf/videos_per_s"] = (
             len(prompts) * acc.num_processes / (metrics["perf/rollout_s"] + metrics["perf/train_s"])
         )
-        metrics.update(_update_metrics(acc, device, losses, kls, clip_fracs, ratio_dev_first))
+        metrics.update(_update_metrics(acc, device, sums, count, ratio_dev_first))
         metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
         metrics["train/lr"] = lr_schedule.get_last_lr()[0]
         metrics["train/skipped_nonfinite"] = skipped
