@@ -270,3 +270,18 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_whole_one(tmp_path, 
     _damage(tmp_path / "step_1" / "model.safetensors", "truncate")
     with pytest.raises(ValueError, match=r"no checkpoint under .* verifies \(step_2: .*; step_1"):
         find_latest(tmp_path)
+
+
+def test_a_damaged_deepspeed_shard_stops_the_resume_before_deepspeed_reads_it(tmp_path):
+    # DeepSpeed unpickles its shards (weights_only=False): they are verified like every file
+    staged = stage_checkpoint(tmp_path, 1)
+    shard = staged / "deepspeed" / "rank1.pt"
+    shard.parent.mkdir(parents=True)
+    torch.save({"moments": torch.arange(8.0)}, shard)
+    final = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}}, staged=staged)
+    assert verify_checkpoint(final) is None
+    _damage(final / "deepspeed" / "rank1.pt", "garble")
+    problem = "deepspeed/rank1.pt does not match the checksum recorded when it was written"
+    assert verify_checkpoint(final) == problem
+    with pytest.raises(ValueError, match=rf"step_1 is not a usable checkpoint: {problem}"):
+        load_checkpoint(final)

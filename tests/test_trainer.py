@@ -3,6 +3,7 @@ ratio is 1, resume equals an uninterrupted run, failures never touch the weights
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -338,3 +339,50 @@ def test_every_sample_weighs_the_same_whatever_the_chunking(tmp_path, monkeypatc
     assert split["loss/kl"] == pytest.approx(whole["loss/kl"], rel=1e-4, abs=1e-12)
     error = (split_grad - whole_grad).norm() / whole_grad.norm()
     assert error < 1e-4, f"relative gradient difference {error:.2e}"
+
+
+def test_resume_refuses_a_changed_setting_and_accepts_a_longer_run(tmp_path):
+    first = _config(tmp_path, "train.num_steps=1")
+    train(first)
+    for key, value, was in (
+        ("grpo.group_size", "3", "2"),
+        ("train.learning_rate", "0.01", "0.001"),
+        ("model.lora.enabled", "true", "False"),
+        ("attention.enabled", "false", "True"),
+    ):
+        changed = _config(tmp_path, "train.num_steps=2", f"{key}={value}")
+        with pytest.raises(ConfigError, match=rf"^{key}: changed since the checkpoint \(was {was}"):
+            train(changed)
+    assert [r["step"] for r in _rows(first.out_dir)] == [1]  # nothing was written
+    longer = _config(tmp_path, "train.num_steps=2", "eval.every=0", "logging.progress=false")
+    train(longer)
+    assert [r["step"] for r in _rows(first.out_dir)] == [1, 2]
+
+
+def test_a_longer_resumed_run_keeps_its_sparsity_curriculum(tmp_path):
+    # a 2-step curriculum 0.5 -> 0.8 (no warm-up): the steps after it train at 0.8, the end value
+    curriculum = ["sparsity.train=0.5", "sparsity.train_end=0.8", "sparsity.eval=0.0"]
+    train(_config(tmp_path, "train.num_steps=2", *curriculum))
+    resumed = _config(tmp_path, "train.num_steps=4", *curriculum)
+    train(resumed)
+    rows = _rows(resumed.out_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["sparsity/train"] == pytest.approx(0.8)
+    assert rows[3]["sparsity/train"] == pytest.approx(0.8)
+
+
+def test_trained_weights_load_only_when_every_key_matches(tmp_path):
+    from vsa2_rl.runtime import build_bundle, load_trained_state, trainable_parameters
+
+    config = _config(tmp_path)
+    model = build_bundle(config, torch.device("cpu"), torch.float32).transformer
+    trainable_parameters(model, config)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    dropped = next(iter(weights))
+    with pytest.raises(ConfigError, match=rf"missing \['{re.escape(dropped)}'\]"):
+        load_trained_state(model, {k: v for k, v in weights.items() if k != dropped}, config, "x")
+    with pytest.raises(ConfigError, match=r"unexpected \['blocks.99.bias'\]"):
+        load_trained_state(model, {**weights, "blocks.99.bias": torch.zeros(1)}, config, "x")
+    weights[dropped] = weights[dropped] + 1.0
+    load_trained_state(model, weights, config, "x")
+    assert torch.equal(model.state_dict()[dropped], weights[dropped])

@@ -674,3 +674,48 @@ def help_lines(schema: Any = RunConfig, prefix: str = "", path: str | None = DEF
             shown = f"{used[name]!r}  (default.yaml; schema default {default!r})"
         lines.append(f"  {name} = {shown}\n      {f.metadata.get('help', '')}")
     return lines
+
+
+# What a resumed run may change: how long it runs and what it logs, evaluates and keeps. Every
+# other key changes the model, the optimizer, the rollouts or the schedule the checkpoint was
+# trained with.
+RESUMABLE_KEYS = (
+    "out_dir",
+    "device",
+    "train.num_steps",
+    "train.resume",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.sample_every",
+    "rewards.num_workers",
+    "rewards.on_error",
+    "prompts.eval_file",
+)
+RESUMABLE_SECTIONS = ("eval.", "logging.")
+
+
+def config_tree(config: RunConfig) -> dict[str, Any]:
+    """The resolved configuration as plain containers (what out_dir/config.yaml holds)."""
+    return OmegaConf.to_container(OmegaConf.create(to_yaml(config)))
+
+
+def check_resume(saved: dict[str, Any], config: RunConfig, source: str) -> None:
+    """Refuses to resume ``source`` (a checkpoint, trained with the config tree ``saved``) under
+    a config that changes anything outside ``RESUMABLE_KEYS`` / ``RESUMABLE_SECTIONS``."""
+    was, now = _flatten(saved), _flatten(config_tree(config))
+    absent = "<absent>"
+    changed = [
+        key
+        for key in sorted(set(was) | set(now))
+        if key not in RESUMABLE_KEYS
+        and not key.startswith(RESUMABLE_SECTIONS)
+        and was.get(key, absent) != now.get(key, absent)
+    ]
+    if changed:
+        key = changed[0]
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])})" if changed[1:] else ""
+        raise ConfigError(
+            f"{key}: changed since the checkpoint (was {was.get(key, absent)!r}, now "
+            f"{now.get(key, absent)!r}){more}; resume {source} with its settings, or start a "
+            "new run in a new out_dir"
+        )

@@ -92,6 +92,22 @@ def trained_state(transformer: torch.nn.Module, config: RunConfig) -> dict:
     return {k: v for k, v in state.items() if k in names}
 
 
+def load_trained_state(model: torch.nn.Module, weights: dict, config: RunConfig, source: str):
+    """Loads a checkpoint's weights into ``model`` (structured as in its run: LoRA adapters
+    added by :func:`trainable_parameters` for a LoRA run) and refuses any mismatch: a weight
+    the run trains that the checkpoint lacks, or one the model does not have."""
+    expected = set(trained_state(model, config))
+    missing = sorted(expected - set(weights))
+    unexpected = sorted(set(weights) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint: {source} does not match the model of this run (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]}, of {len(missing)} and "
+            f"{len(unexpected)}); was it written with other model or model.lora settings?"
+        )
+    model.load_state_dict(weights, strict=False)  # a LoRA run's checkpoint holds its adapters
+
+
 def load_model(
     config: RunConfig, device, dtype, checkpoint: str | None = None, use_ema: bool = True
 ):
@@ -110,11 +126,6 @@ def load_model(
     weights = dict(restored["model"])
     shadow = (restored.get("ema") or {}).get("shadow", {}) if use_ema else {}
     weights.update({name: value for name, value in shadow.items() if name in weights})
-    missing = bundle.transformer.load_state_dict(weights, strict=False)
-    if missing.unexpected_keys:
-        raise ConfigError(
-            f"checkpoint: {checkpoint} does not match the model of its run "
-            f"(unexpected keys {missing.unexpected_keys[:3]})"
-        )
+    load_trained_state(bundle.transformer, weights, config, checkpoint)
     bundle.transformer.requires_grad_(False)
     return bundle

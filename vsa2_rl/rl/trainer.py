@@ -28,9 +28,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import yaml
 from tqdm.auto import tqdm
 
-from vsa2_rl.config import ConfigError, RunConfig, to_yaml
+from vsa2_rl.config import ConfigError, RunConfig, check_resume, config_tree, to_yaml
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rl import engines
@@ -44,6 +45,7 @@ from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.runtime import (
     build_bundle,
     load_prompts,
+    load_trained_state,
     resolve_device,
     resolve_dtype,
     trainable_parameters,
@@ -147,6 +149,22 @@ def _update_metrics(acc, device, sums: dict, count: float, ratio_dev_first) -> d
 
 def _chunks(n: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _trained_with(restored: dict, checkpoint) -> dict:
+    """The config tree a checkpoint was trained with: its own record, or (checkpoints written
+    before it had one) the config.yaml of the run folder that holds it."""
+    if "config" in restored:
+        return restored["config"]
+    run_config = os.path.join(os.path.dirname(os.path.dirname(str(checkpoint))), "config.yaml")
+    if not os.path.isfile(run_config):
+        raise ConfigError(
+            f"train.resume: {checkpoint} records no config and its run folder has no "
+            "config.yaml, so what it was trained with cannot be checked; resume it from its "
+            "run folder"
+        )
+    with open(run_config, encoding="utf-8") as handle:
+        return yaml.safe_load(handle)
 
 
 def _refuse_abandoned_run(config: RunConfig) -> None:
@@ -343,6 +361,7 @@ def train(config: RunConfig) -> dict:
     except ValueError as error:
         raise ConfigError(f"train.resume: {error}") from None
     if resume_from:
+        check_resume(_trained_with(restored, resume_from), config, str(resume_from))
         if engines.uses_deepspeed(acc):  # weights and optimizer shards, DeepSpeed's own files
             engines.load_engine_state(acc, resume_from)
         elif "optimizer" not in restored:
@@ -351,9 +370,11 @@ def train(config: RunConfig) -> dict:
                 "state is in DeepSpeed shards); resume it with the same DeepSpeed launcher"
             )
         else:
-            acc.unwrap_model(transformer).load_state_dict(restored["model"], strict=False)
+            model = acc.unwrap_model(transformer)
+            load_trained_state(model, restored["model"], config, str(resume_from))
             optimizer.load_state_dict(restored["optimizer"])
         lr_schedule.load_state_dict(restored["lr_schedule"])
+        schedule.load_state_dict(restored["schedule"])  # a longer run keeps its curriculum
         if ema is not None:
             ema.load_state_dict(restored["ema"])
         start_step = int(restored["step"])
@@ -387,6 +408,7 @@ def train(config: RunConfig) -> dict:
             "lr_schedule": lr_schedule.state_dict(),
             "ema": ema.state_dict() if ema is not None else {},
             "schedule": schedule.state_dict(),
+            "config": config_tree(config),
             "step": step,
         }
         staged = None
