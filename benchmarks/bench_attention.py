@@ -204,18 +204,25 @@ def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops):
     method = f"ours-full-kv{kvb}" if router_mode == "topk" else f"ours-full-{router_mode}-kv{kvb}"
     tile_len = torch.full((S // 64,), 64, device=q.device, dtype=torch.int32)
     seg_len = torch.full((S // kvb,), kvb, device=q.device, dtype=torch.int32)
-    alpha = torch.zeros(H, device=q.device, requires_grad=True)
-    gate_c = torch.full((1, 1, 1, 1), 0.1, device=q.device, dtype=q.dtype)
+    # as in the model: a non-zero router-bias scale and per-element gates (Linear outputs of
+    # the hidden states, so they take gradients too)
+    alpha = torch.full((H,), 0.5, device=q.device, requires_grad=True)
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    gate_c = (0.1 * torch.randn(q.shape, device=q.device, generator=gen)).to(q.dtype)
+    gate_f = (1 + 0.1 * torch.randn(q.shape, device=q.device, generator=gen)).to(q.dtype)
+    gate_c.requires_grad_(True)
+    gate_f.requires_grad_(True)
 
     def fwd():
         out, _ = vsa2_attention(
             q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=s, alpha=alpha,
-            gate_coarse=gate_c, config=cfg, num_valid_segments=S // kvb,
+            gate_coarse=gate_c, gate_fine=gate_f, config=cfg, num_valid_segments=S // kvb,
         )  # fmt: skip
         return out
 
     try:
-        time_fwd_bwd(table, tag, method, f"{s}", fwd, (q, k, v, alpha), go, flops)
+        inputs = (q, k, v, alpha, gate_c, gate_f)
+        time_fwd_bwd(table, tag, method, f"{s}", fwd, inputs, go, flops)
     except Exception:
         print(f"full VSA2 op failed at {tag} s={s} kv{kvb} {router_mode}:")
         traceback.print_exc()

@@ -465,29 +465,38 @@ def test_gpu_cuda_graph_capture_has_no_host_sync(kv_block):
 
 
 @pytest.mark.parametrize("kv_block", [16, 64])
-def test_bias_gradient_keeps_the_softmax_identity_of_each_query_tile(kv_block):
-    """For every query row sum_j dS_ij = dLSE_i (the row's probabilities sum to 1), so a tile's
-    d(bias) adds up to the sum of its rows' dLSE. 16-bit rounding of O breaks that by ~1e-3 of
-    |d(bias)| per tile unless the backward restores it, and d(alpha) = sum d(bias) * log p
-    multiplies the broken sum by the mean log-probability."""
-    from vsa2_rl.kernels import block_sparse_attention
+def test_bias_gradient_matches_float64_per_pair_and_its_fixup_mends_the_tile_sums(
+    kv_block, monkeypatch
+):
+    """Per-pair d(bias) of fp16 inputs against the float64 reference, with and without the
+    backward's fix-up (``_restore_softmax_identity``). Without it, rounding of O breaks each
+    tile's sum (sum_j dS_ij = dLSE_i per row) by ~1e-3 relative; d(alpha) = sum d(bias) * log p
+    weighs those sums by the mean log-probability (about -ln NSEG), so the fix-up must bring
+    that weighted sum, and the tile sums, close to float64 without hurting the pairs."""
+    import vsa2_rl.kernels.block_sparse as block_sparse
 
-    B, H, S, D, q_tile = 2, 2, 256, 32, 64
-    NQ, NSEG = S // q_tile, S // kv_block
-    KMAX = NSEG // 2
-    q, k, v = (3 * torch.randn(B, H, S, D) for _ in range(3))
-    q, k, v = (x.half() for x in (q, k, v))
-    ids, counts = make_selection(B, H, NQ, NSEG, KMAX)
-    bias = torch.randn(B, H, NQ, KMAX, requires_grad=True)
-    lens = torch.randint(1, kv_block + 1, (NSEG,), dtype=torch.int32)
-    out, lse = block_sparse_attention(
-        q, k, v, ids, counts, bias, kv_block=kv_block, kv_lengths=lens, backend="triton"
+    def bias_grads(fixup: bool):
+        torch.manual_seed(0)
+        with monkeypatch.context() as patch:
+            if not fixup:
+                patch.setattr(block_sparse, "_restore_softmax_identity", lambda d, *a: d)
+            got, ref, _ = run_case(2, 2, 256, 32, 64, kv_block, 128 // kv_block, torch.float16,
+                                   "triton")  # fmt: skip
+        return got[2][3].double(), ref[2][3]
+
+    (fixed, ref), (raw, ref_raw) = bias_grads(True), bias_grads(False)
+    assert torch.equal(ref, ref_raw)  # the same inputs both times
+    weights = -math.log(256 // kv_block) + 0.1 * torch.randn(
+        ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
     )
-    g_out, g_lse = torch.randn(out.shape), torch.randn(lse.shape)
-    finite = torch.isfinite(lse)
-    loss = (out.float() * g_out).sum() + torch.where(finite, lse * g_lse, 0.0).sum()
-    (dbias,) = torch.autograd.grad(loss, [bias])
-    tile_sums = torch.where(finite, g_lse, 0.0).view(B, H, NQ, q_tile).sum(-1)
-    torch.testing.assert_close(
-        dbias.sum(-1), tile_sums, rtol=0, atol=1e-5 * float(dbias.abs().max())
-    )
+    errors = {}
+    for name, d in (("fixed", fixed), ("raw", raw)):
+        errors[name] = (
+            rel_rms(d, ref),
+            rel_rms(d.sum(-1), ref.sum(-1)),
+            rel_rms((d * weights).sum(-1), (ref * weights).sum(-1)),
+        )
+    (pair_fixed, sums_fixed, alpha_fixed), (pair_raw, sums_raw, alpha_raw) = errors.values()
+    assert pair_raw < 2e-3 and pair_fixed < 1e-3, errors
+    assert sums_raw > 1e-4 and sums_fixed < sums_raw / 100, errors
+    assert alpha_fixed < alpha_raw / 10, errors

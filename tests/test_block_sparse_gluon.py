@@ -44,11 +44,17 @@ def _case(with_lengths, strided, dtype=torch.bfloat16, D=128, kv_block=64):
     return q, k, v, ids, counts, bias, lengths, D**-0.5, rand()
 
 
+def _rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS of the error over the RMS of the float64 reference."""
+    got, ref = got.double(), ref.double()
+    return ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
 def _check_forward(out, lse, ref_out, ref_lse, counts):
-    torch.testing.assert_close(out.double(), ref_out.double(), rtol=2e-2, atol=2e-2)
+    assert _rel_rms(out, ref_out) <= 1e-2, f"out: relative RMS {_rel_rms(out, ref_out):.2e}"
     assert torch.equal(lse.isinf(), ref_lse.isinf())
     finite = ref_lse.isfinite()
-    torch.testing.assert_close(lse[finite].double(), ref_lse[finite].double(), rtol=1e-3, atol=1e-3)
+    assert _rel_rms(lse[finite], ref_lse[finite]) <= 1e-3, "lse"
     assert counts[0, 0, 0] == 0 and (out[0, 0, :64] == 0).all(), "no segments must give 0"
 
 
@@ -99,8 +105,7 @@ def test_gluon_dq_pass_matches_triton_pass_and_float64(monkeypatch, with_lengths
     triton_ = block_sparse._dq_pass_outputs(q, bias, has_bias=True)
     block_sparse._dq_pass(*args, triton_, q_tile=64, kv_block=kv_block, **flags)
     for name, got, ref in zip(("dq", "delta", "dbias", "mass"), gluon, triton_, strict=True):
-        err = (got.double() - ref.double()).abs().max().item()
-        assert err <= 1e-2 * ref.double().abs().max().item(), f"{name}: max difference {err:.3g}"
+        assert _rel_rms(got, ref) <= 1e-2, f"{name}: relative RMS {_rel_rms(got, ref):.2e}"
 
     leaf = q.double().requires_grad_()
     ref_out, ref_lse = block_sparse_attention_torch(
@@ -110,8 +115,7 @@ def test_gluon_dq_pass_matches_triton_pass_and_float64(monkeypatch, with_lengths
         ref_lse.isfinite(), ref_lse * dlse.double(), 0.0
     ).sum()
     (ref_dq,) = torch.autograd.grad(loss, leaf)
-    err = (gluon[0].double() - ref_dq).abs().max().item()
-    assert err <= 3e-2 * ref_dq.abs().max().item(), f"dq: max error {err:.3g}"
+    assert _rel_rms(gluon[0], ref_dq) <= 2e-2, f"dq: relative RMS {_rel_rms(gluon[0], ref_dq):.2e}"
 
 
 @pytest.mark.parametrize("kv_block", [64, 32, 16])
@@ -142,7 +146,6 @@ def test_routed_forward_and_backward_match_float64_autograd(
         ref_lse.isfinite(), ref_lse * dlse.double(), 0.0
     ).sum()
     refs = torch.autograd.grad(loss, leaves)
-    names, tolerances = ("dq", "dk", "dv", "dbias"), (3e-2, 3e-2, 3e-2, 1e-2)
+    names, tolerances = ("dq", "dk", "dv", "dbias"), (2e-2, 2e-2, 2e-2, 1e-2)
     for name, got, ref, tol in zip(names, (dq, dk, dv, dbias), refs, tolerances, strict=True):
-        err = (got.double() - ref).abs().max().item()
-        assert err <= tol * ref.abs().max().item(), f"{name}: max error {err:.3g}"
+        assert _rel_rms(got, ref) <= tol, f"{name}: relative RMS {_rel_rms(got, ref):.2e}"

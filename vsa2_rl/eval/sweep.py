@@ -7,7 +7,9 @@ the deterministic ODE from the same seeded noise, decoded and scored by every co
 Nothing is written until every cell succeeded, so a failing reward never leaves a partial table
 that looks complete. Outputs in ``out_dir``: ``eval.json`` (one row per run and sparsity, in the
 given order), ``eval.md`` (the same as a table), ``eval.png`` (each reward and the latency against
-sparsity, a line per run) and ``samples/<run>/sparsity_<s>.png|.gif``.
+sparsity, a line per run) and ``samples/<run>/sparsity_<s>.png|.gif``. The latency is the
+sampling time per video after one untimed warm-up call at each sparsity (compilation and kernel
+autotuning at a new setting are not latency).
 
 The hard-to-easy claim of VSA2 (train at high sparsity, evaluate lower) is checked by running a
 sparse-trained and a dense-trained run through the same sweep (README, "Hard-to-easy").
@@ -100,6 +102,17 @@ def _reward_fns(config: RunConfig) -> list:
     )
 
 
+def _warm_up(bundle, prompts, noise, sigmas, uncond, guidance_scale) -> None:
+    """One untimed model call at the current sparsity, so that compilation and kernel
+    autotuning at a new setting are not counted as its latency."""
+    with torch.no_grad():
+        text_emb = bundle.encode_prompts(prompts)
+        sigma = torch.full((noise.shape[0],), float(sigmas[0]), device=noise.device)
+        cfg_velocity(bundle.velocity, text_emb, uncond, guidance_scale)(noise, sigma)
+    if noise.device.type == "cuda":
+        torch.cuda.synchronize(noise.device)
+
+
 def sweep_model(
     bundle,
     prompts: list[str],
@@ -130,6 +143,8 @@ def sweep_model(
     bundle.transformer.eval()
     for sparsity in sparsities:
         state.sparsity, state.phase = sparsity, "eval"
+        _warm_up(bundle, prompts[:batch_size], noise[:batch_size].to(device), sigmas, uncond,
+                 guidance_scale)  # fmt: skip
         state.pop_density()
         videos, seconds = [], 0.0
         for start in range(0, len(prompts), batch_size):
