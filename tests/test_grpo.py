@@ -86,6 +86,31 @@ def test_ppo_clip_loss_branches_and_stats():
     torch.testing.assert_close(stats["approx_kl"], k3)
 
 
+def test_asymmetric_clipping_bounds_each_side_on_its_own():
+    # [1 - 0.1, 1 + 0.3]: r = 1.2 with A > 0 is inside (symmetric 0.1 would clip it), r = 1.4
+    # with A > 0 and r = 0.85 with A < 0 are outside
+    ratios = torch.tensor([1.2, 1.4, 0.85, 0.95], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    log_prob = ratios.log().float().requires_grad_(True)
+    loss, stats = grpo_loss(log_prob, torch.zeros(4), adv, clip_range=0.1, clip_range_high=0.3)
+    torch.testing.assert_close(loss, torch.tensor((-1.2 - 1.3 + 0.9 + 0.95) / 4))
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.tensor([-1.2, 0.0, 0.0, 0.95]) / 4)
+    assert stats["clip_frac"].item() == 0.5
+    with pytest.raises(ValueError, match="clip_range_high"):
+        grpo_loss(log_prob, torch.zeros(4), adv, clip_range_high=0.0)
+
+
+def test_approx_kl_survives_the_small_log_ratios_of_per_element_log_probs():
+    # k3 = r - 1 - log r = x^2 / 2 + x^3 / 6 + ... at log-ratio x; in float32 r - 1 - x cancels
+    for x in (1e-4, -3e-5, 2e-3):
+        log_prob = torch.full((8,), x, dtype=torch.float32)
+        stats = grpo_loss(log_prob, torch.zeros(8), torch.ones(8))[1]
+        x64 = float(log_prob[0].double())
+        expected = x64**2 / 2 + x64**3 / 6 + x64**4 / 24
+        assert stats["approx_kl"].item() == pytest.approx(expected, rel=1e-4)
+
+
 def test_reinforce_loss_and_timestep_broadcast():
     log_prob = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.5, -1.0]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])

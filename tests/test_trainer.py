@@ -40,6 +40,8 @@ REQUIRED_KEYS = {
     "loss/kl",
     "train/ratio_dev_first",
     "train/clip_frac",
+    "train/ratio_mean",
+    "train/approx_kl",
     "attn/density",
     "sparsity/rollout",
     "sparsity/train",

@@ -277,7 +277,14 @@ class GRPOConfig:
     loss_type: str = _doc(
         "Policy loss: 'ppo_clip' (clipped ratio per timestep) or 'reinforce'.", default="ppo_clip"
     )
-    clip_range: float = _doc("PPO ratio clip range epsilon.", default=0.2)
+    clip_range: float = _doc(
+        "PPO ratio clip range epsilon: ratios are clipped to [1 - eps, 1 + eps].", default=0.2
+    )
+    clip_range_high: float | None = _doc(
+        "Upper clip range when it differs from the lower one (asymmetric clipping, DAPO's "
+        "clip-higher): [1 - clip_range, 1 + clip_range_high]; empty = clip_range.",
+        default=None,
+    )
     kl_beta: float = _doc(
         "Weight of the latent-space KL to the reference policy; 0 = off.", default=0.0
     )
@@ -304,6 +311,11 @@ class GRPOConfig:
         _check_choice(self.loss_type, "grpo.loss_type", ("ppo_clip", "reinforce"))
         _check(self.adv_clip > 0, "grpo.adv_clip", f"must be > 0, got {self.adv_clip}")
         _check(self.clip_range > 0, "grpo.clip_range", f"must be > 0, got {self.clip_range}")
+        _check(
+            self.clip_range_high is None or self.clip_range_high > 0,
+            "grpo.clip_range_high",
+            f"must be > 0 (or empty for clip_range), got {self.clip_range_high}",
+        )
         _check(self.kl_beta >= 0, "grpo.kl_beta", f"must be >= 0, got {self.kl_beta}")
         _check(
             0 < self.timestep_fraction <= 1,

@@ -106,6 +106,7 @@ def grpo_loss(
     advantages: Tensor,
     *,
     clip_range: float = 1e-4,
+    clip_range_high: float | None = None,
     loss_type: str = "ppo_clip",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss for one minibatch of transitions.
@@ -115,8 +116,11 @@ def grpo_loss(
             policy (differentiable), T = denoising steps trained in this minibatch.
         old_log_prob: same shape, recorded at rollout time (treated as a constant).
         advantages: float [B] (broadcast over T) or the same shape as log_prob; a constant.
-        clip_range: PPO epsilon. Log-probs are per-element means (see vsa2_rl.sampling), so
-            ratios move little per update and flow_grpo's default is 1e-4.
+        clip_range: PPO epsilon (the lower bound ``1 - clip_range``, and the upper one unless
+            ``clip_range_high`` is given). Log-probs are per-element means (see
+            vsa2_rl.sampling), so ratios move little per update and flow_grpo's default is 1e-4.
+        clip_range_high: the upper bound ``1 + clip_range_high`` when it differs from the
+            lower one (asymmetric clipping, DAPO's "clip-higher"); None = ``clip_range``.
         loss_type: ``"ppo_clip"``: ``mean(max(-A r, -A clip(r, 1 - eps, 1 + eps)))`` with
             ``r = exp(log_prob - old_log_prob)``. ``"reinforce"``: ``mean(-A log_prob)``, no
             ratio or clipping (its gradient equals ppo_clip's at r = 1). trl's ``bnpo`` /
@@ -127,14 +131,19 @@ def grpo_loss(
     Returns:
         ``(loss, stats)``: ``loss`` a scalar mean over all elements; ``stats`` detached scalar
         tensors (no host sync): ``clip_frac`` (fraction of elements whose gradient the clip
-        removes: r > 1 + eps with A > 0, or r < 1 - eps with A < 0, trl's definition),
+        removes: r > 1 + eps_high with A > 0, or r < 1 - eps with A < 0, trl's definition),
         ``ratio_mean``, ``ratio_max_dev`` (max |r - 1|), ``approx_kl`` (the k3 estimator
-        ``mean(r - 1 - log r)`` of KL(old || new)).
+        ``mean(r - 1 - log r)`` of KL(old || new), computed as ``expm1(x) - x`` of the
+        log-ratio x in float64: ``r - 1 - x`` in float32 cancels to 0 at the ~1e-4 log-ratios
+        that per-element mean log-probs give).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if not clip_range > 0:
         raise ValueError(f"clip_range must be > 0, got {clip_range!r}")
+    high = clip_range if clip_range_high is None else clip_range_high
+    if not high > 0:
+        raise ValueError(f"clip_range_high must be > 0, got {clip_range_high!r}")
     if old_log_prob.shape != log_prob.shape:
         raise ValueError(
             f"old_log_prob shape {tuple(old_log_prob.shape)} must equal log_prob shape "
@@ -152,19 +161,17 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     if loss_type == "ppo_clip":
         unclipped = -adv * ratio
-        clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+        clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + high)
         loss = torch.maximum(unclipped, clipped).mean()
     else:
         loss = (-adv * log_prob.float()).mean()
     with torch.no_grad():
-        clipped_mask = ((ratio > 1.0 + clip_range) & (adv > 0)) | (
-            (ratio < 1.0 - clip_range) & (adv < 0)
-        )
+        clipped_mask = ((ratio > 1.0 + high) & (adv > 0)) | ((ratio < 1.0 - clip_range) & (adv < 0))
         stats = {
             "clip_frac": clipped_mask.float().mean(),
             "ratio_mean": ratio.mean(),
             "ratio_max_dev": (ratio - 1.0).abs().max(),
-            "approx_kl": (ratio - 1.0 - log_ratio).mean(),
+            "approx_kl": (torch.expm1(log_ratio.double()) - log_ratio.double()).mean().float(),
         }
     return loss, stats
 

@@ -63,6 +63,15 @@ class Rollout:
     advantages: torch.Tensor | None = None  # [b]
 
 
+# grpo_loss's statistics as logged (per-sample means over an update); ratio_max_dev is logged
+# as train/ratio_dev_first, from the first pass only
+LOGGED_STATS = {
+    "clip_frac": "train/clip_frac",
+    "ratio_mean": "train/ratio_mean",
+    "approx_kl": "train/approx_kl",
+}
+
+
 def _sample_seed(seed: int, step: int, index: int) -> int:
     """A seed per (run seed, step, global sample index): independent of rank count and resume."""
     return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
@@ -525,7 +534,7 @@ def train(config: RunConfig) -> dict:
         trainable_steps = torch.nonzero(stochastic).flatten().tolist()
         step_gen = torch.Generator().manual_seed(_sample_seed(config.seed + 2, step, 0))
         num_train = max(1, round(grpo.timestep_fraction * len(trainable_steps)))
-        sums = {"loss/policy": [], "loss/kl": [], "train/clip_frac": []}
+        sums = {name: [] for name in ("loss/policy", "loss/kl", *LOGGED_STATS.values())}
         ratio_dev_first, grad_norms, count, skipped = None, [], 0.0, 0
         for _epoch in range(grpo.num_inner_epochs):
             order = torch.randperm(len(trainable_steps), generator=step_gen)[:num_train]
@@ -555,6 +564,7 @@ def train(config: RunConfig) -> dict:
                         chunk.log_probs[j],
                         chunk.advantages,
                         clip_range=grpo.clip_range,
+                        clip_range_high=grpo.clip_range_high,
                         loss_type=grpo.loss_type,
                     )
                     if ratio_dev_first is None and counted:
@@ -579,7 +589,8 @@ def train(config: RunConfig) -> dict:
                 if counted:
                     sums["loss/policy"].append(loss.detach() * size)
                     sums["loss/kl"].append(kl.detach() * size)
-                    sums["train/clip_frac"].append(stats["clip_frac"] * size)
+                    for stat, name in LOGGED_STATS.items():
+                        sums[name].append(stats[stat] * size)
             stepped, grad_norm = engines.finish_update(
                 acc, optimizer, params, config.train.max_grad_norm, sums["loss/policy"]
             )
