@@ -388,3 +388,39 @@ def test_trained_weights_load_only_when_every_key_matches(tmp_path):
     weights[dropped] = weights[dropped] + 1.0
     load_trained_state(model, weights, config, "x")
     assert torch.equal(model.state_dict()[dropped], weights[dropped])
+
+
+def test_rollouts_and_evaluations_take_their_own_guidance_and_the_negative_prompt(
+    tmp_path, monkeypatch
+):
+    from vsa2_rl.eval import sweep as sweep_module
+    from vsa2_rl.runtime import build_bundle
+
+    used = {"train": [], "eval": []}
+    for phase, module in (("train", trainer_module), ("eval", sweep_module)):
+        real = module.cfg_velocity
+
+        def recording(model_fn, cond, uncond, scale, phase=phase, real=real):
+            used[phase].append((scale, uncond))
+            return real(model_fn, cond, uncond, scale)
+
+        monkeypatch.setattr(module, "cfg_velocity", recording)
+    guided = ["sampler.guidance_scale=2.0", "eval.guidance_scale=4.0"]
+    config = _config(
+        tmp_path, "train.num_steps=1", "eval.every=1", "eval.num_prompts=2", *guided,
+        "sampler.negative_prompt=blurry",
+    )  # fmt: skip
+    train(config)
+    bundle = build_bundle(config, torch.device("cpu"), torch.float32)
+    negative = bundle.encode_prompts(["blurry"])
+    assert not torch.equal(negative, bundle.encode_prompts([""]))
+    for phase, scale in (("train", 2.0), ("eval", 4.0)):
+        assert used[phase] and {s for s, _ in used[phase]} == {scale}
+        assert all(torch.equal(uncond, negative) for _, uncond in used[phase])
+
+
+def test_a_negative_prompt_without_guidance_is_refused():
+    with pytest.raises(ConfigError, match=r"^sampler\.negative_prompt: is only used by"):
+        load_config(None, ["sampler.negative_prompt=blurry"])
+    with pytest.raises(ConfigError, match=r"^eval\.guidance_scale: must be >= 1"):
+        load_config(None, ["eval.guidance_scale=0.5"])

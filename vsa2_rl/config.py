@@ -217,7 +217,16 @@ class SamplerConfig:
         "Timestep shift of the sigma schedule (Wan uses 3-5 at 480p/720p).", default=1.0
     )
     noise_level: float = _doc("SDE noise level a (0 = ODE).", default=0.7)
-    guidance_scale: float = _doc("Classifier-free guidance scale; 1 = no guidance.", default=1.0)
+    guidance_scale: float = _doc(
+        "Classifier-free guidance scale of rollouts and training; 1 = no guidance. Both use the "
+        "same guided velocity, so the trained log-probs are those of the policy that sampled.",
+        default=1.0,
+    )
+    negative_prompt: str = _doc(
+        "Prompt of the unconditional branch of guidance (rollouts, training and evaluation); "
+        "empty = the empty prompt.",
+        default="",
+    )
     sde_window: list[int] | None = _doc(
         "[start, end) step indices that are stochastic and trained; empty = all steps.",
         default=None,
@@ -468,6 +477,10 @@ class EvalConfig:
         "every N steps and after the last (logged as eval/*); 0 = never.",
         default=0,
     )
+    guidance_scale: float | None = _doc(
+        "Classifier-free guidance scale of evaluations (ODE); empty = sampler.guidance_scale.",
+        default=None,
+    )
     guard_rewards: list[RewardEntry] = _doc(
         "Guard metrics, each {name, kwargs} like rewards.functions (weight unused): scored at "
         "every evaluation (logged as eval/guard/<name>, and by vsa2-rl eval), never trained on, "
@@ -487,6 +500,12 @@ class EvalConfig:
             _check(0.0 <= value < 1.0, "eval.sparsities", f"each must be in [0, 1), got {value}")
         _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
         _check(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
+        _check(
+            self.guidance_scale is None or self.guidance_scale >= 1.0,
+            "eval.guidance_scale",
+            f"must be >= 1 (1 disables guidance; empty = sampler.guidance_scale), got "
+            f"{self.guidance_scale}",
+        )
 
 
 @dataclass
@@ -563,6 +582,19 @@ class RunConfig:
                 f"{self.checkpoint} is not a checkpoint folder (no COMPLETE marker); give a "
                 "run's checkpoints/step_N folder, or run_dir= for its newest",
             )
+        _check(
+            not self.sampler.negative_prompt
+            or max(self.sampler.guidance_scale, self.eval_guidance_scale) > 1,
+            "sampler.negative_prompt",
+            "is only used by classifier-free guidance, and sampler.guidance_scale and "
+            "eval.guidance_scale are both 1; raise one of them or leave it empty",
+        )
+
+    @property
+    def eval_guidance_scale(self) -> float:
+        """The guidance scale of evaluations: ``eval.guidance_scale``, else the rollouts'."""
+        scale = self.eval.guidance_scale
+        return self.sampler.guidance_scale if scale is None else scale
 
 
 def _all_keys(schema: Any, prefix: str = "") -> list[str]:

@@ -127,6 +127,7 @@ def sweep_model(
     shape: tuple[int, int, int],
     progress: bool = True,
     label: str = "",
+    negative_prompt: str = "",
 ) -> tuple[list[dict], dict[float, torch.Tensor]]:
     """ODE-samples ``prompts`` at each sparsity; returns the rows and the first (up to 8) videos
     per sparsity."""
@@ -135,7 +136,7 @@ def sweep_model(
     noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
     sigmas = sigma_schedule(num_steps, shift)
     device = next(bundle.transformer.parameters()).device
-    uncond = bundle.encode_prompts([""]) if guidance_scale > 1 else None
+    uncond = bundle.encode_prompts([negative_prompt]) if guidance_scale > 1 else None
     rows, previews = [], {}
     bar = tqdm(
         total=len(sparsities) * len(prompts), desc=f"eval {label}".strip(), disable=not progress
@@ -246,7 +247,13 @@ def evaluate(config: RunConfig) -> list[dict]:
             rewards,
             num_steps=config.sampler.eval_num_steps,
             shift=trained.sampler.shift,
-            guidance_scale=trained.sampler.guidance_scale,
+            # the evaluation's own guidance settings where it gives them, else the run's
+            guidance_scale=(
+                trained.eval_guidance_scale
+                if config.eval.guidance_scale is None
+                else config.eval.guidance_scale
+            ),
+            negative_prompt=config.sampler.negative_prompt or trained.sampler.negative_prompt,
             seed=config.eval.seed,
             batch_size=config.grpo.train_batch_size,
             shape=shape,

@@ -273,7 +273,8 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int) -> dict:
                 [*setup.rewards.rewards.values(), *setup.guards],
                 num_steps=config.sampler.eval_num_steps,
                 shift=config.sampler.shift,
-                guidance_scale=config.sampler.guidance_scale,
+                guidance_scale=config.eval_guidance_scale,
+                negative_prompt=config.sampler.negative_prompt,
                 seed=config.eval.seed,
                 batch_size=config.grpo.train_batch_size,
                 shape=(config.model.num_frames, config.model.height, config.model.width),
@@ -356,7 +357,7 @@ def train(config: RunConfig) -> dict:
     )
     sigmas = sigma_schedule(samp.num_steps, samp.shift)
     window = tuple(samp.sde_window) if samp.sde_window else None
-    uncond = bundle.encode_prompts([""]) if samp.guidance_scale > 1 else None
+    uncond = bundle.encode_prompts([samp.negative_prompt]) if samp.guidance_scale > 1 else None
 
     checkpoints = os.path.join(config.out_dir, "checkpoints")
     start_step = 0
