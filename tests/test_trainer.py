@@ -147,13 +147,13 @@ def test_a_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
 
 
 def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
-    from vsa2_rl.eval.sweep import _targets
+    from vsa2_rl.eval.sweep import resolve_targets
 
     train(_config(tmp_path, "train.num_steps=2", "train.checkpoint_every=1"))
     weights = tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated, its COMPLETE marker still there
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoints \(step_2: model"):
-        (target,) = _targets(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
+        (target,) = resolve_targets(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
     assert target.checkpoint.endswith("step_1")
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoints \(step_2: model"):
         train(_config(tmp_path, "train.num_steps=3", "train.checkpoint_every=1"))
@@ -424,3 +424,97 @@ def test_a_negative_prompt_without_guidance_is_refused():
         load_config(None, ["sampler.negative_prompt=blurry"])
     with pytest.raises(ConfigError, match=r"^eval\.guidance_scale: must be >= 1"):
         load_config(None, ["eval.guidance_scale=0.5"])
+
+
+def test_a_group_shares_its_steps_before_the_window_and_branches_at_it(tmp_path, monkeypatch):
+    from vsa2_rl.runtime import build_bundle
+    from vsa2_rl.sampling import sample, sigma_schedule
+
+    videos = []
+
+    def recording_reward(batch, prompts, metadata):
+        videos.append(batch.clone())
+        return brightness(batch, prompts, metadata)
+
+    monkeypatch.setattr(sys.modules[__name__], "recorded_reward", recording_reward, raising=False)
+    config = _config(
+        tmp_path, "train.num_steps=1", "sampler.sde_window=[1,3]", "grpo.group_size=3",
+        "sampler.same_noise_per_group=true",
+        "rewards.functions=[{name: 'test_trainer:recorded_reward'}]",
+    )  # fmt: skip
+    train(config)
+    (video,) = videos
+    # reference: every sample integrated on its own over the whole schedule, same seeds
+    bundle = build_bundle(config, torch.device("cpu"), torch.float32)
+    bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = config.sparsity.train, "rollout"
+    shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
+    noise = trainer_module.initial_noise(config, 1, shape, list(range(6)))
+    prompts = [trainer_module.load_prompts(config)[i] for i in _prompt_indices(config)]
+    expected = []
+    for i in range(6):
+        emb = bundle.encode_prompts([prompts[i]])
+        generator = torch.Generator().manual_seed(
+            trainer_module._sample_seed(config.seed + 1, 1, i)
+        )
+        trajectory = sample(
+            lambda x, s, emb=emb: bundle.velocity(x, s, emb), noise[i : i + 1],
+            sigma_schedule(config.sampler.num_steps), kind="sde", noise_level=0.7,
+            sde_window=(1, 3), generator=[generator],
+        )  # fmt: skip
+        expected.append(bundle.decode(trajectory.latents[-1]))
+    assert rel_rms(video, torch.cat(expected)) < 1e-5
+    assert (video[0] - video[1]).abs().max() > 1e-3  # the group branched
+    # 2 groups x 1 shared step + 6 samples x 2 steps of their own, not 6 x 3
+    assert _rows(config.out_dir)[-1]["perf/rollout_evals"] == 2 * 1 + 6 * 2
+
+
+def _prompt_indices(config):
+    from vsa2_rl.rl.grpo import GroupedPromptSampler
+
+    sampler = GroupedPromptSampler(
+        len(trainer_module.load_prompts(config)), config.grpo.group_size,
+        config.grpo.prompts_per_step, seed=config.seed,
+    )  # fmt: skip
+    return sampler.batch(0).prompt_indices
+
+
+def rel_rms(a, b):
+    return float((a - b).double().pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
+
+
+def test_the_moving_window_is_drawn_per_step_within_its_range(tmp_path, monkeypatch):
+    windows = []
+    real_sample = trainer_module.sample
+
+    def recording_sample(velocity_fn, noise, sigmas, **kwargs):
+        trajectory = real_sample(velocity_fn, noise, sigmas, **kwargs)
+        windows.append(torch.nonzero(trajectory.stochastic).flatten().tolist())
+        return trajectory
+
+    monkeypatch.setattr(trainer_module, "sample", recording_sample)
+    moving = ["sampler.num_steps=6", "sampler.sde_window_size=2", "sampler.sde_window_range=[1,5]"]
+    for name in ("first", "again"):
+        config = _config(tmp_path, "train.num_steps=6", "sampler.sde_window=null", *moving,
+                         name=name)  # fmt: skip
+        train(config)
+    drawn = [tuple(w) for w in windows]  # one rollout chunk a step, no shared prefix
+    first, again = drawn[:6], drawn[6:]
+    assert len(set(first)) > 1 and again == first  # drawn anew each step, the same each run
+    assert all(len(w) == 2 and w[1] == w[0] + 1 and w[0] >= 1 and w[1] < 5 for w in first)
+
+
+def test_moving_window_settings_are_checked():
+    for overrides, key in (
+        (["sampler.sde_window_range=[0,4]"], "sampler.sde_window_range"),
+        (["sampler.sde_window=[0,2]", "sampler.sde_window_size=2"], "sampler.sde_window"),
+        (
+            ["sampler.sde_window_size=5", "sampler.sde_window_range=[0,4]"],
+            "sampler.sde_window_size",
+        ),
+        (
+            ["sampler.sde_window_size=1", "sampler.sde_window_range=[3,1]"],
+            "sampler.sde_window_range",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+            load_config(None, ["sampler.num_steps=8", "sampler.sde_window=null", *overrides])

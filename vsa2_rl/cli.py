@@ -1,4 +1,4 @@
-"""The ``vsa2-rl`` console script: ``vsa2-rl train`` and ``vsa2-rl eval``.
+"""The ``vsa2-rl`` console script: ``vsa2-rl train``, ``vsa2-rl eval`` and ``vsa2-rl export``.
 
 Both take ``--config FILE`` (default ``configs/default.yaml``) and OmegaConf dotlist overrides
 (``train.num_steps=2 out_dir=runs/x``). A configuration problem (missing file, unknown key,
@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
         "train": "Flow-GRPO fine-tuning with VSA2 rollouts and a hard-to-easy sparsity schedule.",
         "eval": "Evaluate rewards and latency at several inference sparsities "
         "(run_dir=DIR | run_dirs=[...] | checkpoint=DIR | model.path=DIR).",
+        "export": "Write a run's weights as a peft adapter (LoRA runs) or a diffusers folder "
+        "(full fine-tuning), plus the VSA2 parameters and their attention settings "
+        "(run_dir=DIR | checkpoint=DIR, out_dir=DIR).",
     }
     for name, description in descriptions.items():
         command = commands.add_parser(
@@ -57,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             from vsa2_rl.rl.trainer import train
 
             train(config)
-        else:
+        elif args.command == "eval":
             from vsa2_rl.eval import evaluate
 
             evaluate(config)
+        else:
+            from vsa2_rl.export import export
+
+            print(f"exported to {export(config)}")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

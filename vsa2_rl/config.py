@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +53,25 @@ class LoraConfig:
         "Module names to adapt (peft target_modules).",
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
     )
+    init_from: str | None = _doc(
+        "A peft adapter folder (adapter_config.json + adapter_model.safetensors, e.g. from "
+        "vsa2-rl export) to start the adapters from; its rank, alpha and target modules must "
+        "equal these. Empty = fresh adapters.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         _check(self.rank >= 1, "model.lora.rank", f"must be >= 1, got {self.rank}")
         _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _check(bool(self.target_modules), "model.lora.target_modules", "must not be empty")
+        if self.init_from:
+            _check(
+                os.path.isfile(os.path.join(self.init_from, "adapter_config.json"))
+                and os.path.isfile(os.path.join(self.init_from, "adapter_model.safetensors")),
+                "model.lora.init_from",
+                f"{self.init_from} is not a peft adapter folder (adapter_config.json + "
+                "adapter_model.safetensors, as vsa2-rl export writes)",
+            )
 
 
 @dataclass
@@ -231,9 +246,21 @@ class SamplerConfig:
         "[start, end) step indices that are stochastic and trained; empty = all steps.",
         default=None,
     )
+    sde_window_size: int | None = _doc(
+        "Flow-GRPO-Fast with a moving window: this many consecutive stochastic (and trained) "
+        "steps, their start drawn anew every RL step within sampler.sde_window_range; empty = "
+        "the fixed sampler.sde_window.",
+        default=None,
+    )
+    sde_window_range: list[int] | None = _doc(
+        "[low, high): steps the moving window stays within (flow_grpo's sde_window_range); "
+        "empty = all steps.",
+        default=None,
+    )
     same_noise_per_group: bool = _doc(
         "One initial noise per prompt for its whole group (flow_grpo same_latent, DanceGRPO "
-        "use_same_noise): a group's samples then differ only through the SDE noise.",
+        "use_same_noise): a group's samples then differ only through the SDE noise, and the "
+        "deterministic steps before the SDE window run once per group, which then branches.",
         default=False,
     )
 
@@ -268,6 +295,41 @@ class SamplerConfig:
                 f"must be [start, end) with 0 <= start < end <= sampler.num_steps "
                 f"({self.num_steps}), got {list(self.sde_window)}",
             )
+        if self.sde_window_size is None:
+            _check(
+                self.sde_window_range is None,
+                "sampler.sde_window_range",
+                "needs sampler.sde_window_size (the length of the window that moves within it)",
+            )
+            return
+        _check(
+            self.sde_window is None,
+            "sampler.sde_window",
+            "give either a fixed sampler.sde_window or a moving sampler.sde_window_size, not both",
+        )
+        window_range = self.sde_window_range or [0, self.num_steps]
+        _check(
+            len(window_range) == 2 and 0 <= window_range[0] < window_range[1] <= self.num_steps,
+            "sampler.sde_window_range",
+            f"must be [low, high) with 0 <= low < high <= sampler.num_steps ({self.num_steps}), "
+            f"got {self.sde_window_range}",
+        )
+        low, high = window_range
+        _check(
+            1 <= self.sde_window_size <= high - low,
+            "sampler.sde_window_size",
+            f"must be in [1, {high - low}] (the width of sampler.sde_window_range), got "
+            f"{self.sde_window_size}",
+        )
+
+    def window_at(self, seed: int, step: int) -> tuple[int, int] | None:
+        """The [start, end) SDE window of RL step ``step``: the fixed one, or the moving one's
+        draw, a pure function of (seed, step) so that a resumed run draws the same."""
+        if self.sde_window_size is None:
+            return tuple(self.sde_window) if self.sde_window else None
+        low, high = self.sde_window_range or [0, self.num_steps]
+        start = random.Random(seed * 1_000_033 + step).randint(low, high - self.sde_window_size)
+        return start, start + self.sde_window_size
 
 
 @dataclass

@@ -75,12 +75,44 @@ def trainable_parameters(transformer: torch.nn.Module, config: RunConfig) -> lis
                 target_modules=list(config.model.lora.target_modules),
             )
         )
+        if config.model.lora.init_from:
+            _load_adapter(transformer, config)
         for name, parameter in transformer.named_parameters():
             if "lora_" in name or ".vsa2." in name:
                 parameter.requires_grad_(True)
     else:
         transformer.requires_grad_(True)
     return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def _load_adapter(transformer: torch.nn.Module, config: RunConfig) -> None:
+    """Starts the run's adapters from ``model.lora.init_from`` (a peft adapter folder whose
+    shape must be the run's)."""
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    lora = config.model.lora
+    saved = LoraConfig.from_pretrained(lora.init_from)
+    ours = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": sorted(lora.target_modules)}
+    theirs = {
+        "rank": saved.r,
+        "alpha": saved.lora_alpha,
+        "target_modules": sorted(saved.target_modules),
+    }
+    for key, value in ours.items():
+        if theirs[key] != value:
+            raise ConfigError(
+                f"model.lora.{key}: {value!r} differs from the adapter in "
+                f"model.lora.init_from ({theirs[key]!r}); set it to the adapter's"
+            )
+    weights = load_file(os.path.join(lora.init_from, "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(transformer, weights)
+    if result.unexpected_keys:
+        raise ConfigError(
+            f"model.lora.init_from: {lora.init_from} holds weights this model has no place for "
+            f"({result.unexpected_keys[:3]}); was it trained on another model?"
+        )
 
 
 def trained_state(transformer: torch.nn.Module, config: RunConfig) -> dict:

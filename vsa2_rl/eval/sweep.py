@@ -40,7 +40,7 @@ class EvalTarget:
     checkpoint: str | None
 
 
-def _targets(config: RunConfig) -> list[EvalTarget]:
+def resolve_targets(config: RunConfig) -> list[EvalTarget]:
     from vsa2_rl.rl.checkpoint import find_latest
 
     run_dirs = list(config.run_dirs) + ([config.run_dir] if config.run_dir else [])
@@ -230,7 +230,7 @@ def plot_sweep(rows: list[dict], path: str) -> None:
 
 def evaluate(config: RunConfig) -> list[dict]:
     """Runs the sweep of ``config.eval`` over every target; writes and returns the table rows."""
-    targets = _targets(config)
+    targets = resolve_targets(config)
     rewards = _reward_fns(config)
     prompts = load_prompts(config, "eval")[: config.eval.num_prompts]
     device = resolve_device(config.device)

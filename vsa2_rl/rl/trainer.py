@@ -110,6 +110,28 @@ def initial_noise(
     return seeded_noise(latent_shape, [_sample_seed(config.seed, step, i) for i in global_index])
 
 
+def _group_prefix(bundle, velocity_fn, prompts, noise, group_ids, sigmas, batch_size):
+    """The ODE steps ``sigmas`` (the ones before the SDE window) run once per group on one
+    sample of it (all of a group's samples share their noise), expanded to every sample.
+
+    Returns ``(latents [len(sigmas), n, ...], number of groups)``.
+    """
+    first = {}
+    for index, group in enumerate(group_ids):
+        first.setdefault(group, index)
+    leaders = list(first.values())
+    parts = []
+    for chunk in _chunks(len(leaders), batch_size):
+        rows = leaders[chunk]
+        text_emb = bundle.encode_prompts([prompts[i] for i in rows])
+        trajectory = sample(velocity_fn(text_emb), noise[rows], sigmas, kind="ode", noise_level=0.0)
+        parts.append(trajectory.latents)
+    shared = torch.cat(parts, dim=1)
+    of_group = {group: slot for slot, group in enumerate(first)}
+    index = torch.tensor([of_group[group] for group in group_ids], device=shared.device)
+    return shared[:, index], len(leaders)
+
+
 def _update_plan(acc, chunks: list, timesteps: list[int], kl_beta: float) -> tuple[list, float]:
     """The (chunk, timestep, counted) backward passes of one update and the weight of a sample.
 
@@ -356,7 +378,6 @@ def train(config: RunConfig) -> dict:
         seed=config.seed,
     )
     sigmas = sigma_schedule(samp.num_steps, samp.shift)
-    window = tuple(samp.sde_window) if samp.sde_window else None
     uncond = bundle.encode_prompts([samp.negative_prompt]) if samp.guidance_scale > 1 else None
 
     checkpoints = os.path.join(config.out_dir, "checkpoints")
@@ -462,6 +483,18 @@ def train(config: RunConfig) -> dict:
         ]
         state.sparsity, state.phase = sparsities.rollout, "rollout"
         transformer.eval()
+        window = samp.window_at(config.seed, step)
+        # with one noise per group the steps before the window are the same for the whole
+        # group: they run once per group, which branches at the window (Flow-GRPO-Fast)
+        start = window[0] if window and samp.same_noise_per_group else 0
+        with torch.no_grad():
+            prefix, evaluations = None, len(prompts) * (len(sigmas) - 1 - start)
+            if start:
+                prefix, groups = _group_prefix(
+                    bundle, velocity_fn, prompts, noise, batch.group_ids, sigmas[: start + 1],
+                    grpo.train_batch_size,
+                )  # fmt: skip
+                evaluations += groups * start
         chunks: list[Rollout] = []
         videos = []
         for part in _chunks(len(prompts), grpo.train_batch_size):
@@ -469,16 +502,23 @@ def train(config: RunConfig) -> dict:
                 text_emb = bundle.encode_prompts(prompts[part])
                 trajectory = sample(
                     velocity_fn(text_emb),
-                    noise[part],
-                    sigmas,
+                    noise[part] if prefix is None else prefix[-1, part],
+                    sigmas[start:],
                     kind=samp.kind,
                     noise_level=samp.noise_level,
-                    sde_window=window,
+                    sde_window=(window[0] - start, window[1] - start) if window else None,
                     generator=generators[part],
                 )
                 videos.append(bundle.decode(trajectory.latents[-1]))
-            chunks.append(Rollout(text_emb, trajectory.latents, trajectory.log_probs))
-        stochastic = trajectory.stochastic
+            latents, log_probs = trajectory.latents, trajectory.log_probs
+            if prefix is not None:  # the shared steps: deterministic, log-prob 0
+                latents = torch.cat([prefix[:-1, part], latents])
+                log_probs = torch.cat([log_probs.new_zeros(start, log_probs.shape[1]), log_probs])
+            chunks.append(Rollout(text_emb, latents, log_probs))
+        stochastic = torch.cat([torch.zeros(start, dtype=torch.bool), trajectory.stochastic])
+        metrics["perf/rollout_evals"] = float(
+            acc.reduce(torch.tensor([float(evaluations)], device=device), reduction="sum").item()
+        )
         density = state.pop_density()
         metrics["attn/density"] = density if density is not None else 1.0
         metrics["perf/rollout_s"] = time.perf_counter() - t0

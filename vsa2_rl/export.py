@@ -1,0 +1,98 @@
+"""``vsa2-rl export``: a trained run's weights in the formats other tools load.
+
+From the newest checkpoint of ``run_dir=`` (or ``checkpoint=``), with its EMA weights where the
+run kept an EMA, into ``out_dir``:
+
+- a LoRA run: ``adapter_config.json`` + ``adapter_model.safetensors``, a peft adapter folder
+  (``LoraConfig.from_pretrained`` and ``set_peft_model_state_dict`` load it, and
+  ``model.lora.init_from`` starts a new run from it);
+- a full fine-tuning run: ``transformer/``, a diffusers ``from_pretrained`` folder of the model
+  without its VSA2 layers;
+- always ``vsa2.safetensors``, the VSA2 router and gate parameters (``blocks.{i}.attn1.vsa2.*``,
+  loaded after ``enable_vsa2``), and ``vsa2_attention.json``, the attention and sparsity settings
+  they were trained with and where they came from.
+
+Nothing is written unless every file is: the folder is assembled next to ``out_dir`` and renamed
+into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+
+from vsa2_rl.config import ConfigError, RunConfig
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+VSA2_WEIGHTS = "vsa2.safetensors"
+VSA2_SETTINGS = "vsa2_attention.json"
+
+
+def _vsa2_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: value.detach().to("cpu", torch.float32).contiguous()
+        for name, value in transformer.state_dict().items()
+        if ".vsa2." in f".{name}"
+    }
+
+
+def _write_adapter(transformer: torch.nn.Module, folder: str) -> None:
+    from peft.utils import get_peft_model_state_dict
+
+    weights = get_peft_model_state_dict(transformer)
+    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+              os.path.join(folder, ADAPTER_WEIGHTS))  # fmt: skip
+    transformer.peft_config["default"].save_pretrained(folder)
+
+
+def _write_transformer(transformer: torch.nn.Module, folder: str) -> None:
+    """The model without its VSA2 layers, as a diffusers folder (a fresh instance of its class
+    holds the trained base weights, so no VSA2 module or hook is saved)."""
+    plain = type(transformer).from_config(transformer.config)
+    base = {k: v for k, v in transformer.state_dict().items() if ".vsa2." not in f".{k}"}
+    plain.load_state_dict(base)
+    plain.save_pretrained(os.path.join(folder, "transformer"))
+
+
+def export(config: RunConfig) -> str:
+    """Writes the export of ``config``'s run (see the module docstring); returns the folder."""
+    from vsa2_rl.eval.sweep import resolve_targets
+    from vsa2_rl.runtime import load_model
+
+    if not (config.run_dir or config.checkpoint) or config.run_dirs:
+        raise ConfigError("run_dir: export takes one run (run_dir=DIR or checkpoint=DIR)")
+    (target,) = resolve_targets(config)
+    if os.path.exists(config.out_dir) and os.listdir(config.out_dir):
+        raise ConfigError(f"out_dir: {config.out_dir} is not empty; export into a new folder")
+    trained = target.config
+    bundle = load_model(trained, torch.device("cpu"), torch.float32, checkpoint=target.checkpoint)
+    parent = os.path.dirname(os.path.abspath(config.out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        if trained.model.lora.enabled:
+            _write_adapter(bundle.transformer, staging)
+        else:
+            _write_transformer(bundle.transformer, staging)
+        save_file(_vsa2_state(bundle.transformer), os.path.join(staging, VSA2_WEIGHTS))
+        settings = {
+            "attention": dataclasses.asdict(trained.attention),
+            "sparsity": dataclasses.asdict(trained.sparsity),
+            "checkpoint": os.path.abspath(target.checkpoint),
+            "lora": trained.model.lora.enabled,
+        }
+        with open(os.path.join(staging, VSA2_SETTINGS), "w", encoding="utf-8") as handle:
+            json.dump(settings, handle, indent=2)
+        if os.path.isdir(config.out_dir):
+            os.rmdir(config.out_dir)  # empty (checked above)
+        os.rename(staging, config.out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return config.out_dir
