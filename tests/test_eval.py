@@ -4,6 +4,7 @@ plain dense model, outputs parse, and bad input gives one clear message and no t
 import itertools
 import json
 import os
+import tempfile
 
 import pytest
 import torch
@@ -65,8 +66,8 @@ def test_same_seed_gives_same_videos(bundle):
     _, first = _sweep(bundle, [0.75])
     _, again = _sweep(bundle, [0.75])
     _, other = _sweep(bundle, [0.75], seed=8)
-    assert torch.equal(first[0.75], again[0.75])
-    assert not torch.allclose(first[0.75], other[0.75])
+    assert torch.equal(first[0.75].videos, again[0.75].videos)
+    assert not torch.allclose(first[0.75].videos, other[0.75].videos)
 
 
 def test_sparsity_zero_is_the_model_without_vsa2(bundle):
@@ -74,7 +75,7 @@ def test_sparsity_zero_is_the_model_without_vsa2(bundle):
     dense_config = load_config(None, [*SMALL, "attention.enabled=false"])
     plain = build_bundle(dense_config, torch.device("cpu"), torch.float32)
     _, without = _sweep(plain, [0.0])
-    torch.testing.assert_close(with_vsa2[0.0], without[0.0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(with_vsa2[0.0].videos, without[0.0].videos, rtol=0, atol=1e-6)
 
 
 def test_outputs_exist_and_parse(tmp_path):
@@ -110,3 +111,27 @@ def test_run_dir_without_checkpoints_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="run_dir: no complete checkpoint"):
         evaluate(config)
     assert not (tmp_path / "out").exists()
+
+
+def test_previews_carry_each_videos_rewards(bundle):
+    rows, previews = _sweep(bundle, [0.75])
+    scores = [score["brightness"] for score in previews[0.75].scores]
+    expected = previews[0.75].videos.mean(dim=(1, 2, 3, 4))  # the reward, computed here
+    torch.testing.assert_close(torch.tensor(scores), expected, rtol=1e-6, atol=1e-7)
+    assert rows[0]["reward/brightness"] == pytest.approx(sum(scores) / len(scores))
+
+
+def test_sample_videos_are_also_written_as_mp4_where_opencv_encodes():
+    cv2 = pytest.importorskip("cv2")
+    from vsa2_rl.eval.media import save_video_grid
+
+    ramp = torch.linspace(0, 1, 8).view(1, 8, 1, 1, 1).expand(2, 8, 3, 16, 16)  # fades in
+    with tempfile.TemporaryDirectory() as folder:
+        save_video_grid(ramp, os.path.join(folder, "clip"), scale=2)
+        capture = cv2.VideoCapture(os.path.join(folder, "clip.mp4"))
+        frames = []
+        while (frame := capture.read())[0]:
+            frames.append(frame[1])
+    assert len(frames) == 8 and frames[0].shape == (32, 64, 3)
+    means = [float(frame.mean()) / 255 for frame in frames]
+    assert means == pytest.approx(ramp[0, :, 0, 0, 0].tolist(), abs=0.05)

@@ -518,3 +518,45 @@ def test_moving_window_settings_are_checked():
     ):
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
             load_config(None, ["sampler.num_steps=8", "sampler.sde_window=null", *overrides])
+
+
+def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch):
+    calls = {"init": [], "log": []}
+
+    class FakeVideo:
+        def __init__(self, path, caption, format):
+            self.path, self.caption = path, caption
+
+    class FakeRun:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            pass
+
+    def init(**kwargs):
+        calls["init"].append(kwargs)
+        return FakeRun()
+
+    fake = type(sys)("wandb")
+    fake.init, fake.Video = init, FakeVideo
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = _config(
+        tmp_path, "train.num_steps=1", "eval.every=1", "eval.num_prompts=2",
+        "logging.report_to=[wandb]",
+    )  # fmt: skip
+    train(config)
+    (init_kwargs,) = calls["init"]
+    assert init_kwargs["config"]["grpo"]["group_size"] == 2  # the whole resolved config
+    assert init_kwargs["config"]["sampler"]["num_steps"] == 3
+    videos = [(step, data["eval/videos"]) for step, data in calls["log"] if "eval/videos" in data]
+    assert [step for step, _ in videos] == [0, 1]
+    rows = {row["step"]: row for row in _rows(config.out_dir)}
+    for step, video in videos:
+        assert os.path.isfile(video.path) and video.path.endswith(f"eval_step_{step}.gif")
+        values = [
+            float(re.search(r" brightness ([-0-9.]+)", line)[1])
+            for line in video.caption.splitlines()
+        ]
+        assert len(values) == 2  # one caption line per video, its reward in it
+        assert sum(values) / 2 == pytest.approx(rows[step]["eval/reward"], abs=2e-3)

@@ -21,6 +21,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -29,6 +30,13 @@ from vsa2_rl.config import ConfigError, RunConfig, load_config
 from vsa2_rl.eval.media import save_video_grid
 from vsa2_rl.runtime import load_model, load_prompts, resolve_device, resolve_dtype
 from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule
+
+
+class Preview(NamedTuple):
+    """The first (up to 8) videos of a sweep cell and each one's reward values."""
+
+    videos: torch.Tensor  # [k, T, C, H, W]
+    scores: list[dict[str, float]]  # per video: reward name -> value
 
 
 @dataclass
@@ -129,8 +137,8 @@ def sweep_model(
     label: str = "",
     negative_prompt: str = "",
 ) -> tuple[list[dict], dict[float, torch.Tensor]]:
-    """ODE-samples ``prompts`` at each sparsity; returns the rows and the first (up to 8) videos
-    per sparsity."""
+    """ODE-samples ``prompts`` at each sparsity; returns the rows and, per sparsity, the
+    :class:`Preview` of the first (up to 8) videos."""
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
     noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
@@ -175,12 +183,16 @@ def sweep_model(
             "latency_s": seconds / len(prompts),
         }
         metadata = [{"prompt_index": i, "sparsity": sparsity} for i in range(len(prompts))]
+        shown = min(8, len(videos))
+        scores = [{} for _ in range(shown)]
         for reward in rewards:
             values = reward(videos, prompts, metadata)
             row[f"reward/{reward.name}"] = values.mean().item()
             row[f"reward/{reward.name}_std"] = values.std(correction=0).item()
+            for score, value in zip(scores, values[:shown].tolist(), strict=True):
+                score[reward.name] = value
         rows.append(row)
-        previews[sparsity] = videos[: min(8, len(videos))]
+        previews[sparsity] = Preview(videos[:shown], scores)
     bar.close()
     return rows, previews
 
@@ -270,9 +282,10 @@ def evaluate(config: RunConfig) -> list[dict]:
         handle.write(_markdown(rows))
     plot_sweep(rows, os.path.join(config.out_dir, "eval.png"))
     for label, by_sparsity in previews.items():
-        for sparsity, videos in by_sparsity.items():
+        for sparsity, preview in by_sparsity.items():
             save_video_grid(
-                videos, os.path.join(config.out_dir, "samples", label, f"sparsity_{sparsity:g}")
+                preview.videos,
+                os.path.join(config.out_dir, "samples", label, f"sparsity_{sparsity:g}"),
             )
     print(_markdown(rows))
     print(f"wrote {config.out_dir}/eval.json, eval.md, eval.png, samples/")

@@ -1,6 +1,7 @@
 """Metric sinks of a run: ``out_dir/metrics.jsonl`` always (one JSON object per step), plus
-wandb (offline by default) and tensorboard when ``logging.report_to`` asks for them, and the
-reward-curve figure written at the end of a run."""
+wandb (offline by default) and tensorboard when ``logging.report_to`` asks for them (the whole
+resolved config, the metrics, and each evaluation's videos with their rewards in the caption),
+and the reward-curve figure written at the end of a run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import os
 from typing import Any
 
-from vsa2_rl.config import RunConfig
+from vsa2_rl.config import RunConfig, config_tree, to_yaml
 
 
 class MetricsLogger:
@@ -34,13 +35,14 @@ class MetricsLogger:
                 project=config.logging.project,
                 dir=config.out_dir,
                 mode=config.logging.wandb_mode,
-                config={"out_dir": config.out_dir},
+                config=config_tree(config),
                 resume="allow",
             )
         if "tensorboard" in config.logging.report_to:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(os.path.join(config.out_dir, "tensorboard"))
+            self._tensorboard.add_text("config", f"```\n{to_yaml(config)}```", 0)
 
     def _truncate(self, resume_step: int) -> None:
         if not os.path.exists(self.path):
@@ -63,6 +65,25 @@ class MetricsLogger:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self._tensorboard.add_scalar(key, value, step)
+
+    def log_videos(self, step: int, tag: str, gif: str, png: str, captions: list[str]) -> None:
+        """An evaluation's videos for the trackers: wandb gets the GIF as a video, tensorboard
+        (whose video encoder needs moviepy) the PNG contact sheet; both with one caption line
+        per video (prompt and rewards)."""
+        if not self.enabled:
+            return
+        caption = "\n".join(f"{i}: {text}" for i, text in enumerate(captions))
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Video(gif, caption=caption, format="gif")}, step=step)
+        if self._tensorboard is not None:
+            import numpy as np
+            from PIL import Image
+
+            sheet = np.asarray(Image.open(png).convert("RGB"))
+            self._tensorboard.add_image(tag, sheet, step, dataformats="HWC")
+            self._tensorboard.add_text(tag, caption.replace("\n", "  \n"), step)
 
     def close(self) -> None:
         if self._wandb is not None:

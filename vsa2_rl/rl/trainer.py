@@ -276,11 +276,12 @@ def _reference_policy(bundle, acc, config: RunConfig):
     return frozen_copy
 
 
-def _evaluate(setup: _Setup, sparsity: float, ema, step: int) -> dict:
+def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLogger) -> dict:
     """ODE rewards on the fixed evaluation prompts at ``sparsity`` (EMA weights if kept), run on
     the unwrapped model of this process (no collectives but ZeRO-3's weight gathers), as
     ``eval/*`` metrics; the main process also writes the first videos as
-    ``samples/eval_step_<step>.{png,gif}``."""
+    ``samples/eval_step_<step>.{png,gif,mp4}`` and hands them to the trackers, each with its
+    prompt and rewards as caption."""
     config, bundle, acc = setup.config, setup.bundle, setup.accelerator
     live = bundle.transformer
     bundle.transformer = acc.unwrap_model(live)
@@ -308,9 +309,15 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int) -> dict:
     if acc.is_main_process:
         from vsa2_rl.eval.media import save_video_grid
 
-        shown = previews[sparsity]
+        preview = previews[sparsity]
+        prompts = setup.eval_prompts[: len(preview.videos)]
         prefix = os.path.join(config.out_dir, "samples", f"eval_step_{step}")
-        save_video_grid(shown, prefix, titles=setup.eval_prompts[: len(shown)])
+        png, gif = save_video_grid(preview.videos, prefix, titles=prompts)
+        captions = [
+            f"{prompt} | " + ", ".join(f"{name} {value:.3f}" for name, value in scores.items())
+            for prompt, scores in zip(prompts, preview.scores, strict=True)
+        ]
+        logger.log_videos(step, "eval/videos", gif, png, captions)
     total = sum(w * row[f"reward/{name}"] for name, w in setup.rewards.weights.items())
     metrics = {"eval/reward": total, "eval/density": row["density"]}
     for key, value in row.items():  # reward/<name> -> eval/reward/<name>, guards eval/guard/<name>
@@ -424,7 +431,7 @@ def train(config: RunConfig) -> dict:
     # sharded weights, a collective every rank must join (the logger writes on the main only)
     evaluates = is_main or engines.zero_stage(acc) >= 3
     if config.eval.every and start_step == 0 and evaluates:
-        logger.log(0, _evaluate(setup, schedule(0).eval, ema, step=0))
+        logger.log(0, _evaluate(setup, schedule(0).eval, ema, 0, logger))
     acc.wait_for_everyone()
 
     def checkpoint_if_due(step: int) -> None:
@@ -658,7 +665,7 @@ def train(config: RunConfig) -> dict:
         metrics["train/skipped_nonfinite"] = skipped
         last = step == config.train.num_steps
         if config.eval.every and evaluates and (step % config.eval.every == 0 or last):
-            metrics.update(_evaluate(setup, sparsities.eval, ema, step))
+            metrics.update(_evaluate(setup, sparsities.eval, ema, step, logger))
         acc.wait_for_everyone()
         logger.log(step, metrics)
         bar.set_postfix(
