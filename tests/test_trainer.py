@@ -503,6 +503,13 @@ def test_the_moving_window_is_drawn_per_step_within_its_range(tmp_path, monkeypa
     assert all(len(w) == 2 and w[1] == w[0] + 1 and w[0] >= 1 and w[1] < 5 for w in first)
 
 
+def test_clip_ranges_are_checked():
+    with pytest.raises(ConfigError, match=r"^grpo\.clip_range: must be in \(0, 1\)"):
+        load_config(None, ["grpo.clip_range=1.5"])
+    with pytest.raises(ConfigError, match=r"^grpo\.clip_range_high: must be > 0"):
+        load_config(None, ["grpo.clip_range_high=0"])
+
+
 def test_moving_window_settings_are_checked():
     for overrides, key in (
         (["sampler.sde_window_range=[0,4]"], "sampler.sde_window_range"),

@@ -381,7 +381,12 @@ class GRPOConfig:
         _check_choice(self.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
         _check_choice(self.loss_type, "grpo.loss_type", ("ppo_clip", "reinforce"))
         _check(self.adv_clip > 0, "grpo.adv_clip", f"must be > 0, got {self.adv_clip}")
-        _check(self.clip_range > 0, "grpo.clip_range", f"must be > 0, got {self.clip_range}")
+        _check(
+            0 < self.clip_range < 1,
+            "grpo.clip_range",
+            f"must be in (0, 1) (the lower bound 1 - clip_range stays above 0), got "
+            f"{self.clip_range}",
+        )
         _check(
             self.clip_range_high is None or self.clip_range_high > 0,
             "grpo.clip_range_high",
