@@ -1,17 +1,22 @@
 """The Flow-GRPO training loop with VSA2 sparse rollouts (``vsa2-rl train`` / ``train_rl.py``).
 
-One iteration, top to bottom in :func:`train` (cleanrl style):
+One iteration reads top to bottom in :func:`train` (cleanrl style), each phase a method of the
+run's state (``_Run``: set-up and resume, rollout, score, update, evaluation, samples and
+checkpoints):
 
 1. schedule: the hard-to-easy schedule gives this step's sparsities; rollout and training share
    one value, so routing in the training forward equals routing in the rollout.
 2. rollout: this rank's share of ``prompts_per_step`` prompts x ``group_size`` samples, SDE
    sampling (Flow-GRPO, vsa2_rl.sampling) with per-step log-probs, in chunks of
-   ``grpo.train_batch_size`` (the training forward uses the same chunks, so the first ratio is 1).
+   ``grpo.train_batch_size`` (the training forward uses the same chunks, so the first ratio is 1);
+   the SDE window is fixed or drawn per step, and with one noise per group the steps before it
+   run once per group.
 3. rewards: decode latents to videos, score them (vsa2_rl.rewards mixer), gather across ranks
    and normalise per prompt group (GRPO advantages).
 4. update: for each chunk and each trained timestep, recompute the transition log-prob under
-   the current policy, PPO-clip loss (+ KL to the reference), backward; one optimizer step per
-   inner epoch, skipped (weights untouched) if the loss or the gradient is not finite.
+   the current policy, PPO-clip loss (+ KL to the reference), backward, every sample weighing
+   the same whatever the chunking; one optimizer step per inner epoch, skipped (weights
+   untouched) if the loss or the gradient is not finite.
 5. bookkeeping: metrics.jsonl, trackers, sample videos, atomic checkpoints.
 
 Distributed runs use accelerate (DDP or DeepSpeed ZeRO from ``configs/accelerate/``); every
@@ -328,187 +333,168 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLog
     return metrics
 
 
-def train(config: RunConfig) -> dict:
-    """Runs GRPO fine-tuning; returns a summary (start/end rewards, out_dir)."""
-    from accelerate.utils import broadcast_object_list
+@dataclass
+class StepRollouts:
+    """What one step's rollout phase hands to scoring and the update (this rank's samples)."""
 
-    from vsa2_rl.models.wan import compile_blocks
-    from vsa2_rl.rl.checkpoint import (
-        find_latest,
-        load_checkpoint,
-        save_checkpoint,
-        stage_checkpoint,
-    )
-    from vsa2_rl.rl.ema import EMA
-    from vsa2_rl.rl.schedule import SparsitySchedule
+    prompt_indices: list[int]
+    group_ids: list[int]
+    prompts: list[str]
+    global_index: list[int]  # each sample's index in the step's global batch
+    chunks: list[Rollout]
+    videos: torch.Tensor  # [n, T, C, H, W] float32, decoded
+    stochastic: torch.Tensor  # bool [N]: the steps that drew noise (and may be trained)
 
-    setup = _Setup(config)  # all validation and loading happens before anything is written
-    acc, bundle, device = setup.accelerator, setup.bundle, setup.device
-    is_main = acc.is_main_process
-    state = bundle.sparsity_state
-    grpo, samp = config.grpo, config.sampler
 
-    transformer = bundle.transformer
-    if config.model.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    params = trainable_parameters(transformer, config)
-    if config.model.compile_blocks:  # after LoRA adapters are in place; compiles on first use
-        compile_blocks(transformer)
+class _Run:
+    """One training run's state, set up before anything is written, and the phases of an
+    iteration (:meth:`rollout`, :meth:`score`, :meth:`update`, :meth:`checkpoint_if_due`) that
+    :func:`train` strings together."""
 
-    optimizer = torch.optim.AdamW(
-        params, lr=config.train.learning_rate, weight_decay=config.train.weight_decay
-    )
-    warmup = config.train.warmup_steps
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
-    # shapes are read from the bare model: a DDP/DeepSpeed wrapper hides its config
-    latent_shape = bundle.latent_shape(
-        config.model.num_frames, config.model.height, config.model.width
-    )
-    engines.configure(acc, config)
-    transformer, optimizer = acc.prepare(transformer, optimizer)
-    bundle.transformer = transformer
-    reference = _reference_policy(bundle, acc, config) if grpo.kl_beta > 0 else None
-    ema = (
-        EMA(acc.unwrap_model(transformer), decay=config.train.ema_decay)
-        if config.train.ema_decay > 0
-        else None
-    )
-    schedule = SparsitySchedule.from_config(config.sparsity, config.train.num_steps)
-    sampler = GroupedPromptSampler(
-        len(setup.prompts),
-        grpo.group_size,
-        grpo.prompts_per_step,
-        num_replicas=acc.num_processes,
-        rank=acc.process_index,
-        seed=config.seed,
-    )
-    sigmas = sigma_schedule(samp.num_steps, samp.shift)
-    uncond = bundle.encode_prompts([samp.negative_prompt]) if samp.guidance_scale > 1 else None
+    def __init__(self, config: RunConfig):
+        from vsa2_rl.models.wan import compile_blocks
+        from vsa2_rl.rl.ema import EMA
+        from vsa2_rl.rl.schedule import SparsitySchedule
 
-    checkpoints = os.path.join(config.out_dir, "checkpoints")
-    start_step = 0
-    resume_from = None
-    try:  # a damaged checkpoint is skipped (find_latest warns) or named in one error line
-        if config.train.resume == "auto":
-            resume_from = find_latest(checkpoints)
-        elif config.train.resume != "none":
-            resume_from = config.train.resume
-        restored = load_checkpoint(resume_from) if resume_from else None
-    except ValueError as error:
-        raise ConfigError(f"train.resume: {error}") from None
-    if resume_from:
-        check_resume(_trained_with(restored, resume_from), config, str(resume_from))
-        if engines.uses_deepspeed(acc):  # weights and optimizer shards, DeepSpeed's own files
-            engines.load_engine_state(acc, resume_from)
-        elif "optimizer" not in restored:
-            raise ConfigError(
-                f"train.resume: {resume_from} was written by a DeepSpeed run (its optimizer "
-                "state is in DeepSpeed shards); resume it with the same DeepSpeed launcher"
-            )
-        else:
-            model = acc.unwrap_model(transformer)
-            load_trained_state(model, restored["model"], config, str(resume_from))
-            optimizer.load_state_dict(restored["optimizer"])
-        lr_schedule.load_state_dict(restored["lr_schedule"])
-        schedule.load_state_dict(restored["schedule"])  # a longer run keeps its curriculum
-        if ema is not None:
-            ema.load_state_dict(restored["ema"])
-        start_step = int(restored["step"])
-    if is_main:
-        os.makedirs(config.out_dir, exist_ok=True)
-        with open(os.path.join(config.out_dir, "config.yaml"), "w", encoding="utf-8") as handle:
-            handle.write(to_yaml(config))
-    logger = MetricsLogger(config, resume_step=start_step, enabled=is_main)
-    if resume_from and is_main:
-        print(f"resumed from {resume_from} at step {start_step}")
+        self.config = config
+        self.setup = setup = _Setup(config)  # all validation and loading, nothing written
+        self.acc, self.bundle, self.device = setup.accelerator, setup.bundle, setup.device
+        self.is_main = self.acc.is_main_process
+        transformer = self.bundle.transformer
+        if config.model.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self.params = trainable_parameters(transformer, config)
+        if config.model.compile_blocks:  # after LoRA adapters are in place; compiles on first use
+            compile_blocks(transformer)
+        optimizer = torch.optim.AdamW(
+            self.params, lr=config.train.learning_rate, weight_decay=config.train.weight_decay
+        )
+        warmup = config.train.warmup_steps
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        # shapes are read from the bare model: a DDP/DeepSpeed wrapper hides its config
+        self.latent_shape = self.bundle.latent_shape(
+            config.model.num_frames, config.model.height, config.model.width
+        )
+        engines.configure(self.acc, config)
+        self.transformer, self.optimizer = self.acc.prepare(transformer, optimizer)
+        self.bundle.transformer = self.transformer
+        self.reference = (
+            _reference_policy(self.bundle, self.acc, config) if config.grpo.kl_beta > 0 else None
+        )
+        self.ema = (
+            EMA(self.acc.unwrap_model(self.transformer), decay=config.train.ema_decay)
+            if config.train.ema_decay > 0
+            else None
+        )
+        self.schedule = SparsitySchedule.from_config(config.sparsity, config.train.num_steps)
+        self.sampler = GroupedPromptSampler(
+            len(setup.prompts),
+            config.grpo.group_size,
+            config.grpo.prompts_per_step,
+            num_replicas=self.acc.num_processes,
+            rank=self.acc.process_index,
+            seed=config.seed,
+        )
+        self.sigmas = sigma_schedule(config.sampler.num_steps, config.sampler.shift)
+        samp = config.sampler
+        self.uncond = (
+            self.bundle.encode_prompts([samp.negative_prompt]) if samp.guidance_scale > 1 else None
+        )
+        self.checkpoints = os.path.join(config.out_dir, "checkpoints")
+        # evaluation runs on the main process alone, except under ZeRO-3: there the forward
+        # gathers sharded weights, a collective every rank must join (the logger writes on the
+        # main only)
+        self.evaluates = self.is_main or engines.zero_stage(self.acc) >= 3
+        self.logger: MetricsLogger | None = None
 
-    def velocity_fn(text_emb):
-        return cfg_velocity(bundle.velocity, text_emb, uncond, samp.guidance_scale)
+    def velocity_fn(self, text_emb: torch.Tensor):
+        samp = self.config.sampler
+        return cfg_velocity(self.bundle.velocity, text_emb, self.uncond, samp.guidance_scale)
 
-    # evaluation runs on the main process alone, except under ZeRO-3: there the forward gathers
-    # sharded weights, a collective every rank must join (the logger writes on the main only)
-    evaluates = is_main or engines.zero_stage(acc) >= 3
-    if config.eval.every and start_step == 0 and evaluates:
-        logger.log(0, _evaluate(setup, schedule(0).eval, ema, 0, logger))
-    acc.wait_for_everyone()
+    # ---- set-up and resume -----------------------------------------------------------------
 
-    def checkpoint_if_due(step: int) -> None:
-        """Full state every ``train.checkpoint_every`` steps and after the last step."""
-        every = config.train.checkpoint_every
-        if not ((every and step % every == 0) or step == config.train.num_steps):
-            return
-        acc.wait_for_everyone()
-        weights = engines.model_state(acc, transformer, config)  # every rank: ZeRO-3 gathers
-        entries = {
-            "model": weights,
-            "lr_schedule": lr_schedule.state_dict(),
-            "ema": ema.state_dict() if ema is not None else {},
-            "schedule": schedule.state_dict(),
-            "config": config_tree(config),
-            "step": step,
-        }
-        staged = None
-        if engines.uses_deepspeed(acc):
-            # every rank writes its optimizer (and, under ZeRO-3, weight) shards into the
-            # directory the main process staged, which then commits it
-            where = [stage_checkpoint(checkpoints, step) if is_main else None]
-            broadcast_object_list(where)
-            staged = where[0]
-            engines.save_engine_state(acc, staged)
-            acc.wait_for_everyone()
-        else:
-            entries["optimizer"] = optimizer.state_dict()
-        if is_main:
-            save_checkpoint(
-                checkpoints, step, entries, keep_last=config.train.keep_last, staged=staged
-            )
-        acc.wait_for_everyone()
+    def resume(self) -> int:
+        """Restores the checkpoint ``train.resume`` names (after checking it and its config),
+        writes config.yaml, opens the logger; returns the step to continue after."""
+        from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 
-    steps = range(start_step + 1, config.train.num_steps + 1)
-    bar = tqdm(steps, desc="GRPO", disable=not (is_main and config.logging.progress))
-    for step in bar:
-        sparsities = schedule(step)
-        metrics: dict = {
-            "sparsity/rollout": sparsities.rollout,
-            "sparsity/train": sparsities.train,
-            "sparsity/eval": sparsities.eval,
-        }
+        config, acc = self.config, self.acc
+        resume_from, start_step = None, 0
+        try:  # a damaged checkpoint is skipped (find_latest warns) or named in one error line
+            if config.train.resume == "auto":
+                resume_from = find_latest(self.checkpoints)
+            elif config.train.resume != "none":
+                resume_from = config.train.resume
+            restored = load_checkpoint(resume_from) if resume_from else None
+        except ValueError as error:
+            raise ConfigError(f"train.resume: {error}") from None
+        if resume_from:
+            check_resume(_trained_with(restored, resume_from), config, str(resume_from))
+            if engines.uses_deepspeed(acc):  # weights and optimizer shards, DeepSpeed's files
+                engines.load_engine_state(acc, resume_from)
+            elif "optimizer" not in restored:
+                raise ConfigError(
+                    f"train.resume: {resume_from} was written by a DeepSpeed run (its optimizer "
+                    "state is in DeepSpeed shards); resume it with the same DeepSpeed launcher"
+                )
+            else:
+                model = acc.unwrap_model(self.transformer)
+                load_trained_state(model, restored["model"], config, str(resume_from))
+                self.optimizer.load_state_dict(restored["optimizer"])
+            self.lr_schedule.load_state_dict(restored["lr_schedule"])
+            self.schedule.load_state_dict(restored["schedule"])  # a longer run keeps its curriculum
+            if self.ema is not None:
+                self.ema.load_state_dict(restored["ema"])
+            start_step = int(restored["step"])
+        if self.is_main:
+            os.makedirs(config.out_dir, exist_ok=True)
+            with open(os.path.join(config.out_dir, "config.yaml"), "w", encoding="utf-8") as f:
+                f.write(to_yaml(config))
+        self.logger = MetricsLogger(config, resume_step=start_step, enabled=self.is_main)
+        if resume_from and self.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+        return start_step
 
-        # ---- rollout ---------------------------------------------------------------------
+    # ---- rollout ---------------------------------------------------------------------------
+
+    def rollout(self, step: int, sparsity: float, metrics: dict) -> StepRollouts:
+        """This rank's SDE rollouts of the step, in chunks of ``grpo.train_batch_size`` (the
+        update uses the same chunks, so its first ratio is 1)."""
+        config, samp, grpo, device = self.config, self.config.sampler, self.config.grpo, self.device
         t0 = time.perf_counter()
-        batch = sampler.batch(step - 1)
-        prompts = [setup.prompts[i] for i in batch.prompt_indices]
-        global_index = [
-            acc.process_index * sampler.samples_per_rank + i for i in range(len(prompts))
-        ]
-        noise = initial_noise(config, step, latent_shape, global_index).to(device)
+        batch = self.sampler.batch(step - 1)
+        prompts = [self.setup.prompts[i] for i in batch.prompt_indices]
+        offset = self.acc.process_index * self.sampler.samples_per_rank
+        global_index = [offset + i for i in range(len(prompts))]
+        noise = initial_noise(config, step, self.latent_shape, global_index).to(device)
         generators = [  # per-sample SDE noise: the same whatever the number of ranks
             torch.Generator(device=device).manual_seed(_sample_seed(config.seed + 1, step, i))
             for i in global_index
         ]
-        state.sparsity, state.phase = sparsities.rollout, "rollout"
-        transformer.eval()
+        state = self.bundle.sparsity_state
+        state.sparsity, state.phase = sparsity, "rollout"
+        self.transformer.eval()
         window = samp.window_at(config.seed, step)
         # with one noise per group the steps before the window are the same for the whole
         # group: they run once per group, which branches at the window (Flow-GRPO-Fast)
         start = window[0] if window and samp.same_noise_per_group else 0
-        with torch.no_grad():
-            prefix, evaluations = None, len(prompts) * (len(sigmas) - 1 - start)
-            if start:
+        sigmas = self.sigmas
+        prefix, evaluations = None, len(prompts) * (len(sigmas) - 1 - start)
+        if start:
+            with torch.no_grad():
                 prefix, groups = _group_prefix(
-                    bundle, velocity_fn, prompts, noise, batch.group_ids, sigmas[: start + 1],
-                    grpo.train_batch_size,
+                    self.bundle, self.velocity_fn, prompts, noise, batch.group_ids,
+                    sigmas[: start + 1], grpo.train_batch_size,
                 )  # fmt: skip
-                evaluations += groups * start
-        chunks: list[Rollout] = []
-        videos = []
+            evaluations += groups * start
+        chunks, videos = [], []
         for part in _chunks(len(prompts), grpo.train_batch_size):
             with torch.no_grad():
-                text_emb = bundle.encode_prompts(prompts[part])
+                text_emb = self.bundle.encode_prompts(prompts[part])
                 trajectory = sample(
-                    velocity_fn(text_emb),
+                    self.velocity_fn(text_emb),
                     noise[part] if prefix is None else prefix[-1, part],
                     sigmas[start:],
                     kind=samp.kind,
@@ -516,40 +502,45 @@ def train(config: RunConfig) -> dict:
                     sde_window=(window[0] - start, window[1] - start) if window else None,
                     generator=generators[part],
                 )
-                videos.append(bundle.decode(trajectory.latents[-1]))
+                videos.append(self.bundle.decode(trajectory.latents[-1]))
             latents, log_probs = trajectory.latents, trajectory.log_probs
             if prefix is not None:  # the shared steps: deterministic, log-prob 0
                 latents = torch.cat([prefix[:-1, part], latents])
                 log_probs = torch.cat([log_probs.new_zeros(start, log_probs.shape[1]), log_probs])
             chunks.append(Rollout(text_emb, latents, log_probs))
         stochastic = torch.cat([torch.zeros(start, dtype=torch.bool), trajectory.stochastic])
-        metrics["perf/rollout_evals"] = float(
-            acc.reduce(torch.tensor([float(evaluations)], device=device), reduction="sum").item()
-        )
+        total = self.acc.reduce(torch.tensor([float(evaluations)], device=device), reduction="sum")
+        metrics["perf/rollout_evals"] = float(total.item())
         density = state.pop_density()
         metrics["attn/density"] = density if density is not None else 1.0
         metrics["perf/rollout_s"] = time.perf_counter() - t0
+        return StepRollouts(
+            batch.prompt_indices, batch.group_ids, prompts, global_index, chunks,
+            torch.cat(videos).float(), stochastic,
+        )  # fmt: skip
 
-        # ---- rewards and advantages --------------------------------------------------------
-        videos = torch.cat(videos).float()
+    # ---- rewards and advantages ------------------------------------------------------------
+
+    def score(self, step: int, rollouts: StepRollouts, metrics: dict) -> bool:
+        """Rewards and group advantages (set on the chunks); False when a reward asked to skip
+        the step on any rank (every rank skips together; the weights stay untouched)."""
+        config, acc, device, grpo = self.config, self.acc, self.device, self.config.grpo
         metadata = [
             {"prompt_index": p, "step": step, "sample_seed": _sample_seed(config.seed, step, i)}
-            for p, i in zip(batch.prompt_indices, global_index, strict=True)
+            for p, i in zip(rollouts.prompt_indices, rollouts.global_index, strict=True)
         ]
+        rewards = self.setup.rewards
         try:
-            scored, skip_reason = setup.rewards(videos, prompts, metadata), ""
+            scored, skip_reason = rewards(rollouts.videos, rollouts.prompts, metadata), ""
         except RewardSkip as error:
             scored, skip_reason = None, str(error)
         skip = torch.tensor([float(scored is None)], device=device)
-        if acc.gather(skip).sum() > 0:  # every rank skips together; weights stay untouched
-            if is_main:
-                tqdm.write(
-                    f"step {step}: skipped ({skip_reason or 'a reward failed on another rank'})"
-                )
-            logger.log(step, {**metrics, "train/skipped_reward": 1})
-            checkpoint_if_due(step)  # the weights are unchanged, the step still counts
-            continue
-        group_ids = torch.tensor(batch.group_ids, device=device)
+        if acc.gather(skip).sum() > 0:
+            if self.is_main:
+                reason = skip_reason or "a reward failed on another rank"
+                tqdm.write(f"step {step}: skipped ({reason})")
+            return False
+        group_ids = torch.tensor(rollouts.group_ids, device=device)
         if config.rewards.aggregation == "reward":
             advantages, zero_var, all_rewards = _advantages(acc, scored.total, group_ids, grpo)
         else:
@@ -557,7 +548,7 @@ def train(config: RunConfig) -> dict:
                 name: _advantages(acc, values, group_ids, grpo)
                 for name, values in scored.rewards.items()
             }
-            advantages = setup.rewards.combine_advantages(
+            advantages = rewards.combine_advantages(
                 {name: result[0] for name, result in per_reward.items()}
             )
             zero_var = torch.stack([result[1] for result in per_reward.values()]).all(0)
@@ -572,120 +563,172 @@ def train(config: RunConfig) -> dict:
         metrics["train/dropped_samples"] = int(acc.gather((~scored.valid).float().to(device)).sum())
         # the advantages every rank trains on, gathered: equal for any number of ranks
         metrics["train/advantage_abs_mean"] = acc.gather(advantages.abs()).mean().item()
-        for chunk, part in zip(chunks, _chunks(len(prompts), grpo.train_batch_size), strict=True):
+        parts = _chunks(len(rollouts.prompts), grpo.train_batch_size)
+        for chunk, part in zip(rollouts.chunks, parts, strict=True):
             chunk.advantages = advantages[part]
+        return True
 
-        # ---- policy update -----------------------------------------------------------------
+    # ---- policy update ---------------------------------------------------------------------
+
+    def update(self, step: int, rollouts: StepRollouts, sparsity: float, metrics: dict) -> None:
+        """``grpo.num_inner_epochs`` optimizer steps over a random ``grpo.timestep_fraction``
+        of the stochastic steps; a non-finite loss or gradient skips the step (weights
+        untouched)."""
+        config, grpo, acc = self.config, self.config.grpo, self.acc
         t0 = time.perf_counter()
-        state.sparsity, state.phase = sparsities.train, "train"
-        transformer.train()
-        trainable_steps = torch.nonzero(stochastic).flatten().tolist()
+        state = self.bundle.sparsity_state
+        state.sparsity, state.phase = sparsity, "train"
+        self.transformer.train()
+        trainable_steps = torch.nonzero(rollouts.stochastic).flatten().tolist()
         step_gen = torch.Generator().manual_seed(_sample_seed(config.seed + 2, step, 0))
         num_train = max(1, round(grpo.timestep_fraction * len(trainable_steps)))
         sums = {name: [] for name in ("loss/policy", "loss/kl", *LOGGED_STATS.values())}
-        ratio_dev_first, grad_norms, count, skipped = None, [], 0.0, 0
+        first_ratio_dev, grad_norms, count, skipped = [], [], 0.0, 0
         for _epoch in range(grpo.num_inner_epochs):
             order = torch.randperm(len(trainable_steps), generator=step_gen)[:num_train]
             timesteps = sorted(trainable_steps[i] for i in order.tolist())
-            work, weight = _update_plan(acc, chunks, timesteps, grpo.kl_beta)
+            work, weight = _update_plan(acc, rollouts.chunks, timesteps, grpo.kl_beta)
             if not work:
                 continue  # no rank has a sample with a non-zero advantage
             count += acc.num_processes / weight
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             for index, (chunk, j, counted) in enumerate(work):
                 last = index == len(work) - 1
-                with engines.accumulation_context(acc, transformer, last):
-                    x, x_next = chunk.latents[j], chunk.latents[j + 1]
-                    sigma = torch.full((x.shape[0],), float(sigmas[j]), device=device)
-                    v = velocity_fn(chunk.text_emb)(x, sigma)
-                    log_prob, mean, std = step_log_prob(
-                        v,
-                        x,
-                        x_next,
-                        float(sigmas[j]),
-                        float(sigmas[j + 1]),
-                        samp.kind,
-                        samp.noise_level,
-                    )
-                    loss, stats = grpo_loss(
-                        log_prob,
-                        chunk.log_probs[j],
-                        chunk.advantages,
-                        clip_range=grpo.clip_range,
-                        clip_range_high=grpo.clip_range_high,
-                        loss_type=grpo.loss_type,
-                    )
-                    if ratio_dev_first is None and counted:
-                        ratio_dev_first = stats["ratio_max_dev"].item()
-                    kl = torch.zeros((), device=device)
-                    if reference is not None:
-                        with torch.no_grad(), reference():
-                            ref_v = velocity_fn(chunk.text_emb)(x, sigma)
-                        ref_mean = step_log_prob(
-                            ref_v,
-                            x,
-                            x_next,
-                            float(sigmas[j]),
-                            float(sigmas[j + 1]),
-                            samp.kind,
-                            samp.noise_level,
-                        )[1]
-                        kl = gaussian_kl(mean, ref_mean, std).mean()
-                    size = x.shape[0]  # the chunk's means, as sums over its samples
+                with engines.accumulation_context(acc, self.transformer, last):
+                    loss, kl, stats = self._pass_losses(chunk, j)
+                    size = chunk.latents.shape[1]  # the chunk's means, as sums over its samples
                     total = (loss + grpo.kl_beta * kl) * size * (weight if counted else 0.0)
                     engines.backward(acc, total, last)
                 if counted:
+                    if not first_ratio_dev:
+                        first_ratio_dev.append(stats["ratio_max_dev"].item())
                     sums["loss/policy"].append(loss.detach() * size)
                     sums["loss/kl"].append(kl.detach() * size)
                     for stat, name in LOGGED_STATS.items():
                         sums[name].append(stats[stat] * size)
             stepped, grad_norm = engines.finish_update(
-                acc, optimizer, params, config.train.max_grad_norm, sums["loss/policy"]
+                acc, self.optimizer, self.params, config.train.max_grad_norm, sums["loss/policy"]
             )
             if stepped:
-                if ema is not None:
-                    ema.update()
+                if self.ema is not None:
+                    self.ema.update()
             else:
                 skipped += 1  # a NaN/inf never reaches the weights
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-        lr_schedule.step()
+        self.lr_schedule.step()
         state.pop_density()
         metrics["perf/train_s"] = time.perf_counter() - t0
+        self._log_update(metrics, rollouts, sums, count, first_ratio_dev, grad_norms, skipped)
+
+    def _pass_losses(self, chunk: Rollout, j: int) -> tuple:
+        """One chunk's policy loss, KL to the reference (0 without one) and loss statistics at
+        the stored transition j -> j + 1, under the current policy."""
+        samp, sigmas, device = self.config.sampler, self.sigmas, self.device
+        grpo = self.config.grpo
+        x, x_next = chunk.latents[j], chunk.latents[j + 1]
+        sigma = torch.full((x.shape[0],), float(sigmas[j]), device=device)
+        transition = (x, x_next, float(sigmas[j]), float(sigmas[j + 1]), samp.kind)
+        v = self.velocity_fn(chunk.text_emb)(x, sigma)
+        log_prob, mean, std = step_log_prob(v, *transition, samp.noise_level)
+        loss, stats = grpo_loss(
+            log_prob,
+            chunk.log_probs[j],
+            chunk.advantages,
+            clip_range=grpo.clip_range,
+            clip_range_high=grpo.clip_range_high,
+            loss_type=grpo.loss_type,
+        )
+        kl = torch.zeros((), device=device)
+        if self.reference is not None:
+            with torch.no_grad(), self.reference():
+                ref_v = self.velocity_fn(chunk.text_emb)(x, sigma)
+            ref_mean = step_log_prob(ref_v, *transition, samp.noise_level)[1]
+            kl = gaussian_kl(mean, ref_mean, std).mean()
+        return loss, kl, stats
+
+    def _log_update(self, metrics, rollouts, sums, count, first_ratio_dev, grad_norms, skipped):
+        acc, device = self.acc, self.device
         if device.type == "cuda":  # the largest per-GPU peak of the iteration over the ranks
             peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
             metrics["perf/peak_mem_gib"] = acc.gather(peak).max().item()
             torch.cuda.reset_peak_memory_stats(device)
-        metrics["perf/videos_per_s"] = (
-            len(prompts) * acc.num_processes / (metrics["perf/rollout_s"] + metrics["perf/train_s"])
-        )
-        metrics.update(_update_metrics(acc, device, sums, count, ratio_dev_first))
+        seconds = metrics["perf/rollout_s"] + metrics["perf/train_s"]
+        metrics["perf/videos_per_s"] = len(rollouts.prompts) * acc.num_processes / seconds
+        ratio_dev = first_ratio_dev[0] if first_ratio_dev else None
+        metrics.update(_update_metrics(acc, device, sums, count, ratio_dev))
         metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
-        metrics["train/lr"] = lr_schedule.get_last_lr()[0]
+        metrics["train/lr"] = self.lr_schedule.get_last_lr()[0]
         metrics["train/skipped_nonfinite"] = skipped
-        last = step == config.train.num_steps
-        if config.eval.every and evaluates and (step % config.eval.every == 0 or last):
-            metrics.update(_evaluate(setup, sparsities.eval, ema, step, logger))
-        acc.wait_for_everyone()
-        logger.log(step, metrics)
-        bar.set_postfix(
-            reward=f"{metrics['reward/mean']:.3f}", density=f"{metrics['attn/density']:.2f}"
+
+    # ---- evaluation, samples, checkpoints --------------------------------------------------
+
+    def evaluation_due(self, step: int) -> bool:
+        every = self.config.eval.every
+        last = step == self.config.train.num_steps
+        return bool(every) and self.evaluates and (step == 0 or step % every == 0 or last)
+
+    def evaluate(self, step: int, sparsity: float) -> dict:
+        return _evaluate(self.setup, sparsity, self.ema, step, self.logger)
+
+    def save_samples(self, step: int, rollouts: StepRollouts) -> None:
+        """One group's rollouts as ``samples/step_<step>`` every ``train.sample_every`` steps."""
+        every, group = self.config.train.sample_every, self.config.grpo.group_size
+        if not (self.is_main and every and step % every == 0):
+            return
+        from vsa2_rl.eval.media import save_video_grid
+
+        save_video_grid(
+            rollouts.videos[:group].cpu(),
+            os.path.join(self.config.out_dir, "samples", f"step_{step}"),
+            titles=rollouts.prompts[:group],
         )
 
-        # ---- samples and checkpoints -------------------------------------------------------
-        if is_main and config.train.sample_every and step % config.train.sample_every == 0:
-            from vsa2_rl.eval.media import save_video_grid
+    def checkpoint_if_due(self, step: int) -> None:
+        """Full state every ``train.checkpoint_every`` steps and after the last step."""
+        from accelerate.utils import broadcast_object_list
 
-            save_video_grid(
-                videos[: grpo.group_size].cpu(),
-                os.path.join(config.out_dir, "samples", f"step_{step}"),
-                titles=prompts[: grpo.group_size],
+        from vsa2_rl.rl.checkpoint import save_checkpoint, stage_checkpoint
+
+        config, acc = self.config, self.acc
+        every = config.train.checkpoint_every
+        if not ((every and step % every == 0) or step == config.train.num_steps):
+            return
+        acc.wait_for_everyone()
+        weights = engines.model_state(acc, self.transformer, config)  # ZeRO-3 gathers
+        entries = {
+            "model": weights,
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else {},
+            "schedule": self.schedule.state_dict(),
+            "config": config_tree(config),
+            "step": step,
+        }
+        staged = None
+        if engines.uses_deepspeed(acc):
+            # every rank writes its optimizer (and, under ZeRO-3, weight) shards into the
+            # directory the main process staged, which then commits it
+            where = [stage_checkpoint(self.checkpoints, step) if self.is_main else None]
+            broadcast_object_list(where)
+            staged = where[0]
+            engines.save_engine_state(acc, staged)
+            acc.wait_for_everyone()
+        else:
+            entries["optimizer"] = self.optimizer.state_dict()
+        if self.is_main:
+            save_checkpoint(
+                self.checkpoints, step, entries, keep_last=config.train.keep_last, staged=staged
             )
-        checkpoint_if_due(step)
-    logger.close()
-    summary = {"out_dir": config.out_dir}
-    if is_main:
-        rows = read_metrics(logger.path)
+        acc.wait_for_everyone()
+
+    def summary(self) -> dict:
+        """Closes the trackers, draws the reward curve and prints the start and end rewards."""
+        self.logger.close()
+        config = self.config
+        summary = {"out_dir": config.out_dir}
+        if not self.is_main:
+            return summary
+        rows = read_metrics(self.logger.path)
         train_rows = [r for r in rows if isinstance(r.get("reward/mean"), float)]
         points = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
         if train_rows:
@@ -693,19 +736,51 @@ def train(config: RunConfig) -> dict:
         if len(points) >= 2:
             summary["reward_start"], summary["reward_end"] = points[0][1], points[-1][1]
             print(
-                f"eval reward (ODE, sparsity {schedule(config.train.num_steps).eval}, "
-                f"{len(setup.eval_prompts)} fixed prompts): step {points[0][0]} "
+                f"eval reward (ODE, sparsity {self.schedule(config.train.num_steps).eval}, "
+                f"{len(self.setup.eval_prompts)} fixed prompts): step {points[0][0]} "
                 f"{points[0][1]:.4f} -> step {points[-1][0]} {points[-1][1]:.4f}"
             )
         if train_rows:
-            head, tail = (
-                train_rows[: min(3, len(train_rows))],
-                train_rows[-min(3, len(train_rows)) :],
-            )
+            shown = min(3, len(train_rows))
+            head, tail = train_rows[:shown], train_rows[-shown:]
             start = sum(r["reward/mean"] for r in head) / len(head)
             end = sum(r["reward/mean"] for r in tail) / len(tail)
             print(
                 f"rollout reward (first {len(head)} vs last {len(tail)} steps): "
                 f"{start:.4f} -> {end:.4f}; curve: {config.out_dir}/reward_curve.png"
             )
-    return summary
+        return summary
+
+
+def train(config: RunConfig) -> dict:
+    """Runs GRPO fine-tuning; returns a summary (start/end rewards, out_dir)."""
+    run = _Run(config)  # every check and all loading happen before anything is written
+    start_step = run.resume()
+    if start_step == 0 and run.evaluation_due(0):
+        run.logger.log(0, run.evaluate(0, run.schedule(0).eval))
+    run.acc.wait_for_everyone()
+    steps = range(start_step + 1, config.train.num_steps + 1)
+    bar = tqdm(steps, desc="GRPO", disable=not (run.is_main and config.logging.progress))
+    for step in bar:
+        sparsities = run.schedule(step)
+        metrics: dict = {
+            "sparsity/rollout": sparsities.rollout,
+            "sparsity/train": sparsities.train,
+            "sparsity/eval": sparsities.eval,
+        }
+        rollouts = run.rollout(step, sparsities.rollout, metrics)
+        if not run.score(step, rollouts, metrics):  # a reward asked to skip the step
+            run.logger.log(step, {**metrics, "train/skipped_reward": 1})
+            run.checkpoint_if_due(step)  # the weights are unchanged, the step still counts
+            continue
+        run.update(step, rollouts, sparsities.train, metrics)
+        if run.evaluation_due(step):
+            metrics.update(run.evaluate(step, sparsities.eval))
+        run.acc.wait_for_everyone()
+        run.logger.log(step, metrics)
+        bar.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}", density=f"{metrics['attn/density']:.2f}"
+        )
+        run.save_samples(step, rollouts)
+        run.checkpoint_if_due(step)
+    return run.summary()
