@@ -2,11 +2,13 @@
 (full fine-tuning) plus its VSA2 parameters, loaded back by those libraries' own loaders, gives
 the checkpoint's velocities; ``model.lora.init_from`` starts a run from such an adapter."""
 
+import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import TINY as TRAINER_TINY
 
 from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.export import ADAPTER_WEIGHTS, VSA2_WEIGHTS, export
@@ -15,19 +17,9 @@ from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import build_bundle, load_model, trainable_parameters
 
 TINY = [
-    "model.num_frames=4",
-    "model.height=16",
-    "model.width=16",
-    "sampler.num_steps=3",
-    "sampler.sde_window=[0,2]",
-    "grpo.prompts_per_step=2",
-    "grpo.group_size=2",
-    "train.learning_rate=1e-2",
+    *TRAINER_TINY,
+    "train.learning_rate=1e-2",  # one step moves the weights well above rounding
     "train.num_steps=1",
-    "train.sample_every=0",
-    "logging.progress=false",
-    "eval.every=0",
-    "attention.backend=torch",
     "rewards.functions=[{name: 'test_trainer:brightness'}]",
 ]
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=4"]
@@ -109,3 +101,54 @@ def test_export_refuses_a_folder_that_is_not_empty_and_writes_nothing(tmp_path):
         export(load_config(None, [f"run_dir={tmp_path / 'run'}", f"out_dir={tmp_path / 'x'}"]))
     assert os.listdir(tmp_path / "x") == ["notes.txt"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".export-")]
+
+
+def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, monkeypatch):
+    # a LoRA run started from a trained adapter differs from its reference (adapters off) at
+    # step 1: its logged penalty is the mean over samples of sum_j log p - log p_ref of the
+    # transitions it drew, recomputed here with the base model
+    from vsa2_rl.rl import trainer as trainer_module
+    from vsa2_rl.sampling import sigma_schedule, step_log_prob
+
+    _, folder, _ = _trained(tmp_path, *LORA)
+    trajectories, real_sample = [], trainer_module.sample
+
+    def recording_sample(velocity_fn, noise, sigmas, **kwargs):
+        trajectories.append(real_sample(velocity_fn, noise, sigmas, **kwargs))
+        return trajectories[-1]
+
+    monkeypatch.setattr(trainer_module, "sample", recording_sample)
+    kl = ["grpo.kl_beta=1.0", "grpo.kl_mode=reward", f"model.lora.init_from={folder}"]
+    run = load_config(None, [*TINY, *LORA, *kl, f"out_dir={tmp_path / 'kl'}"])
+    train(run)
+    logged = json.loads((tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()[-1])
+
+    reference = build_bundle(run, torch.device("cpu"), torch.float32)  # no adapters
+    reference.sparsity_state.sparsity, reference.sparsity_state.phase = 0.9, "rollout"
+    sigmas = sigma_schedule(run.sampler.num_steps)
+    prompts = [trainer_module.load_prompts(run)[i] for i in _batch_prompts(run)]
+    emb = reference.encode_prompts(prompts)
+    penalties = []
+    for trajectory in trajectories:  # one chunk: every sample of the step
+        penalty = torch.zeros(trajectory.latents.shape[1])
+        for j in torch.nonzero(trajectory.stochastic).flatten().tolist():
+            x, x_next = trajectory.latents[j], trajectory.latents[j + 1]
+            sigma = torch.full((x.shape[0],), float(sigmas[j]))
+            v = reference.velocity(x, sigma, emb)
+            ref = step_log_prob(v, x, x_next, float(sigmas[j]), float(sigmas[j + 1]), "sde", 0.7)
+            penalty += trajectory.log_probs[j] - ref[0]
+        penalties.append(penalty)
+    expected = torch.cat(penalties).mean().item()
+    assert abs(expected) > 1e-9
+    assert logged["train/kl_penalty"] == pytest.approx(expected, rel=1e-4)
+
+
+def _batch_prompts(config):
+    from vsa2_rl.rl.grpo import GroupedPromptSampler
+    from vsa2_rl.rl.trainer import load_prompts
+
+    sampler = GroupedPromptSampler(
+        len(load_prompts(config)), config.grpo.group_size, config.grpo.prompts_per_step,
+        seed=config.seed,
+    )  # fmt: skip
+    return sampler.batch(0).prompt_indices

@@ -567,3 +567,16 @@ def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch
         ]
         assert len(values) == 2  # one caption line per video, its reward in it
         assert sum(values) / 2 == pytest.approx(rows[step]["eval/reward"], abs=2e-3)
+
+
+def test_kl_as_reward_penalty_is_zero_while_the_policy_is_the_reference(tmp_path, monkeypatch):
+    # step 1 of a full fine-tuning run: the reference is a frozen copy of the same weights, so
+    # the penalty is 0 and the update equals the one without any KL
+    penalized, grad = _first_update(
+        tmp_path, monkeypatch, "reward", "grpo.kl_beta=1.0", "grpo.kl_mode=reward"
+    )
+    _, plain_grad = _first_update(tmp_path, monkeypatch, "plain", "grpo.kl_beta=0.0")
+    assert penalized["train/kl_penalty"] == 0.0 and penalized["loss/kl"] == 0.0
+    torch.testing.assert_close(grad, plain_grad, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ConfigError, match=r"^grpo\.kl_mode: 'reward' .* rewards\.aggregation"):
+        load_config(None, ["grpo.kl_mode=reward", "rewards.aggregation=advantage"])

@@ -359,6 +359,12 @@ class GRPOConfig:
     kl_beta: float = _doc(
         "Weight of the latent-space KL to the reference policy; 0 = off.", default=0.0
     )
+    kl_mode: str = _doc(
+        "'loss': the KL is a loss term (Flow-GRPO); 'reward': its per-sample estimate over the "
+        "stochastic steps, log p - log p_ref of the sampled transitions, is subtracted from the "
+        "reward before the advantages (as in RLHF PPO), needs rewards.aggregation=reward.",
+        default="loss",
+    )
     timestep_fraction: float = _doc(
         "Fraction of the stochastic steps trained per rollout (random subset).", default=1.0
     )
@@ -393,6 +399,7 @@ class GRPOConfig:
             f"must be > 0 (or empty for clip_range), got {self.clip_range_high}",
         )
         _check(self.kl_beta >= 0, "grpo.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        _check_choice(self.kl_mode, "grpo.kl_mode", ("loss", "reward"))
         _check(
             0 < self.timestep_fraction <= 1,
             "grpo.timestep_fraction",
@@ -649,6 +656,12 @@ class RunConfig:
                 f"{self.checkpoint} is not a checkpoint folder (no COMPLETE marker); give a "
                 "run's checkpoints/step_N folder, or run_dir= for its newest",
             )
+        _check(
+            not (self.grpo.kl_mode == "reward" and self.rewards.aggregation == "advantage"),
+            "grpo.kl_mode",
+            "'reward' subtracts the KL from the combined reward, so it needs "
+            "rewards.aggregation=reward (with 'advantage' there is no combined reward)",
+        )
         _check(
             not self.sampler.negative_prompt
             or max(self.sampler.guidance_scale, self.eval_guidance_scale) > 1,

@@ -66,6 +66,7 @@ class Rollout:
     latents: torch.Tensor  # [N + 1, b, C, T, H, W] float32
     log_probs: torch.Tensor  # [N, b] float32
     advantages: torch.Tensor | None = None  # [b]
+    kl_penalty: torch.Tensor | None = None  # [b], grpo.kl_mode=reward: sum_j log p - log p_ref
 
 
 # grpo_loss's statistics as logged (per-sample means over an update); ratio_max_dev is logged
@@ -407,6 +408,7 @@ class _Run:
         # gathers sharded weights, a collective every rank must join (the logger writes on the
         # main only)
         self.evaluates = self.is_main or engines.zero_stage(self.acc) >= 3
+        self.kl_in_reward = self.reference is not None and config.grpo.kl_mode == "reward"
         self.logger: MetricsLogger | None = None
 
     def velocity_fn(self, text_emb: torch.Tensor):
@@ -509,6 +511,9 @@ class _Run:
                 log_probs = torch.cat([log_probs.new_zeros(start, log_probs.shape[1]), log_probs])
             chunks.append(Rollout(text_emb, latents, log_probs))
         stochastic = torch.cat([torch.zeros(start, dtype=torch.bool), trajectory.stochastic])
+        if self.kl_in_reward:
+            for chunk in chunks:
+                chunk.kl_penalty = self._kl_penalty(chunk, stochastic)
         total = self.acc.reduce(torch.tensor([float(evaluations)], device=device), reduction="sum")
         metrics["perf/rollout_evals"] = float(total.item())
         density = state.pop_density()
@@ -542,7 +547,12 @@ class _Run:
             return False
         group_ids = torch.tensor(rollouts.group_ids, device=device)
         if config.rewards.aggregation == "reward":
-            advantages, zero_var, all_rewards = _advantages(acc, scored.total, group_ids, grpo)
+            total = scored.total.to(device)
+            if self.kl_in_reward:
+                penalty = torch.cat([chunk.kl_penalty for chunk in rollouts.chunks])
+                metrics["train/kl_penalty"] = acc.gather(penalty).mean().item()
+                total = total - grpo.kl_beta * penalty
+            advantages, zero_var, all_rewards = _advantages(acc, total, group_ids, grpo)
         else:
             per_reward = {
                 name: _advantages(acc, values, group_ids, grpo)
@@ -587,7 +597,8 @@ class _Run:
         for _epoch in range(grpo.num_inner_epochs):
             order = torch.randperm(len(trainable_steps), generator=step_gen)[:num_train]
             timesteps = sorted(trainable_steps[i] for i in order.tolist())
-            work, weight = _update_plan(acc, rollouts.chunks, timesteps, grpo.kl_beta)
+            kl_loss_beta = 0.0 if self.kl_in_reward else grpo.kl_beta
+            work, weight = _update_plan(acc, rollouts.chunks, timesteps, kl_loss_beta)
             if not work:
                 continue  # no rank has a sample with a non-zero advantage
             count += acc.num_processes / weight
@@ -640,12 +651,30 @@ class _Run:
             loss_type=grpo.loss_type,
         )
         kl = torch.zeros((), device=device)
-        if self.reference is not None:
+        if self.reference is not None and not self.kl_in_reward:
             with torch.no_grad(), self.reference():
                 ref_v = self.velocity_fn(chunk.text_emb)(x, sigma)
             ref_mean = step_log_prob(ref_v, *transition, samp.noise_level)[1]
             kl = gaussian_kl(mean, ref_mean, std).mean()
         return loss, kl, stats
+
+    def _kl_penalty(self, chunk: Rollout, stochastic: torch.Tensor) -> torch.Tensor:
+        """Per sample, sum over the stochastic steps of log p - log p_ref of the transition the
+        rollout drew (an unbiased estimate of the trajectory's KL to the reference), at the
+        rollout's sparsity."""
+        samp, sigmas = self.config.sampler, self.sigmas
+        penalty = torch.zeros(chunk.latents.shape[1], device=self.device)
+        with torch.no_grad(), self.reference():
+            for j in torch.nonzero(stochastic).flatten().tolist():
+                x, x_next = chunk.latents[j], chunk.latents[j + 1]
+                sigma = torch.full((x.shape[0],), float(sigmas[j]), device=self.device)
+                ref_v = self.velocity_fn(chunk.text_emb)(x, sigma)
+                ref_log_prob = step_log_prob(
+                    ref_v, x, x_next, float(sigmas[j]), float(sigmas[j + 1]), samp.kind,
+                    samp.noise_level,
+                )[0]  # fmt: skip
+                penalty += chunk.log_probs[j] - ref_log_prob
+        return penalty
 
     def _log_update(self, metrics, rollouts, sums, count, first_ratio_dev, grad_norms, skipped):
         acc, device = self.acc, self.device
