@@ -17,7 +17,10 @@ exact-dense fine stage while ``1 - sparsity >= config.dense_threshold``.
 
 It takes q, k, v in raster order (as diffusers holds them after RoPE), tiles them with the layer
 grid's :class:`TileLayout`, runs VSA2, records the achieved density into the shared
-:class:`SparsityState` and returns the output in raster order.
+:class:`SparsityState` and returns the output in raster order. With ``sequence_parallel`` set
+(:class:`vsa2_rl.parallel.SequenceParallel`) its inputs are this rank's token slice: q, k, v
+and the gates go through an all-to-all to all tokens of this rank's heads, VSA2 runs on those
+heads (with their ``alpha``), and the output comes back as the token slice.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from vsa2_rl import kernels
 from vsa2_rl.attention.layout import TileLayout
 from vsa2_rl.attention.state import SparsityState
 from vsa2_rl.config import VSA2Config
+from vsa2_rl.parallel import SequenceParallel
 
 
 class VSA2Attention(nn.Module):
@@ -53,6 +57,8 @@ class VSA2Attention(nn.Module):
         self.config = config
         self.state = state
         self.alpha = nn.Parameter(torch.zeros(heads))
+        # set by vsa2_rl.parallel: this rank then holds a token slice of every video
+        self.sequence_parallel: SequenceParallel | None = None
         self.to_gate_coarse = nn.Linear(dim, dim)
         self.to_gate_fine = nn.Linear(dim, dim)
         self.reset_parameters()
@@ -84,37 +90,43 @@ class VSA2Attention(nn.Module):
             [B, N, H, D] in raster order, in query's dtype.
         """
         batch, num_tokens, heads, head_dim = query.shape
-        if heads != self.heads or num_tokens != layout.num_tokens:
+        sp = self.sequence_parallel
+        mine = slice(0, layout.num_tokens) if sp is None else sp.token_slice(layout.num_tokens)
+        if heads != self.heads or num_tokens != mine.stop - mine.start:
             raise ValueError(
-                f"query must be [B, {layout.num_tokens}, {self.heads}, D] for grid {layout.grid}, "
-                f"got {tuple(query.shape)}"
+                f"query must be [B, {mine.stop - mine.start}, {self.heads}, D] for grid "
+                f"{layout.grid}{'' if sp is None else ' (this rank s token slice)'}, got "
+                f"{tuple(query.shape)}"
             )
-        if self.state.sparsity == 0.0:
+        sparse = self.state.sparsity > 0.0
+        tensors, alpha = [query, key, value], self.alpha
+        if sparse:  # gates per token from the layer's input (a padding position's is dropped)
+            shape = (batch, num_tokens, heads, head_dim)
+            tensors.append(self.to_gate_coarse(hidden_states).view(shape))
+            tensors.append(1.0 + self.to_gate_fine(hidden_states).view(shape))
+        if sp is not None:  # all tokens, this rank's heads
+            tensors = tuple(sp.tokens_to_heads(x, layout.num_tokens) for x in tensors)
+            alpha = self.alpha[sp.head_slice(heads)]
+        if not sparse:
             # Sparsity 0 means the stock dense model (docs/CONTRACTS.md, Deviations): plain
             # attention in raster order, without tiling, router or gates.
             self.state.record_density(1.0)
-            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query, key, value)))
-            return out.transpose(1, 2)
-        hidden = layout.tile(hidden_states)  # (B, S, dim), zeros in the padding
-        gate_coarse = self.to_gate_coarse(hidden)
-        gate_fine = 1.0 + self.to_gate_fine(hidden)
-
-        def heads_first(x: torch.Tensor) -> torch.Tensor:  # (B, S, H*D) or (B, S, H, D)
-            return x.reshape(batch, layout.padded_len, heads, head_dim).transpose(1, 2)
-
-        q, k, v = (heads_first(layout.tile(x)) for x in (query, key, value))  # (B, H, S, D)
-        out = self._sparse_attention(
-            q, k, v, heads_first(gate_coarse).to(q.dtype), heads_first(gate_fine).to(q.dtype),
-            layout,
-        )  # fmt: skip
-        return layout.untile(out.transpose(1, 2)).to(query.dtype)  # (B, N, H, D)
+            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in tensors[:3]))
+            out = out.transpose(1, 2)
+        else:
+            q, k, v, g_c, g_f = (layout.tile(x).transpose(1, 2) for x in tensors)  # (B, H, S, D)
+            out = self._sparse_attention(q, k, v, g_c.to(q.dtype), g_f.to(q.dtype), alpha, layout)
+            out = layout.untile(out.transpose(1, 2))  # (B, N, H, D)
+        if sp is not None:
+            out = sp.heads_to_tokens(out)
+        return out.to(query.dtype)
 
     # Run eagerly inside compiled blocks (a graph break; the kernels are opaque custom ops
     # anyway): the sparsity is a Python float that the router turns into an output shape, and
     # once it changes (rollout vs eval, a warm-up) torch.compile would make it symbolic, which
     # the shape arithmetic cannot take. The density bookkeeping stays out of the graph too.
     @torch.compiler.disable
-    def _sparse_attention(self, q, k, v, gate_coarse, gate_fine, layout) -> torch.Tensor:
+    def _sparse_attention(self, q, k, v, gate_coarse, gate_fine, alpha, layout) -> torch.Tensor:
         tile_lengths, seg_lengths = layout.lengths(self.config.kv_block, q.device)
         out, stats = kernels.vsa2_attention(
             q,
@@ -123,7 +135,7 @@ class VSA2Attention(nn.Module):
             tile_lengths=tile_lengths,
             seg_lengths=seg_lengths,
             sparsity=self.state.sparsity,
-            alpha=self.alpha,
+            alpha=alpha,
             gate_coarse=gate_coarse,
             gate_fine=gate_fine,
             config=self.config,
