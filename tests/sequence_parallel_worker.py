@@ -1,6 +1,7 @@
-"""Run by tests/test_sequence_parallel.py under torchrun (gloo, CPU): one VSA2 layer on an odd
-token grid, once whole on every rank (the reference) and once with Ulysses sequence parallelism
-over the ranks; rank 0 writes the relative RMS errors of the output and every gradient."""
+"""Run by tests/test_sequence_parallel.py under torchrun (gloo, CPU): one VSA2 layer (``layer``)
+or the whole toy Wan model with VSA2 (``model``) on an odd token grid, once whole on every rank
+(the reference) and once with Ulysses sequence parallelism over the ranks; rank 0 writes every
+rank's relative RMS errors of the output and of every gradient."""
 
 import json
 import sys
@@ -18,8 +19,7 @@ def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
-def main(out_path: str, sparsity: float) -> None:
-    dist.init_process_group("gloo")
+def layer_errors(sparsity: float) -> dict:
     torch.manual_seed(0)
     heads, head_dim = 4, 16
     config = VSA2Config(kv_block=16, mode="topp", top_p=0.9, backend="torch")
@@ -56,6 +56,43 @@ def main(out_path: str, sparsity: float) -> None:
         total = parameter.grad.clone()
         dist.all_reduce(total)  # each rank holds its tokens' (and heads') share
         errors[name] = rel_rms(total, ref_params[name])
+    return errors
+
+
+def model_errors(sparsity: float) -> dict:
+    """The toy model (4 blocks, 4 heads) on a 3 x 6 x 10 latent: 3 x 3 x 5 = 45 tokens."""
+    from vsa2_rl.models.toy import load_toy_bundle
+    from vsa2_rl.models.wan import enable_sequence_parallel
+
+    config = VSA2Config(kv_block=16, mode="topp", top_p=0.9, backend="torch")
+    bundle = load_toy_bundle(config, "cpu", torch.float32)
+    bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = sparsity, "train"
+    model = bundle.transformer
+    torch.manual_seed(0)
+    latents = torch.randn(2, 3, 3, 6, 10)
+    sigma = torch.tensor([0.8, 0.3])
+    text = bundle.encode_prompts(["a red square moving left fast", "a blue circle"])
+    grad_out = torch.randn(2, 3, 3, 6, 10)
+
+    (bundle.velocity(latents, sigma, text) * grad_out).sum().backward()
+    out = bundle.velocity(latents, sigma, text).detach()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    enable_sequence_parallel(model, SequenceParallel())
+    out_sp = bundle.velocity(latents, sigma, text)
+    (out_sp * grad_out).sum().backward()
+    errors = {"out": rel_rms(out_sp, out)}
+    for name, parameter in model.named_parameters():
+        if name in ref:  # the mean over the ranks, as DDP's all-reduce takes it
+            mean = parameter.grad.clone()
+            dist.all_reduce(mean)
+            errors[name] = rel_rms(mean / dist.get_world_size(), ref[name])
+    return errors
+
+
+def main(out_path: str, what: str, sparsity: float) -> None:
+    dist.init_process_group("gloo")
+    errors = (layer_errors if what == "layer" else model_errors)(sparsity)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, errors)
     if dist.get_rank() == 0:
@@ -65,4 +102,4 @@ def main(out_path: str, sparsity: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]))

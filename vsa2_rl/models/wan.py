@@ -121,8 +121,12 @@ class WanVSA2AttnProcessor:
                 "WanVSA2AttnProcessor is for self-attention (attn1) without a mask; got "
                 "encoder_hidden_states or attention_mask"
             )
-        layout = self.context.layout
-        if layout is None or layout.num_tokens != hidden_states.shape[1]:
+        layout, sp = self.context.layout, attn.vsa2.sequence_parallel
+        tokens = None if layout is None else layout.num_tokens
+        if tokens is not None and sp is not None:  # this rank holds a slice of the tokens
+            mine = sp.token_slice(tokens)
+            tokens = mine.stop - mine.start
+        if tokens != hidden_states.shape[1]:
             raise ValueError(
                 f"no token grid for a sequence of {hidden_states.shape[1]} tokens: call the "
                 "transformer (its pre-hook records the grid), not attn1 on its own"
@@ -225,6 +229,53 @@ def _modulation(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...
 def _self_attention_input(block: nn.Module, hidden_states, temb) -> torch.Tensor:
     shift, scale = _modulation(block, temb)[:2]
     return (block.norm1(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
+
+
+def enable_sequence_parallel(transformer: nn.Module, sp) -> nn.Module:
+    """Ulysses sequence parallelism for a Wan transformer with VSA2 (``vsa2_rl.parallel``).
+
+    Each rank's blocks run on its slice of the tokens (RoPE frequencies and per-token timestep
+    embeddings sliced alike); cross-attention, FFN and norms work per token on the slice, VSA2
+    self-attention exchanges slices for heads around the sparse attention, and after the last
+    block the slices are gathered so the output projection and unpatchify see every token.
+    Every rank of the group must get the same inputs. Returns the same transformer.
+    """
+    from functools import partial
+
+    context = getattr(transformer, "_vsa2_context", None)
+    if context is None:
+        raise ValueError("enable_vsa2 the transformer before enable_sequence_parallel")
+    heads = transformer.config.num_attention_heads
+    sp.head_slice(heads)  # the group size must divide the heads
+    for block in transformer.blocks:
+        block.attn1.vsa2.sequence_parallel = sp
+        block.register_forward_pre_hook(partial(_slice_block_inputs, sp, context))
+    transformer.blocks[-1].register_forward_hook(partial(_gather_block_output, sp, context))
+    return transformer
+
+
+def _slice_block_inputs(sp, context: VSA2Context, block: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of a block: this rank's token slice of whatever still holds all tokens
+    (the hidden states before the first block, RoPE, per-token timestep embeddings)."""
+    tokens = context.layout.num_tokens
+    mine = sp.token_slice(tokens)
+
+    def slice_tokens(x):
+        return x[:, mine] if torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] == tokens else x
+
+    hidden_states, encoder_hidden_states, timestep_proj, rotary_emb = args
+    if timestep_proj.dim() == 4:  # [B, N, 6, dim] (Wan 2.2 per-token timesteps)
+        timestep_proj = slice_tokens(timestep_proj)
+    return (
+        slice_tokens(hidden_states),
+        encoder_hidden_states,
+        timestep_proj,
+        tuple(slice_tokens(x) for x in rotary_emb),
+    )
+
+
+def _gather_block_output(sp, context: VSA2Context, block, args, output) -> torch.Tensor:
+    return sp.gather_tokens(output, context.layout.num_tokens)
 
 
 def wan_block_forward(

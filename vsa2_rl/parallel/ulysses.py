@@ -51,6 +51,17 @@ class SequenceParallel:
         """[B, N, H / P, D] (all tokens, my heads) -> [B, n_local, H, D] token slice."""
         return _HeadsToTokens.apply(x, self)
 
+    def gather_tokens(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """[B, n_local, ...] token slices of every rank -> [B, num_tokens, ...] on every rank.
+
+        Every rank continues with the same whole tensor, so what comes after is computed (and
+        its parameters' gradients are whole) on every rank, while what came before saw only a
+        slice; the backward hands a rank its slice of the gradient times the group size, so
+        that the mean of the ranks' parameter gradients, what DDP's all-reduce takes, is the
+        single-process gradient of every parameter.
+        """
+        return _GatherTokens.apply(x, self, num_tokens)
+
 
 def _exchange(send: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """all_to_all of ``send`` [P, ...]: part p goes to rank p; returns [P, ...] by source."""
@@ -79,6 +90,21 @@ def _heads_to_tokens(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     out = received.permute(1, 2, 0, 3, 4).reshape(batch, chunk, size * local_heads, dim)
     mine = sp.token_slice(num_tokens)
     return out[:, : mine.stop - mine.start]
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp, num_tokens):
+        ctx.sp, ctx.num_tokens = sp, num_tokens
+        chunk = -(-num_tokens // sp.size)
+        padded = F.pad(x, (0, 0) * (x.dim() - 2) + (0, chunk - x.shape[1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(sp.size)]
+        dist.all_gather(parts, padded, group=sp.group)
+        return torch.cat(parts, dim=1)[:, :num_tokens]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.sp.token_slice(ctx.num_tokens)] * ctx.sp.size, None, None
 
 
 class _TokensToHeads(torch.autograd.Function):
