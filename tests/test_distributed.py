@@ -90,3 +90,24 @@ def test_a_rank_without_trainable_samples_keeps_step_with_the_others(tmp_path):
     for row in rows:
         assert row["train/zero_var_frac"] == 0.5  # rank 0's group
         assert row["train/grad_norm"] > 0 and row["train/skipped_nonfinite"] == 0
+
+
+def test_sequence_parallel_over_two_processes_matches_one_process(tmp_path):
+    # both ranks share every video, each holding half of its tokens (a 4 x 16 x 16 latent is
+    # 4 x 8 x 8 = 256 tokens, 128 a rank); two steps must equal one process's
+    from safetensors.torch import load_file
+
+    sp = ["parallel.sequence_parallel_size=2", "train.checkpoint_every=2"]
+    two = _run([*TORCHRUN, "train_rl.py"], tmp_path / "two", *sp)
+    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", "train.checkpoint_every=2")
+    assert [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward/mean", "reward/std", "loss/policy", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
+    weights = [
+        load_file(os.path.join(tmp_path, run, "checkpoints", "step_2", "model.safetensors"))
+        for run in ("one", "two")
+    ]
+    for name, value in weights[0].items():  # relative RMS per tensor
+        error = (weights[1][name].double() - value.double()).pow(2).mean().sqrt()
+        assert error <= 1e-4 * value.double().pow(2).mean().sqrt() + 1e-12, name

@@ -580,3 +580,12 @@ def test_kl_as_reward_penalty_is_zero_while_the_policy_is_the_reference(tmp_path
     torch.testing.assert_close(grad, plain_grad, rtol=1e-6, atol=1e-9)
     with pytest.raises(ConfigError, match=r"^grpo\.kl_mode: 'reward' .* rewards\.aggregation"):
         load_config(None, ["grpo.kl_mode=reward", "rewards.aggregation=advantage"])
+
+
+def test_sequence_parallel_size_must_divide_the_processes(tmp_path):
+    config = _config(tmp_path, "parallel.sequence_parallel_size=2")
+    with pytest.raises(ConfigError, match=r"^parallel\.sequence_parallel_size: 2 must divide"):
+        train(config)
+    assert not os.path.exists(config.out_dir)
+    with pytest.raises(ConfigError, match=r"^parallel\.sequence_parallel_size: must be >= 1"):
+        load_config(None, ["parallel.sequence_parallel_size=0"])

@@ -583,6 +583,25 @@ class EvalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Parallelism beyond data parallelism (the launcher's processes are the world)."""
+
+    sequence_parallel_size: int = _doc(
+        "Ulysses sequence parallelism: groups of this many consecutive ranks share each video, "
+        "every rank holding a slice of its tokens (must divide the number of processes and "
+        "the attention heads; needs VSA2 attention and DDP, not DeepSpeed); 1 = off.",
+        default=1,
+    )
+
+    def __post_init__(self) -> None:
+        _check(
+            self.sequence_parallel_size >= 1,
+            "parallel.sequence_parallel_size",
+            f"must be >= 1 (1 = off), got {self.sequence_parallel_size}",
+        )
+
+
+@dataclass
 class LoggingConfig:
     """Where metrics go besides out_dir/metrics.jsonl."""
 
@@ -619,6 +638,7 @@ class RunConfig:
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dirs: list[str] = _doc(
         "vsa2-rl eval: training run folders to evaluate (newest checkpoint of each).",

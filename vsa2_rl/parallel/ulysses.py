@@ -27,6 +27,10 @@ class SequenceParallel:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
+    def __deepcopy__(self, memo: dict) -> SequenceParallel:
+        # a frozen copy of the model (the KL reference) runs in the same group
+        return self
+
     def token_slice(self, num_tokens: int) -> slice:
         """This rank's contiguous slice of ``num_tokens`` raster-order tokens."""
         chunk = -(-num_tokens // self.size)

@@ -234,7 +234,12 @@ class _Setup:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.prompts = load_prompts(config, "train")
         self.eval_prompts = load_prompts(config, "eval")[: config.eval.num_prompts]
-        world = self.accelerator.num_processes
+        self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
+        sp_size = config.parallel.sequence_parallel_size
+        # data-parallel ranks: sequence-parallel groups share their samples
+        self.dp_world = self.accelerator.num_processes // sp_size
+        self.dp_rank = self.accelerator.process_index // sp_size
+        world = self.dp_world
         if config.grpo.prompts_per_step > len(self.prompts):
             raise ConfigError(
                 f"grpo.prompts_per_step: {config.grpo.prompts_per_step} exceeds the "
@@ -243,7 +248,7 @@ class _Setup:
         if (config.grpo.prompts_per_step * config.grpo.group_size) % world:
             raise ConfigError(
                 f"grpo.prompts_per_step * grpo.group_size must be divisible by the number of "
-                f"processes ({world})"
+                f"data-parallel ranks ({world}: processes / parallel.sequence_parallel_size)"
             )
         try:
             self.rewards = RewardMixer.from_config(config.rewards)
@@ -252,6 +257,38 @@ class _Setup:
         self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
             self.bundle = build_bundle(config, self.device, self.dtype)
+        if self.sequence_parallel is not None:
+            from vsa2_rl.models.wan import enable_sequence_parallel
+
+            try:
+                enable_sequence_parallel(self.bundle.transformer, self.sequence_parallel)
+            except ValueError as error:
+                raise ConfigError(f"parallel.sequence_parallel_size: {error}") from None
+
+
+def _sequence_parallel_group(acc, config: RunConfig):
+    """This rank's :class:`SequenceParallel` group (consecutive ranks), or None when off."""
+    size = config.parallel.sequence_parallel_size
+    if size == 1:
+        return None
+    key = "parallel.sequence_parallel_size"
+    if acc.num_processes % size:
+        raise ConfigError(
+            f"{key}: {size} must divide the number of processes ({acc.num_processes})"
+        )
+    if engines.uses_deepspeed(acc):
+        raise ConfigError(f"{key}: sequence parallelism runs under DDP, not DeepSpeed")
+    if not config.attention.enabled:
+        raise ConfigError(f"{key}: sequence parallelism runs through VSA2 (attention.enabled)")
+    import torch.distributed as dist
+
+    from vsa2_rl.parallel import SequenceParallel
+
+    groups = [
+        dist.new_group(list(range(start, start + size)))  # every rank creates every group
+        for start in range(0, acc.num_processes, size)
+    ]
+    return SequenceParallel(groups[acc.process_index // size])
 
 
 def _reference_policy(bundle, acc, config: RunConfig):
@@ -394,8 +431,8 @@ class _Run:
             len(setup.prompts),
             config.grpo.group_size,
             config.grpo.prompts_per_step,
-            num_replicas=self.acc.num_processes,
-            rank=self.acc.process_index,
+            num_replicas=setup.dp_world,
+            rank=setup.dp_rank,
             seed=config.seed,
         )
         self.sigmas = sigma_schedule(config.sampler.num_steps, config.sampler.shift)
@@ -407,7 +444,12 @@ class _Run:
         # evaluation runs on the main process alone, except under ZeRO-3: there the forward
         # gathers sharded weights, a collective every rank must join (the logger writes on the
         # main only)
-        self.evaluates = self.is_main or engines.zero_stage(self.acc) >= 3
+        # and under sequence parallelism, where the main process's group computes together
+        self.evaluates = (
+            self.is_main
+            or engines.zero_stage(self.acc) >= 3
+            or (setup.sequence_parallel is not None and setup.dp_rank == 0)
+        )
         self.kl_in_reward = self.reference is not None and config.grpo.kl_mode == "reward"
         self.logger: MetricsLogger | None = None
 
@@ -468,7 +510,7 @@ class _Run:
         t0 = time.perf_counter()
         batch = self.sampler.batch(step - 1)
         prompts = [self.setup.prompts[i] for i in batch.prompt_indices]
-        offset = self.acc.process_index * self.sampler.samples_per_rank
+        offset = self.setup.dp_rank * self.sampler.samples_per_rank
         global_index = [offset + i for i in range(len(prompts))]
         noise = initial_noise(config, step, self.latent_shape, global_index).to(device)
         generators = [  # per-sample SDE noise: the same whatever the number of ranks
@@ -683,7 +725,7 @@ class _Run:
             metrics["perf/peak_mem_gib"] = acc.gather(peak).max().item()
             torch.cuda.reset_peak_memory_stats(device)
         seconds = metrics["perf/rollout_s"] + metrics["perf/train_s"]
-        metrics["perf/videos_per_s"] = len(rollouts.prompts) * acc.num_processes / seconds
+        metrics["perf/videos_per_s"] = len(rollouts.prompts) * self.setup.dp_world / seconds
         ratio_dev = first_ratio_dev[0] if first_ratio_dev else None
         metrics.update(_update_metrics(acc, device, sums, count, ratio_dev))
         metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
