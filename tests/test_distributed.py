@@ -92,17 +92,21 @@ def test_a_rank_without_trainable_samples_keeps_step_with_the_others(tmp_path):
         assert row["train/grad_norm"] > 0 and row["train/skipped_nonfinite"] == 0
 
 
-def test_sequence_parallel_over_two_processes_matches_one_process(tmp_path):
-    # both ranks share every video, each holding half of its tokens (a 4 x 16 x 16 latent is
-    # 4 x 8 x 8 = 256 tokens, 128 a rank); two steps must equal one process's
+@pytest.mark.parametrize("processes", [2, 4])
+def test_sequence_parallel_matches_one_process(tmp_path, processes):
+    # every rank shares every video, holding 1 / processes of its tokens (a 4 x 16 x 16 latent
+    # is 4 x 8 x 8 = 256 tokens); two steps, with their evaluations, must equal one process's
     from safetensors.torch import load_file
 
-    sp = ["parallel.sequence_parallel_size=2", "train.checkpoint_every=2"]
-    two = _run([*TORCHRUN, "train_rl.py"], tmp_path / "two", *sp)
-    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", "train.checkpoint_every=2")
-    assert [r["step"] for r in two] == [1, 2]
-    for a, b in zip(one, two, strict=True):
-        for key in ("reward/mean", "reward/std", "loss/policy", "train/grad_norm"):
+    common = ["train.checkpoint_every=2", "eval.every=2", "eval.num_prompts=2"]
+    torchrun = [*TORCHRUN[:-1], str(processes), "train_rl.py"]
+    sp = _run(torchrun, tmp_path / "two", f"parallel.sequence_parallel_size={processes}", *common)
+    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", *common)
+    assert [r["step"] for r in sp] == [0, 1, 2]
+    for a, b in zip(one, sp, strict=True):
+        keys = ("eval/reward",) if a["step"] == 0 else ("reward/mean", "loss/policy")
+        keys += ("train/grad_norm", "reward/std", "eval/reward") if a["step"] == 2 else ()
+        for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
     weights = [
         load_file(os.path.join(tmp_path, run, "checkpoints", "step_2", "model.safetensors"))
