@@ -20,7 +20,8 @@ from vsa2_rl.rewards.image_quality import (
 TINY_CLIP = {
     "embed_dim": 16,
     "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-    "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+    # the text tower takes the ids of open_clip's bundled BPE tokenizer (49408 tokens)
+    "text_cfg": {"context_length": 8, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1},
 }
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -201,3 +202,28 @@ def test_image_quality_prefers_clean_frames_to_noisy_and_blurred_ones():
         assert bool((score > reward(noisy, ["p"] * 8)).all())
         assert bool((score > reward(_blur(clean), ["p"] * 8)).all())
     assert reward(torch.rand(4, 2, 3, 32, 32, generator=generator), ["p"] * 4).max() < 0.01
+
+
+def test_clip_score_is_the_frames_mean_cosine_with_the_prompt(tiny_clip_files):
+    import open_clip
+
+    config, clip_path, _, model = tiny_clip_files
+    reward = get_reward("clip_score", clip_path=clip_path, clip_model=config, num_frames=2)
+    videos = torch.rand(2, 3, 3, 32, 32)
+    prompts = ["a red square", "a blue circle moving left"]
+    values = reward(videos, prompts, [{}, {}])
+    # reference: open_clip's own encoders on frames 0 and 2, its own tokenizer
+    mean, std = (
+        torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1),
+        torch.tensor(OPENAI_STD).view(1, 3, 1, 1),
+    )
+    with torch.no_grad():
+        images = model.encode_image((videos[:, [0, 2]].flatten(0, 1) - mean) / std, normalize=True)
+        tokens = open_clip.get_tokenizer("tiny-vsa2-test-clip")(prompts)
+        texts = model.encode_text(tokens, normalize=True)
+    expected = (images.view(2, 2, -1).double() * texts[:, None].double()).sum(-1).mean(1)
+    torch.testing.assert_close(values.double(), expected, rtol=1e-4, atol=1e-5)
+    swapped = reward(videos, prompts[::-1], [{}, {}])  # the prompt matters
+    assert not torch.allclose(swapped, values)
+    with pytest.raises(ValueError, match=r"kwargs\.clip_path: required"):
+        get_reward("clip_score", clip_model=config)
