@@ -5,7 +5,8 @@ group ``vsa2_rl.rewards``) or ``"package.module:callable"``; ``RewardMixer`` com
 rewards concurrently and combines them at the reward or the advantage level. Importing this
 package registers the built-ins: ``dynamic_degree``, ``motion_smoothness``, ``temporal_flicker``,
 ``motion_quality`` (optical flow), ``aesthetic`` (LAION predictor on open_clip, local weights),
-``clip_score`` (prompt-frame cosine of open_clip embeddings, local weights),
+``clip_score``, ``pickscore``, ``hpsv2`` (prompt-frame cosine of open_clip embeddings, local
+weights),
 ``image_quality`` (weight-free sharpness, colourfulness, exposure, gated by a noise estimate),
 ``prompt_motion`` and ``shape_fidelity`` (the toy task's known-answer motion reward and shape
 guard) and ``random`` (the control of RL experiments).

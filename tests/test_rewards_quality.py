@@ -204,7 +204,7 @@ def test_image_quality_prefers_clean_frames_to_noisy_and_blurred_ones():
     assert reward(torch.rand(4, 2, 3, 32, 32, generator=generator), ["p"] * 4).max() < 0.01
 
 
-def test_clip_score_is_the_frames_mean_cosine_with_the_prompt(tiny_clip_files):
+def test_clip_scores_are_the_frames_mean_cosine_with_the_prompt(tiny_clip_files):
     import open_clip
 
     config, clip_path, _, model = tiny_clip_files
@@ -223,6 +223,10 @@ def test_clip_score_is_the_frames_mean_cosine_with_the_prompt(tiny_clip_files):
         texts = model.encode_text(tokens, normalize=True)
     expected = (images.view(2, 2, -1).double() * texts[:, None].double()).sum(-1).mean(1)
     torch.testing.assert_close(values.double(), expected, rtol=1e-4, atol=1e-5)
+    for name, scale in (("pickscore", model.logit_scale.exp().item()), ("hpsv2", 1.0)):
+        preference = get_reward(name, clip_path=clip_path, clip_model=config, num_frames=2)
+        scored = preference(videos, prompts, [{}, {}]).double()
+        torch.testing.assert_close(scored, scale * expected, rtol=1e-4, atol=1e-5)
     swapped = reward(videos, prompts[::-1], [{}, {}])  # the prompt matters
     assert not torch.allclose(swapped, values)
     with pytest.raises(ValueError, match=r"kwargs\.clip_path: required"):
