@@ -6,13 +6,13 @@ rewards concurrently and combines them at the reward or the advantage level. Imp
 package registers the built-ins: ``dynamic_degree``, ``motion_smoothness``, ``temporal_flicker``,
 ``motion_quality`` (optical flow), ``aesthetic`` (LAION predictor on open_clip, local weights),
 ``clip_score``, ``pickscore``, ``hpsv2`` (prompt-frame cosine of open_clip embeddings, local
-weights),
+weights), ``subject_consistency`` and ``background_consistency`` (VBench, DINO / CLIP features),
 ``image_quality`` (weight-free sharpness, colourfulness, exposure, gated by a noise estimate),
 ``prompt_motion`` and ``shape_fidelity`` (the toy task's known-answer motion reward and shape
 guard) and ``random`` (the control of RL experiments).
 """
 
-from . import aesthetic, clip_score, control, image_quality, motion, shapes  # noqa: F401
+from . import aesthetic, clip_score, consistency, control, image_quality, motion, shapes  # noqa: F401
 from .mixing import RewardMixer, RewardOutput, combine_advantages
 from .registry import (
     ENTRY_POINT_GROUP,

@@ -231,3 +231,48 @@ def test_clip_scores_are_the_frames_mean_cosine_with_the_prompt(tiny_clip_files)
     assert not torch.allclose(swapped, values)
     with pytest.raises(ValueError, match=r"kwargs\.clip_path: required"):
         get_reward("clip_score", clip_model=config)
+
+
+def _vbench_consistency(features):
+    """VBench's formula in float64 on features [B, K, E], frame by frame."""
+    f = F.normalize(features.double(), dim=-1)
+    terms = [(f[:, k] * (f[:, 0] + f[:, k - 1])).sum(-1) / 2 for k in range(1, f.shape[1])]
+    return sum(terms) / len(terms)
+
+
+def test_subject_consistency_uses_dino_cls_features_and_is_one_for_a_static_video(tmp_path):
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          intermediate_size=64, image_size=32, patch_size=8)  # fmt: skip
+    model = Dinov2Model(config).eval()
+    model.save_pretrained(tmp_path / "dino")
+    reward = get_reward("subject_consistency", dino_path=str(tmp_path / "dino"), num_frames=4)
+    videos = torch.rand(2, 4, 3, 32, 32)  # at the model's size: no resize
+    values = reward(videos, ["a", "b"], [{}, {}])
+    mean, std = torch.tensor((0.485, 0.456, 0.406)), torch.tensor((0.229, 0.224, 0.225))
+    pixels = (videos.flatten(0, 1) - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    with torch.no_grad():
+        cls = model(pixel_values=pixels).last_hidden_state[:, 0].view(2, 4, -1)
+    torch.testing.assert_close(values.double(), _vbench_consistency(cls), rtol=1e-5, atol=1e-6)
+    static = videos[:, :1].expand(-1, 4, -1, -1, -1)
+    torch.testing.assert_close(reward(static, ["a", "b"], [{}, {}]), torch.ones(2))
+    with pytest.raises(Exception, match=r"at least 2 frames"):
+        reward(videos[:, :1], ["a", "b"], [{}, {}])
+    with pytest.raises(ValueError, match=r"kwargs\.dino_path: folder not found"):
+        get_reward("subject_consistency", dino_path=str(tmp_path / "nowhere"))
+
+
+def test_background_consistency_uses_clip_image_features(tiny_clip_files):
+    config, clip_path, _, model = tiny_clip_files
+    reward = get_reward("background_consistency", clip_path=clip_path, clip_model=config)
+    videos = torch.rand(2, 3, 3, 32, 32)
+    mean, std = (
+        torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1),
+        torch.tensor(OPENAI_STD).view(1, 3, 1, 1),
+    )
+    with torch.no_grad():
+        features = model.encode_image((videos.flatten(0, 1) - mean) / std).view(2, 3, -1)
+    values = reward(videos, ["a", "b"], [{}, {}])
+    torch.testing.assert_close(values.double(), _vbench_consistency(features), rtol=1e-4, atol=1e-5)
