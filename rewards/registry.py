@@ -266,6 +266,15 @@ def get_reward(spec: str | Callable, **kwargs: Any) -> Reward:
         name = getattr(spec, "__name__", type(spec).__name__)
         target = spec
     elif isinstance(spec, str) and spec:
+        if spec.startswith("remote:"):
+            from .remote import RemoteReward
+
+            client = RemoteReward(spec.removeprefix("remote:"), **kwargs)
+            try:
+                served = client.name()
+            except RuntimeError as error:
+                raise ValueError(f"reward {spec!r}: cannot reach the server: {error}") from None
+            return Reward(f"remote_{served}", client)
         if spec in _REGISTRY:
             return Reward(spec, _build(spec, _REGISTRY[spec], kwargs))
         plugin = _entry_point(spec) if ":" not in spec else None

@@ -1,4 +1,4 @@
-"""The ``vsa2-rl`` console script: ``vsa2-rl train``, ``vsa2-rl eval`` and ``vsa2-rl export``.
+"""The ``vsa2-rl`` console script: ``vsa2-rl train``, ``eval``, ``export`` and ``serve-reward``.
 
 Both take ``--config FILE`` (default ``configs/default.yaml``) and OmegaConf dotlist overrides
 (``train.num_steps=2 out_dir=runs/x``). A configuration problem (missing file, unknown key,
@@ -46,11 +46,45 @@ def _parser() -> argparse.ArgumentParser:
             "--config", default=DEFAULT_CONFIG, help=f"YAML config file (default: {DEFAULT_CONFIG})"
         )
         command.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides")
+    serve = commands.add_parser(
+        "serve-reward",
+        description="Serve a registered reward over HTTP for remote:http://HOST:PORT rewards "
+        "(safetensors bodies, never pickle; binds 127.0.0.1 unless --host says otherwise).",
+    )
+    serve.add_argument("--reward", required=True, help="registered name or module:callable")
+    serve.add_argument("--kwargs", default="{}", help="the reward's keyword arguments, JSON")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
+    serve.add_argument("--max-request-mb", type=int, default=512)
     return parser
+
+
+def _serve_reward(args) -> None:
+    import json
+
+    from vsa2_rl.rewards import get_reward
+    from vsa2_rl.rewards.remote import serve
+
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--kwargs: not JSON ({error})") from None
+    try:
+        reward = get_reward(args.reward, **kwargs)
+    except ValueError as error:
+        raise ConfigError(f"--reward: {error}") from None
+    serve(reward, args.host, args.port, args.max_request_mb)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve-reward":
+        try:
+            _serve_reward(args)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return 0
     bad = [item for item in args.overrides if "=" not in item]
     try:
         if bad:
