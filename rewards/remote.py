@@ -7,8 +7,9 @@ safetensors body holding ``videos`` as uint8 ``[B, T, C, H, W]`` (the [0, 1] vid
 255 levels, 4x smaller than float32) and, in the safetensors metadata, ``prompts`` and
 ``metadata`` as JSON; the reply is a safetensors body with ``scores`` float32 ``[B]``, or a JSON
 ``{"error": ...}`` with an HTTP error status. ``GET /health`` returns ``{"reward": NAME}``.
-Request bodies, compressed and decompressed, are bounded (``max_request_mb``). The server binds
-127.0.0.1 unless told otherwise.
+Request bodies, compressed and decompressed, are bounded (``max_request_mb``; a larger one gets
+HTTP 413, read off the socket first up to 4x the bound so the client sees the reply, and the
+connection closed). The server binds 127.0.0.1 unless told otherwise.
 
 The client has a timeout per request and a bounded number of retries (with a short backoff) for
 connection failures and server errors; its errors name the reward and the address, and the
@@ -65,6 +66,13 @@ def serve(reward, host: str = "127.0.0.1", port: int = 8000, max_request_mb: int
         def _error(self, status: int, message: str) -> None:
             self._reply(status, json.dumps({"error": message}).encode(), "application/json")
 
+        def _discard(self, length: int) -> None:
+            while length > 0:
+                chunk = self.rfile.read(min(length, 2**20))
+                if not chunk:
+                    return
+                length -= len(chunk)
+
         def do_GET(self) -> None:
             if self.path != "/health":
                 return self._error(404, f"no {self.path}; POST /score or GET /health")
@@ -75,6 +83,9 @@ def serve(reward, host: str = "127.0.0.1", port: int = 8000, max_request_mb: int
                 return self._error(404, f"no {self.path}; POST /score")
             length = int(self.headers.get("Content-Length") or 0)
             if length > limit:
+                self.close_connection = True
+                if length <= 4 * limit:  # read it off the socket, so the client gets the reply
+                    self._discard(length)
                 return self._error(413, f"request of {length} bytes exceeds {limit}")
             try:
                 videos, prompts, metadata = decode_request(self.rfile.read(length), limit)

@@ -115,3 +115,30 @@ def test_sequence_parallel_matches_one_process(tmp_path, processes):
     for name, value in weights[0].items():  # relative RMS per tensor
         error = (weights[1][name].double() - value.double()).pow(2).mean().sqrt()
         assert error <= 1e-4 * value.double().pow(2).mean().sqrt() + 1e-12, name
+
+
+def test_a_sequence_parallel_run_resumes_as_it_would_have_gone_on(tmp_path):
+    sp = ["parallel.sequence_parallel_size=2", "train.checkpoint_every=1"]
+    torchrun = [*TORCHRUN, "train_rl.py"]
+    whole = _run(torchrun, tmp_path / "whole", *sp)
+    _run(torchrun, tmp_path / "part", *sp, "train.num_steps=1")
+    resumed = _run(torchrun, tmp_path / "part", *sp)  # train.resume=auto, to step 2
+    assert [r["step"] for r in resumed] == [1, 2]
+    for key in ("reward/mean", "loss/policy", "train/grad_norm"):
+        assert resumed[1][key] == pytest.approx(whole[1][key], rel=1e-5, abs=1e-8), key
+
+
+def test_a_group_size_that_does_not_divide_the_heads_is_one_error_line(tmp_path):
+    # the toy model has 4 heads; 3 processes in one group of 3
+    command = [*TORCHRUN[:-1], "3", "train_rl.py", *TINY, f"out_dir={tmp_path / 'run'}",
+               "parallel.sequence_parallel_size=3"]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert (
+        "error: parallel.sequence_parallel_size: the group size (3) must divide the number of "
+        "attention heads (4)" in result.stderr
+    )
+    assert not os.path.exists(tmp_path / "run")

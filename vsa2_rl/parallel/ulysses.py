@@ -41,8 +41,7 @@ class SequenceParallel:
         """The heads this rank attends for after :meth:`tokens_to_heads`."""
         if heads % self.size:
             raise ValueError(
-                f"parallel.sequence_parallel_size ({self.size}) must divide the number of "
-                f"attention heads ({heads})"
+                f"the group size ({self.size}) must divide the number of attention heads ({heads})"
             )
         local = heads // self.size
         return slice(self.rank * local, (self.rank + 1) * local)
