@@ -106,7 +106,7 @@ def _print_parts(totals: dict[str, float]) -> None:
 
 def full_op_calls(kv_block: int, sparsity: float, mode: str, shape: str = "720p"):
     """(forward, forward + backward) of ``vsa2_attention`` with the coarse stage on, at a Wan
-    shape, device-resident lengths (no host sync)."""
+    shape, device-resident lengths (no host sync), per-element gates and alpha 0.5."""
     from vsa2_rl.config import VSA2Config
     from vsa2_rl.kernels import vsa2_attention
 
@@ -116,18 +116,22 @@ def full_op_calls(kv_block: int, sparsity: float, mode: str, shape: str = "720p"
     cfg = VSA2Config(q_tile=64, kv_block=kv_block, mode=mode, top_p=0.9)
     tile_len = torch.full((S // 64,), 64, device="cuda", dtype=torch.int32)
     seg_len = torch.full((S // kv_block,), kv_block, device="cuda", dtype=torch.int32)
-    alpha = torch.zeros(H, device="cuda", requires_grad=True)
-    gate_c = torch.full((B, H, S, D), 0.1, device="cuda", dtype=q.dtype, requires_grad=True)
+    # as in the model (and bench_attention.py): a non-zero router-bias scale and per-element
+    # gates, the Linear outputs of the hidden states
+    alpha = torch.full((H,), 0.5, device="cuda", requires_grad=True)
+    gate_c = (0.1 * torch.randn_like(q)).detach().requires_grad_()
+    gate_f = (1 + 0.1 * torch.randn_like(q)).detach().requires_grad_()
 
     def forward():
         out, _ = vsa2_attention(
             q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=sparsity,
-            alpha=alpha, gate_coarse=gate_c, config=cfg, num_valid_segments=S // kv_block,
+            alpha=alpha, gate_coarse=gate_c, gate_fine=gate_f, config=cfg,
+            num_valid_segments=S // kv_block,
         )  # fmt: skip
         return out
 
     def step():
-        torch.autograd.grad(forward(), (q, k, v, alpha, gate_c), go)
+        torch.autograd.grad(forward(), (q, k, v, alpha, gate_c, gate_f), go)
 
     return forward, step
 

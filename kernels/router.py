@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from .ops import resolve_backend
-from .topk import topk_log_softmax
+from .topk import dense_score_grads, topk_log_softmax
 
 _MODES = ("topk", "topp")
 # rows up to this many segments take the Triton top-k. Measured on an H200 (1 x 40 heads x 1176
@@ -84,17 +84,23 @@ class _TopLogProbs(torch.autograd.Function):
                 top_log_p, top_idx, counts = _keep_top_p(top_log_p, top_idx, top_p, min_kv, nseg)
         if counts is None:
             counts = torch.full(top_idx.shape[:-1], kmax, dtype=torch.int32, device=top_idx.device)
-        ctx.save_for_backward(q_pooled, k_seg_pooled, mask_bias, top_idx, lse)
+        ctx.save_for_backward(q_pooled, k_seg_pooled, mask_bias, top_idx, lse, top_log_p)
         ctx.scale = scale
+        ctx.fused = triton_select and compute_dtype == torch.float32
         ctx.mark_non_differentiable(top_idx, counts)
         return top_log_p, top_idx, counts
 
     @staticmethod
     def backward(ctx, grad_top, _grad_idx, _grad_counts):
-        q_pooled, k_seg_pooled, mask_bias, top_idx, lse = ctx.saved_tensors
+        q_pooled, k_seg_pooled, mask_bias, top_idx, lse, top_log_p = ctx.saved_tensors
         # d log_softmax_j / d s_i = [i == j] - p_i, summed over the selected j:
-        # grad_s = p * (-sum_j grad_j) + scatter(grad); p = exp(s - lse) comes out of one GEMM
-        # whose accumulator starts at (mask - lse), then stays in that one buffer (in place)
+        # grad_s = p * (-sum_j grad_j) + scatter(grad)
+        if ctx.fused:
+            return _fused_score_backward(
+                q_pooled, k_seg_pooled, mask_bias, top_idx, lse, top_log_p, grad_top, ctx.scale
+            )
+        # p = exp(s - lse) comes out of one GEMM whose accumulator starts at (mask - lse), then
+        # stays in that one buffer (in place)
         probs = _scores_plus(mask_bias - lse, q_pooled, k_seg_pooled, ctx.scale).exp_()
         grad_scores = probs.mul_(-grad_top.sum(dim=-1, keepdim=True).to(lse.dtype))
         # the ids of a row are distinct, so a gather + scatter adds without the atomics that
@@ -105,6 +111,57 @@ class _TopLogProbs(torch.autograd.Function):
         grad_q = (grad_scores @ k_seg_pooled.to(lse.dtype)).mul_(ctx.scale)
         grad_k = (grad_scores.transpose(-1, -2) @ q_pooled.to(lse.dtype)).mul_(ctx.scale)
         return grad_q.to(q_pooled.dtype), grad_k.to(k_seg_pooled.dtype), *([None] * 6)
+
+
+def _fused_score_backward(
+    q_pooled, k_seg_pooled, mask_bias, top_idx, lse, top_log_p, grad_top, scale: float
+):  # fmt: skip
+    """The backward of ``_TopLogProbs`` on the Triton path (float32 scores): the raw scores from
+    one GEMM, the dense term ``-grad_sum * p`` in one pass (``dense_score_grads``), the selected
+    entries written from the saved log-probabilities, and the two GEMMs on the tensor cores in
+    bf16 for 16-bit pooled inputs on CUDA (float32 accumulation). At Wan-14B 720p kv_block 16
+    the torch path ran a float32 mask-minus-lse buffer, two in-place passes and float32 GEMMs
+    (no tensor-core path on an H200) over the [B, H, NQ, NSEG] matrix."""
+    B, H, NQ, D = q_pooled.shape
+    NSEG = k_seg_pooled.shape[2]
+    half_inputs = q_pooled.dtype in (torch.float16, torch.bfloat16) and q_pooled.is_cuda
+    grad_dtype = torch.bfloat16 if half_inputs else torch.float32
+    q3 = q_pooled.reshape(B * H, NQ, D)
+    k3 = k_seg_pooled.reshape(B * H, NSEG, D)
+    raw = _raw_scores(q_pooled, k_seg_pooled).view(B * H, NQ, NSEG)
+    grad_sum = grad_top.sum(dim=-1, keepdim=True).to(torch.float32)  # (B, H, NQ, 1)
+    grad_scores = dense_score_grads(raw, mask_bias, lse, grad_sum, scale, grad_dtype)
+    del raw
+    # the selected entries: -grad_sum * p + grad, with p from the saved log-probabilities (the
+    # same scores); the ids of a row are distinct, so scatter_ needs no atomics
+    picked = grad_top.to(torch.float32) - grad_sum * top_log_p.to(torch.float32).exp()
+    grad_scores = grad_scores.view(B, H, NQ, NSEG).scatter_(-1, top_idx, picked.to(grad_dtype))
+    g3 = grad_scores.view(B * H, NQ, NSEG)
+    grad_q = _bmm(g3, k3.to(grad_dtype), half_inputs).mul_(scale)
+    grad_k = _bmm(g3.transpose(1, 2), q3.to(grad_dtype), half_inputs).mul_(scale)
+    return (
+        grad_q.view(B, H, NQ, D).to(q_pooled.dtype),
+        grad_k.view(B, H, NSEG, D).to(k_seg_pooled.dtype),
+        *([None] * 6),
+    )
+
+
+def _raw_scores(q_pooled: torch.Tensor, k_seg_pooled: torch.Tensor) -> torch.Tensor:
+    """``q . k`` as float32 (B, H, NQ, NSEG), before scale and mask: one GEMM that only writes
+    (on the tensor cores for 16-bit inputs on CUDA, see ``_scores_plus``)."""
+    B, H, NQ, D = q_pooled.shape
+    NSEG = k_seg_pooled.shape[2]
+    half_inputs = q_pooled.dtype in (torch.float16, torch.bfloat16) and q_pooled.is_cuda
+    q3 = q_pooled.reshape(B * H, NQ, D)
+    k3 = k_seg_pooled.reshape(B * H, NSEG, D).to(q3.dtype)
+    return _bmm(q3, k3.transpose(1, 2), half_inputs).view(B, H, NQ, NSEG)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, half_inputs: bool) -> torch.Tensor:
+    """``a @ b`` in float32: 16-bit inputs on the tensor cores with a float32 result."""
+    if half_inputs:
+        return torch.bmm(a.to(b.dtype), b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
 
 
 def _keep_top_p(top_log_p, top_idx, top_p: float, min_kv: int, nseg: int):
