@@ -9,10 +9,20 @@ package registers the built-ins: ``dynamic_degree``, ``motion_smoothness``, ``te
 weights), ``subject_consistency`` and ``background_consistency`` (VBench, DINO / CLIP features),
 ``image_quality`` (weight-free sharpness, colourfulness, exposure, gated by a noise estimate),
 ``prompt_motion`` and ``shape_fidelity`` (the toy task's known-answer motion reward and shape
-guard) and ``random`` (the control of RL experiments).
+guard), ``vlm_judge`` (a local transformers video-language model's yes/no log-odds or scalar
+head) and ``random`` (the control of RL experiments).
 """
 
-from . import aesthetic, clip_score, consistency, control, image_quality, motion, shapes  # noqa: F401
+from . import (  # noqa: F401
+    aesthetic,
+    clip_score,
+    consistency,
+    control,
+    image_quality,
+    motion,
+    shapes,
+    vlm_judge,
+)
 from .mixing import RewardMixer, RewardOutput, combine_advantages
 from .registry import (
     ENTRY_POINT_GROUP,
