@@ -28,16 +28,18 @@ def read(run_dir: str) -> dict[int, dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("runs", nargs="+", help="label=run_dir")
+    p.add_argument("--keys", nargs="+", default=list(KEYS), help="metrics of the per-step table")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    keys = args.keys
     runs = dict(item.split("=", 1) for item in args.runs)
     metrics = {label: read(path) for label, path in runs.items()}
-    lines = ["| run | step | " + " | ".join(KEYS) + " |", "|---" * (len(KEYS) + 2) + "|"]
+    lines = ["| run | step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
     for label, rows in metrics.items():
         if not rows:
             lines.append(f"| {label} | (no metrics: the run failed, see its log) |")
         for step, row in sorted(rows.items()):
-            values = " | ".join(f"{row.get(key, float('nan')):.6g}" for key in KEYS)
+            values = " | ".join(f"{row.get(key, float('nan')):.6g}" for key in keys)
             lines.append(f"| {label} | {step} | {values} |")
     lines += ["", "| run | videos/hour (steps >= 2) | peak GiB per GPU |", "|---|---|---|"]
     for label, rows in metrics.items():

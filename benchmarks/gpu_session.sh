@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
-#     [toy_build] [toy_rl] [reward_signal]
+#     [toy_build] [toy_rl] [reward_signal] [prefix] [sp_memory]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -178,5 +178,19 @@ for part in "${parts[@]}"; do
         dirs=$(ls -d /tmp/toy_rl/${variant%%=*}_*/ | paste -sd,); echo "${variant%%=*}=$dirs"
       done > /tmp/toy_rl/groups
       python3 benchmarks/efficacy_table.py $(cat /tmp/toy_rl/groups) --out "$OUT/toy_rl.md" ;;
+    prefix)  # issue 22: rollout time with the ODE prefix shared per group, Wan-1.3B shape (after
+      # "wan"): moving SDE window of 2 in [0, 8) of 16 steps, one noise per group or not, VSA2
+      # at the 1.3B recipe's attention settings; the table from the runs' metrics
+      for shared in false true; do
+        PYTHONSAFEPATH=1 timeout 300 python3 $run out_dir=/tmp/prefix_$shared sampler.num_steps=16 \
+          sampler.sde_window_size=2 "sampler.sde_window_range=[0,8]" \
+          sampler.same_noise_per_group=$shared grpo.group_size=4 grpo.prompts_per_step=1 \
+          train.num_steps=4 attention.kv_block=16 attention.mode=topp > "$OUT/prefix_$shared.log" 2>&1
+        tail -2 "$OUT/prefix_$shared.log"
+      done
+      python3 benchmarks/compare_runs.py independent=/tmp/prefix_false shared=/tmp/prefix_true \
+        --keys perf/rollout_s perf/rollout_evals | tee "$OUT/prefix.md" ;;
+    sp_memory)  # issue 23: per-GPU memory of Wan-14B-shaped blocks at 720p x 81 frames, P = 1-8
+      timeout 400 python3 benchmarks/sp_memory.py --out "$OUT/sp_memory.md" 2>&1 | tail -40 ;;
   esac
 done
