@@ -61,6 +61,21 @@ class RewardOutput:
     valid: torch.Tensor
     dropped: dict[str, list[int]]
 
+    @classmethod
+    def concat(cls, outputs: Sequence[RewardOutput]) -> RewardOutput:
+        """One output of consecutive batches (a step's chunks, scored as each was decoded)."""
+        rewards = {
+            name: torch.cat([o.rewards[name] for o in outputs]) for name in outputs[0].rewards
+        }
+        dropped: dict[str, list[int]] = {}
+        offset = 0
+        for output in outputs:
+            for name, indices in output.dropped.items():
+                dropped.setdefault(name, []).extend(i + offset for i in indices)
+            offset += output.valid.numel()
+        total = torch.cat([o.total for o in outputs])
+        return cls(rewards, total, torch.cat([o.valid for o in outputs]), dropped)
+
     def metrics(self) -> dict[str, float]:
         """``reward/<name>`` and ``reward/total`` means over valid samples, plus the valid share."""
         out: dict[str, float] = {}

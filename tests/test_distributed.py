@@ -5,6 +5,9 @@ with the same global batch and seeds.
 The processes are started by ``torch.distributed.run`` (torchrun), whose environment the
 trainer's ``Accelerator`` picks up. ``accelerate launch`` starts several CPU processes only
 through mpirun; without it, it silently runs one (a multi-CPU config file gave 1 process).
+An FSDP config file is the exception: ``accelerate launch --config_file
+configs/accelerate/fsdp2.yaml`` starts them through torchrun, and the FSDP2 tests run the
+trainer under it through tests/fsdp2_cpu_worker.py (accelerate enables FSDP on GPUs only).
 """
 
 import json
@@ -49,8 +52,25 @@ def _run(command, out_dir, *overrides):
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return _rows(out_dir)
+
+
+def _rows(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as handle:
         return [json.loads(line) for line in handle]
+
+
+def _assert_same_weights(out_dir, reference_dir, rel=1e-4):
+    """Every tensor of the two runs' step-2 checkpoints agrees to ``rel`` (relative RMS)."""
+    from safetensors.torch import load_file
+
+    path = os.path.join("checkpoints", "step_2", "model.safetensors")
+    weights = load_file(os.path.join(out_dir, path))
+    reference = load_file(os.path.join(reference_dir, path))
+    assert weights.keys() == reference.keys()
+    for name, value in reference.items():
+        error = (weights[name].double() - value.double()).pow(2).mean().sqrt()
+        assert error <= rel * value.double().pow(2).mean().sqrt() + 1e-12, name
 
 
 def test_two_processes_match_one_process(tmp_path):
@@ -96,8 +116,6 @@ def test_a_rank_without_trainable_samples_keeps_step_with_the_others(tmp_path):
 def test_sequence_parallel_matches_one_process(tmp_path, processes):
     # every rank shares every video, holding 1 / processes of its tokens (a 4 x 16 x 16 latent
     # is 4 x 8 x 8 = 256 tokens); two steps, with their evaluations, must equal one process's
-    from safetensors.torch import load_file
-
     common = ["train.checkpoint_every=2", "eval.every=2", "eval.num_prompts=2"]
     torchrun = [*TORCHRUN[:-1], str(processes), "train_rl.py"]
     sp = _run(torchrun, tmp_path / "two", f"parallel.sequence_parallel_size={processes}", *common)
@@ -108,13 +126,7 @@ def test_sequence_parallel_matches_one_process(tmp_path, processes):
         keys += ("train/grad_norm", "reward/std", "eval/reward") if a["step"] == 2 else ()
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
-    weights = [
-        load_file(os.path.join(tmp_path, run, "checkpoints", "step_2", "model.safetensors"))
-        for run in ("one", "two")
-    ]
-    for name, value in weights[0].items():  # relative RMS per tensor
-        error = (weights[1][name].double() - value.double()).pow(2).mean().sqrt()
-        assert error <= 1e-4 * value.double().pow(2).mean().sqrt() + 1e-12, name
+    _assert_same_weights(tmp_path / "two", tmp_path / "one")
 
 
 def test_a_sequence_parallel_run_resumes_as_it_would_have_gone_on(tmp_path):
@@ -141,4 +153,112 @@ def test_a_group_size_that_does_not_divide_the_heads_is_one_error_line(tmp_path)
         "error: parallel.sequence_parallel_size: the group size (3) must divide the number of "
         "attention heads (4)" in result.stderr
     )
+    assert not os.path.exists(tmp_path / "run")
+
+
+# ---- FSDP2 (configs/accelerate/fsdp2.yaml) -------------------------------------------------
+
+FSDP2_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                "configs/accelerate/fsdp2.yaml", "--mixed_precision", "no"]  # fmt: skip
+FSDP2_TRAIN = [*FSDP2_LAUNCH, "tests/fsdp2_cpu_worker.py"]
+# every step trains (the default reward is 0 for every sample of the first step), with an
+# evaluation before and after, which under FSDP2 every rank joins
+EVERY_STEP_TRAINS = [
+    "rewards.functions=[{name: 'tests.test_distributed:mean_brightness'}]",
+    "eval.every=2",
+    "eval.num_prompts=2",
+]
+COMPARED = ("reward/mean", "reward/std", "loss/policy", "train/grad_norm")
+
+
+def mean_brightness(videos, prompts, metadata):
+    """Test reward that differs between the samples of every group."""
+    return videos.float().mean(dim=(1, 2, 3, 4))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_references(tmp_path_factory):
+    """The runs FSDP2 is compared with (one process, DDP over 2), and FSDP2 over 2 processes."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    _run([sys.executable, "train_rl.py"], root / "one", *EVERY_STEP_TRAINS)
+    _run([*TORCHRUN, "train_rl.py"], root / "ddp", *EVERY_STEP_TRAINS)
+    _run(FSDP2_TRAIN, root / "fsdp2", *EVERY_STEP_TRAINS)
+    return root
+
+
+def _assert_same_metrics(rows, reference_rows, rel):
+    assert [r["step"] for r in rows] == [r["step"] for r in reference_rows] == [0, 1, 2]
+    for a, b in zip(reference_rows, rows, strict=True):
+        keys = ("eval/reward",) if a["step"] != 1 else ()
+        keys += COMPARED if a["step"] else ()
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-7), (a["step"], key)
+
+
+def test_fsdp2_trains_as_ddp_and_one_process(fsdp2_references):
+    root = fsdp2_references
+    _assert_same_metrics(_rows(root / "fsdp2"), _rows(root / "one"), rel=1e-4)
+    # the weights are compared with DDP's, whose ranks hold the same samples: Adam's first
+    # steps normalise every gradient element, so near-zero ones (the VSA2 gates), summed over
+    # ranks in another order than one process sums them, leave DDP's weights as well about
+    # 1e-4 (relative) from one process's
+    _assert_same_weights(root / "fsdp2", root / "ddp")
+    checkpoint = root / "fsdp2" / "checkpoints" / "step_2"
+    assert (checkpoint / "fsdp2").is_dir() and not (checkpoint / "optimizer.pt").exists()
+
+
+def test_fsdp2_with_sequence_parallelism_trains_as_ddp(fsdp2_references, tmp_path):
+    # 4 processes: 2 data-parallel ranks, each a sequence-parallel group of 2, parameters
+    # sharded over all 4
+    root = fsdp2_references
+    launch = [*FSDP2_LAUNCH, "--num_processes", "4", "tests/fsdp2_cpu_worker.py"]
+    rows = _run(launch, tmp_path / "sp", "parallel.sequence_parallel_size=2", *EVERY_STEP_TRAINS)
+    _assert_same_metrics(rows, _rows(root / "one"), rel=1e-4)
+    _assert_same_weights(tmp_path / "sp", root / "ddp")
+
+
+def test_an_fsdp2_run_resumes_as_it_would_have_gone_on(fsdp2_references, tmp_path):
+    root = fsdp2_references
+    _run(FSDP2_TRAIN, tmp_path / "part", *EVERY_STEP_TRAINS, "train.num_steps=1")
+    resumed = _run(FSDP2_TRAIN, tmp_path / "part", *EVERY_STEP_TRAINS)  # resume=auto, to step 2
+    whole = _rows(root / "fsdp2")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    for key in (*COMPARED, "eval/reward"):
+        assert resumed[-1][key] == pytest.approx(whole[-1][key], rel=1e-6, abs=1e-9), key
+    _assert_same_weights(tmp_path / "part", root / "fsdp2", rel=1e-6)
+
+
+def test_a_nan_on_one_fsdp2_rank_skips_the_step_on_all(tmp_path, monkeypatch):
+    """LoRA with a KL term (the reference is the sharded model with adapters off): rank 1's
+    NaN loss skips the step on both ranks, and the checkpoint holds the adapters' start."""
+    import torch
+    from safetensors.torch import load_file
+
+    from vsa2_rl.config import load_config
+    from vsa2_rl.runtime import build_bundle, trainable_parameters, trained_state
+
+    lora = ["model.lora.enabled=true", "grpo.kl_beta=0.1", "train.num_steps=1"]
+    overrides = [*TINY, *EVERY_STEP_TRAINS[:1], *lora]
+    monkeypatch.setenv("NAN_LOSS_ON_RANK", "1")  # read by tests/fsdp2_cpu_worker.py
+    (row,) = _run(FSDP2_TRAIN, tmp_path / "run", *overrides)
+    assert row["train/skipped_nonfinite"] == 1
+    config = load_config(overrides=[*overrides, f"out_dir={tmp_path / 'run'}"])
+    bundle = build_bundle(config, torch.device("cpu"), torch.float32)
+    trainable_parameters(bundle.transformer, config)
+    start = trained_state(bundle.transformer, config)
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step_1" / "model.safetensors")
+    assert saved.keys() == start.keys()  # the adapters and VSA2 parameters only
+    for name, value in start.items():
+        assert torch.equal(saved[name], value), name
+
+
+def test_the_fsdp2_launcher_on_cpu_is_one_error_line(tmp_path):
+    """accelerate does not enable FSDP for CPU processes; the trainer refuses to run as DDP."""
+    command = [*FSDP2_LAUNCH, "train_rl.py", *TINY, f"out_dir={tmp_path / 'run'}"]
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "error: device: accelerate runs FSDP on GPUs only" in result.stderr
     assert not os.path.exists(tmp_path / "run")

@@ -1,8 +1,10 @@
-"""DeepSpeed-specific parts of the training loop that run without DeepSpeed: the config filled in
-before ``accelerator.prepare`` and the options refused under ZeRO-3 (vsa2_rl.rl.engines).
+"""DeepSpeed- and FSDP2-specific parts of the training loop that run without either: the config
+filled in before ``accelerator.prepare``, the options refused under ZeRO-3 and FSDP2 and the
+launchers refused (vsa2_rl.rl.engines).
 
-The loop itself under DeepSpeed ZeRO-2/3 needs GPUs (benchmarks/BENCHMARKS.md, issue 8); these
-tests use a stand-in accelerator that carries only what the functions read.
+The loop itself under DeepSpeed ZeRO-2/3 needs GPUs (benchmarks/BENCHMARKS.md, issue 8); under
+FSDP2 it runs on CPU processes in tests/test_distributed.py. These tests use a stand-in
+accelerator that carries only what the functions read.
 """
 
 from types import SimpleNamespace
@@ -13,18 +15,38 @@ from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.rl import engines
 
 
-def _accelerator(stage: int | None, ds_config: dict | None = None, precision: str = "bf16"):
+def _accelerator(
+    stage: int | None,
+    ds_config: dict | None = None,
+    precision: str = "bf16",
+    fsdp_version: int | None = None,
+):
     plugin = None
     if stage is not None:
         plugin = SimpleNamespace(zero_stage=stage, deepspeed_config=ds_config or {})
-    state = SimpleNamespace(deepspeed_plugin=plugin)
-    return SimpleNamespace(state=state, mixed_precision=precision)
+    fsdp = SimpleNamespace(fsdp_version=fsdp_version) if fsdp_version is not None else None
+    state = SimpleNamespace(deepspeed_plugin=plugin, fsdp_plugin=fsdp)
+    device = SimpleNamespace(type="cpu")
+    return SimpleNamespace(state=state, mixed_precision=precision, device=device)
+
+
+FSDP2 = _accelerator(None, fsdp_version=2)
 
 
 def test_zero_stage_and_uses_deepspeed():
     assert engines.zero_stage(_accelerator(None)) == 0
     assert not engines.uses_deepspeed(_accelerator(None))
     assert engines.zero_stage(_accelerator(3)) == 3 and engines.uses_deepspeed(_accelerator(2))
+
+
+def test_what_each_engine_shards():
+    ddp, zero2, zero3 = _accelerator(None), _accelerator(2), _accelerator(3)
+    assert engines.uses_fsdp2(FSDP2) and not engines.uses_fsdp2(ddp)
+    assert not engines.uses_deepspeed(FSDP2) and engines.zero_stage(FSDP2) == 0
+    shards = [engines.shards_parameters(acc) for acc in (ddp, zero2, zero3, FSDP2)]
+    assert shards == [False, False, True, True]
+    optimizer = [engines.shards_optimizer_state(acc) for acc in (ddp, zero2, zero3, FSDP2)]
+    assert optimizer == [False, True, True, True]
 
 
 def test_configure_fills_micro_batch_clipping_and_overflow_check():
@@ -44,17 +66,32 @@ def test_configure_fills_micro_batch_clipping_and_overflow_check():
     engines.configure(_accelerator(None), config)  # without DeepSpeed: nothing to do
 
 
-def test_zero3_refuses_sharded_ema_and_full_finetune_kl_reference():
+@pytest.mark.parametrize("sharded", [_accelerator(3), FSDP2], ids=["zero3", "fsdp2"])
+def test_sharded_parameters_refuse_ema_and_full_finetune_kl_reference(sharded):
     fine = load_config(overrides=["train.ema_decay=0", "grpo.kl_beta=0"])
-    engines.check_options(_accelerator(3), fine)
+    engines.check_options(sharded, fine)
     with pytest.raises(ConfigError, match=r"train\.ema_decay"):
-        engines.check_options(_accelerator(3), load_config(overrides=["train.ema_decay=0.99"]))
+        engines.check_options(sharded, load_config(overrides=["train.ema_decay=0.99"]))
     kl = load_config(overrides=["train.ema_decay=0", "grpo.kl_beta=0.01"])
     with pytest.raises(ConfigError, match=r"grpo\.kl_beta"):
-        engines.check_options(_accelerator(3), kl)
+        engines.check_options(sharded, kl)
+    lora_kl = load_config(overrides=["grpo.kl_beta=0.01", "model.lora.enabled=true"])
+    engines.check_options(sharded, lora_kl)  # the reference is the model with adapters off
     # ZeRO-2 keeps whole parameters on every rank: both are fine there
     engines.check_options(_accelerator(2), load_config(overrides=["train.ema_decay=0.99"]))
     engines.check_options(_accelerator(2), kl)
+
+
+def test_fsdp1_and_an_fsdp_launch_that_accelerate_ran_as_ddp_are_refused(monkeypatch):
+    config = load_config()
+    with pytest.raises(ConfigError, match=r"^launcher: fsdp_config\.fsdp_version is 1"):
+        engines.check_options(_accelerator(None, fsdp_version=1), config)
+    # accelerate launch --config_file configs/accelerate/fsdp2.yaml sets it; on CPU processes
+    # accelerate then leaves the FSDP plugin out and prepares the model for DDP
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match=r"^device: accelerate runs FSDP on GPUs only"):
+        engines.check_options(_accelerator(None), config)
+    engines.check_options(FSDP2, config)
 
 
 def test_whole_model_loading_suspends_transformers_zero3_sharding():

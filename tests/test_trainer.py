@@ -508,6 +508,27 @@ def test_clip_ranges_are_checked():
         load_config(None, ["grpo.clip_range=1.5"])
     with pytest.raises(ConfigError, match=r"^grpo\.clip_range_high: must be > 0"):
         load_config(None, ["grpo.clip_range_high=0"])
+    with pytest.raises(ConfigError, match=r"^grpo\.clip_range_low: must be in \(0, 1\)"):
+        load_config(None, ["grpo.clip_range_low=1.5"])
+
+
+def test_each_clip_side_takes_its_own_range_or_clip_range(tmp_path, monkeypatch):
+    seen = []
+    original = trainer_module.grpo_loss
+
+    def recording_loss(*args, **kwargs):
+        seen.append((kwargs["clip_range"], kwargs["clip_range_high"]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", recording_loss)
+    for name, extra, bounds in (
+        ("low", ["grpo.clip_range_low=0.3"], (0.3, 0.05)),
+        ("high", ["grpo.clip_range_high=0.28"], (0.05, 0.28)),
+        ("both", ["grpo.clip_range_low=0.1", "grpo.clip_range_high=0.4"], (0.1, 0.4)),
+    ):
+        seen.clear()
+        train(_config(tmp_path, "train.num_steps=1", "grpo.clip_range=0.05", *extra, name=name))
+        assert seen and set(seen) == {bounds}, name
 
 
 def test_moving_window_settings_are_checked():

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,9 +352,14 @@ class GRPOConfig:
     clip_range: float = _doc(
         "PPO ratio clip range epsilon: ratios are clipped to [1 - eps, 1 + eps].", default=0.2
     )
+    clip_range_low: float | None = _doc(
+        "Lower clip range when it differs from the upper one: ratios below 1 - clip_range_low "
+        "are clipped; empty = clip_range.",
+        default=None,
+    )
     clip_range_high: float | None = _doc(
         "Upper clip range when it differs from the lower one (asymmetric clipping, DAPO's "
-        "clip-higher): [1 - clip_range, 1 + clip_range_high]; empty = clip_range.",
+        "clip-higher): [1 - clip_range_low, 1 + clip_range_high]; empty = clip_range.",
         default=None,
     )
     kl_beta: float = _doc(
@@ -372,6 +378,13 @@ class GRPOConfig:
     train_batch_size: int = _doc(
         "Samples per training forward (gradient accumulation unit).", default=8
     )
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high): ratios are clipped to ``[1 - low, 1 + high]``."""
+        low = self.clip_range if self.clip_range_low is None else self.clip_range_low
+        high = self.clip_range if self.clip_range_high is None else self.clip_range_high
+        return low, high
 
     def __post_init__(self) -> None:
         _check(
@@ -392,6 +405,12 @@ class GRPOConfig:
             "grpo.clip_range",
             f"must be in (0, 1) (the lower bound 1 - clip_range stays above 0), got "
             f"{self.clip_range}",
+        )
+        _check(
+            self.clip_range_low is None or 0 < self.clip_range_low < 1,
+            "grpo.clip_range_low",
+            f"must be in (0, 1) (the lower bound 1 - clip_range_low stays above 0), or empty for "
+            f"clip_range; got {self.clip_range_low}",
         )
         _check(
             self.clip_range_high is None or self.clip_range_high > 0,
@@ -447,9 +466,28 @@ class RewardsConfig:
         default="skip",
     )
     num_workers: int = _doc("Threads computing rewards concurrently.", default=2)
+    device: str | None = _doc(
+        "Device the rewards score on, e.g. 'cuda:1' or 'cpu': the decoded videos move there "
+        "and learned scorers load there on first use (once per process); empty = the run's "
+        "device.",
+        default=None,
+    )
+    async_scoring: bool = _doc(
+        "Score each chunk of grpo.train_batch_size videos in a background thread as soon as it "
+        "is decoded, while the rollout samples the next chunks (the issue's rewards.async; "
+        "async is a Python keyword). The update waits for every score, so GRPO stays "
+        "on-policy; a reward sees one chunk per call.",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         _check(bool(self.functions), "rewards.functions", "needs at least one reward")
+        _check(
+            self.device is None or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+            "rewards.device",
+            f"{self.device!r} is not a device: use cpu, cuda or cuda:N, or leave it empty for "
+            "the run's device",
+        )
         for index, entry in enumerate(self.functions):
             _check(
                 entry.name not in ("", "???"),
@@ -833,6 +871,8 @@ RESUMABLE_KEYS = (
     "train.sample_every",
     "rewards.num_workers",
     "rewards.on_error",
+    "rewards.device",
+    "rewards.async_scoring",
     "prompts.eval_file",
 )
 RESUMABLE_SECTIONS = ("eval.", "logging.")

@@ -19,6 +19,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_reward_device(config: RunConfig, run_device: torch.device) -> torch.device:
+    """Where the rewards score: ``rewards.device``, else the run's device."""
+    name = config.rewards.device
+    if name is None:
+        return run_device
+    device = torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(
+            f"rewards.device: {name!r} requested but this process sees "
+            f"{torch.cuda.device_count()} CUDA device(s); name one of them, cpu, or leave it empty"
+        )
+    return device
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` = bf16 on CUDA (the trained precision of Wan), fp32 on CPU."""
     if name == "auto":
@@ -68,13 +82,18 @@ def trainable_parameters(transformer: torch.nn.Module, config: RunConfig) -> lis
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
-        transformer.add_adapter(
-            LoraConfig(
-                r=config.model.lora.rank,
-                lora_alpha=config.model.lora.alpha,
-                target_modules=list(config.model.lora.target_modules),
+        # the adapters' random start, a function of the run's seed: the same on every rank (FSDP2
+        # shards it as it is, where DDP would broadcast rank 0's) and in every run
+        device = next(transformer.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(config.seed)  # the generator of the device the adapters are made on
+            transformer.add_adapter(
+                LoraConfig(
+                    r=config.model.lora.rank,
+                    lora_alpha=config.model.lora.alpha,
+                    target_modules=list(config.model.lora.target_modules),
+                )
             )
-        )
         if config.model.lora.init_from:
             _load_adapter(transformer, config)
         for name, parameter in transformer.named_parameters():

@@ -28,7 +28,13 @@ from tqdm.auto import tqdm
 
 from vsa2_rl.config import ConfigError, RunConfig, load_config
 from vsa2_rl.eval.media import save_video_grid
-from vsa2_rl.runtime import load_model, load_prompts, resolve_device, resolve_dtype
+from vsa2_rl.runtime import (
+    load_model,
+    load_prompts,
+    resolve_device,
+    resolve_dtype,
+    resolve_reward_device,
+)
 from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule
 
 
@@ -136,9 +142,11 @@ def sweep_model(
     progress: bool = True,
     label: str = "",
     negative_prompt: str = "",
+    reward_device: torch.device | str = "cpu",
 ) -> tuple[list[dict], dict[float, torch.Tensor]]:
     """ODE-samples ``prompts`` at each sparsity; returns the rows and, per sparsity, the
-    :class:`Preview` of the first (up to 8) videos."""
+    :class:`Preview` of the first (up to 8) videos. The rewards score the videos on
+    ``reward_device`` (``rewards.device`` or the run's device, from the callers)."""
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
     noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
@@ -185,8 +193,9 @@ def sweep_model(
         metadata = [{"prompt_index": i, "sparsity": sparsity} for i in range(len(prompts))]
         shown = min(8, len(videos))
         scores = [{} for _ in range(shown)]
+        scored = videos.to(reward_device)
         for reward in rewards:
-            values = reward(videos, prompts, metadata)
+            values = reward(scored, prompts, metadata)
             row[f"reward/{reward.name}"] = values.mean().item()
             row[f"reward/{reward.name}_std"] = values.std(correction=0).item()
             for score, value in zip(scores, values[:shown].tolist(), strict=True):
@@ -271,6 +280,7 @@ def evaluate(config: RunConfig) -> list[dict]:
             shape=shape,
             progress=config.logging.progress,
             label=target.label,
+            reward_device=resolve_reward_device(config, device),
         )
         rows.extend({"run": target.label, **row} for row in table)
         previews[target.label] = videos

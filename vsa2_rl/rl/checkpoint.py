@@ -7,6 +7,7 @@ Layout under a checkpoints directory::
         optimizer.pt           # any other entry (optimizer / LR scheduler states, RNG, python)
         meta.json              # step, the file format of every entry, size + sha256 of every file
         deepspeed/             # DeepSpeed runs only: the engine's per-rank shards (engines.py)
+        fsdp2/                 # FSDP2 runs only: the per-rank shards (torch.distributed.checkpoint)
         COMPLETE               # written last (with meta.json's sha256): without it, no checkpoint
     .tmp-step_130-x1y2/        # a save in progress (or killed mid-way): ignored, then removed
 

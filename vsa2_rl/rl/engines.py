@@ -1,4 +1,5 @@
-"""What the training loop does differently under DeepSpeed ZeRO than under DDP / one process.
+"""What the training loop does differently under DeepSpeed ZeRO and FSDP2 than under DDP / one
+process.
 
 accelerate hides most of the difference; what it leaves to the loop is gathered here:
 
@@ -8,30 +9,47 @@ accelerate hides most of the difference; what it leaves to the loop is gathered 
   last backward of an update as the accumulation boundary, the engine steps inside it, and the
   bf16 overflow check (``bf16.check_grad_overflow``, switched on here) makes the engine skip the
   step and clear the gradients when any rank's gradient is not finite, so a NaN never reaches
-  the weights there either;
+  the weights there either. Under FSDP2 (``fully_shard``) every backward reduce-scatters, so
+  that each rank accumulates only its shard of the gradient (``no_sync`` would keep whole
+  gradients on every rank); clipping goes through accelerate, which takes the global norm of
+  the sharded gradients, and the finite check and the step are DDP's;
 * the DeepSpeed config entries a run needs without a dataloader (micro-batch size) and the
   clipping threshold, taken from ``train.max_grad_norm`` so that one key sets it;
-* states: under ZeRO-3 parameters are sharded, so weights are gathered for checkpoints, and the
-  optimizer state of every rank is saved and restored with DeepSpeed's own checkpoint files
-  (``accelerate``'s ``save_state`` / ``load_state``) inside the atomic checkpoint directory.
+* states: under ZeRO-3 and FSDP2 parameters are sharded, so weights are gathered onto the main
+  process for checkpoints, every rank takes part in evaluation (its forward gathers them) and
+  options that need whole parameters on one rank are refused. The optimizer state of every rank
+  (and the weight shards) is saved and restored with the engine's own files (``accelerate``'s
+  ``save_state`` / ``load_state``: DeepSpeed's checkpoint, torch.distributed.checkpoint for
+  FSDP2) inside the atomic checkpoint directory;
+* launchers: accelerate enables FSDP on GPUs only, and only FSDP2 is supported; a launch that
+  asks for it where it cannot be had is refused rather than run as DDP.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from vsa2_rl.config import ConfigError, RunConfig
 from vsa2_rl.runtime import trained_state
 
-ENGINE_DIR = "deepspeed"  # DeepSpeed's own files inside a checkpoint directory
+# a checkpoint folder holding an engine's own files of the optimizer and weight shards: its engine
+ENGINE_DIRS = {"deepspeed": "DeepSpeed", "fsdp2": "FSDP2"}
 
 
 def uses_deepspeed(acc) -> bool:
     return getattr(acc.state, "deepspeed_plugin", None) is not None
+
+
+def uses_fsdp2(acc) -> bool:
+    """Whether accelerate runs this process under FSDP2 (its FSDP plugin at ``fsdp_version`` 2)."""
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    return plugin is not None and plugin.fsdp_version == 2
 
 
 def zero_stage(acc) -> int:
@@ -39,20 +57,50 @@ def zero_stage(acc) -> int:
     return int(acc.state.deepspeed_plugin.zero_stage) if uses_deepspeed(acc) else 0
 
 
+def shards_parameters(acc) -> bool:
+    """Whether each rank holds a shard of every parameter (ZeRO-3, FSDP2): a forward and a
+    checkpoint gather them, collectives that every rank must join."""
+    return zero_stage(acc) >= 3 or uses_fsdp2(acc)
+
+
+def shards_optimizer_state(acc) -> bool:
+    """Whether the optimizer state is split over the ranks (DeepSpeed, FSDP2) and checkpointed
+    by :func:`save_engine_state` rather than as one ``optimizer`` entry."""
+    return uses_deepspeed(acc) or uses_fsdp2(acc)
+
+
+def _engine_dir(acc) -> str:
+    return "deepspeed" if uses_deepspeed(acc) else "fsdp2"
+
+
 def check_options(acc, config: RunConfig) -> None:
-    """Options that cannot work with sharded parameters, refused before any work."""
-    if zero_stage(acc) < 3:
+    """Launchers and options that cannot work, refused before any work."""
+    fsdp_plugin = getattr(acc.state, "fsdp_plugin", None)
+    if fsdp_plugin is not None and fsdp_plugin.fsdp_version != 2:
+        raise ConfigError(
+            f"launcher: fsdp_config.fsdp_version is {fsdp_plugin.fsdp_version}; only FSDP2 is "
+            "supported, launch with configs/accelerate/fsdp2.yaml (fsdp_version: 2)"
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and fsdp_plugin is None:
+        raise ConfigError(
+            f"device: accelerate runs FSDP on GPUs only, and these processes are on "
+            f"{acc.device.type} (device={config.device!r}), where the FSDP launcher would train "
+            "as plain DDP; use device=cuda, or launch without configs/accelerate/fsdp2.yaml"
+        )
+    if not shards_parameters(acc):
         return
+    engine = "FSDP2" if uses_fsdp2(acc) else "ZeRO-3"
+    whole = "configs/accelerate/ddp_2gpu.yaml or zero2.yaml"
     if config.train.ema_decay > 0:
         raise ConfigError(
-            "train.ema_decay: an EMA of ZeRO-3-sharded parameters is not supported; set "
-            "train.ema_decay=0 or use configs/accelerate/zero2.yaml"
+            f"train.ema_decay: an EMA of {engine}-sharded parameters is not supported; set "
+            f"train.ema_decay=0 or use {whole}"
         )
     if config.grpo.kl_beta > 0 and not config.model.lora.enabled:
         raise ConfigError(
             "grpo.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
-            "which ZeRO-3 cannot make from sharded parameters; set grpo.kl_beta=0, enable "
-            "model.lora (the reference is then the model with adapters off) or use zero2.yaml"
+            f"which {engine} cannot make from sharded parameters; set grpo.kl_beta=0, enable "
+            f"model.lora (the reference is then the model with adapters off) or use {whole}"
         )
 
 
@@ -94,8 +142,9 @@ def configure(acc, config: RunConfig) -> None:
 
 def accumulation_context(acc, model, last: bool):
     """DDP: no gradient all-reduce until the last backward of an update. DeepSpeed: none (the
-    engine reduces as it needs)."""
-    if last or uses_deepspeed(acc):
+    engine reduces as it needs). FSDP2: none either, every backward reduce-scatters, so that a
+    rank accumulates its gradient shard only."""
+    if last or uses_deepspeed(acc) or uses_fsdp2(acc):
         return contextlib.nullcontext()
     return acc.no_sync(model)
 
@@ -120,6 +169,8 @@ def finish_update(acc, optimizer, params, max_grad_norm: float, losses) -> tuple
         skipped = bool(getattr(optimizer, "step_was_skipped", False))
         return not skipped, float(norm) if norm is not None else math.nan
     grad_norm = acc.clip_grad_norm_(params, max_grad_norm or math.inf)
+    if isinstance(grad_norm, DTensor):  # FSDP2: the global norm, replicated on every rank
+        grad_norm = grad_norm.full_tensor()
     loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=grad_norm.device)
     finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
     stepped = bool(acc.gather(finite.float().reshape(1)).min() > 0)
@@ -129,11 +180,12 @@ def finish_update(acc, optimizer, params, max_grad_norm: float, losses) -> tuple
 
 
 def model_state(acc, model, config: RunConfig) -> dict:
-    """The checkpointed weights (see ``runtime.trained_state``); a collective under ZeRO-3,
-    where every rank must call it and only the main process gets the weights."""
-    if zero_stage(acc) < 3:
+    """The checkpointed weights (see ``runtime.trained_state``); a collective under ZeRO-3 and
+    FSDP2, where every rank must call it and only the main process gets the weights."""
+    if not shards_parameters(acc):
         return trained_state(acc.unwrap_model(model), config)
-    full = acc.get_state_dict(model)  # gathers the 16-bit weights onto the main process
+    # ZeRO-3: the 16-bit weights; FSDP2: the full state dict, offloaded to the main process's CPU
+    full = acc.get_state_dict(model)
     if not acc.is_main_process:
         return {}
     if not config.model.lora.enabled:
@@ -143,17 +195,19 @@ def model_state(acc, model, config: RunConfig) -> dict:
 
 
 def save_engine_state(acc, staged: Path) -> None:
-    """Every rank writes DeepSpeed's model/optimizer shards into a checkpoint being staged."""
-    acc.save_state(str(staged / ENGINE_DIR))
+    """Every rank writes its model/optimizer shards (DeepSpeed's files, or FSDP2's through
+    torch.distributed.checkpoint) into a checkpoint being staged."""
+    acc.save_state(str(staged / _engine_dir(acc)))
 
 
 def load_engine_state(acc, checkpoint: Path) -> None:
-    """Restore what :func:`save_engine_state` wrote (same number of ranks)."""
-    engine_dir = Path(checkpoint) / ENGINE_DIR
+    """Restore what :func:`save_engine_state` wrote (same engine, same number of ranks)."""
+    name = _engine_dir(acc)
+    engine_dir = Path(checkpoint) / name
     if not engine_dir.is_dir():
         raise ConfigError(
-            f"train.resume: {checkpoint} has no {ENGINE_DIR}/ folder: it was not written by a "
-            "DeepSpeed run, so its optimizer state cannot be loaded into one; resume it with "
-            "the launcher that wrote it"
+            f"train.resume: {checkpoint} has no {name}/ folder: it was not written by a "
+            f"{ENGINE_DIRS[name]} run, so its optimizer state cannot be loaded into one; resume "
+            "it with the launcher that wrote it"
         )
     acc.load_state(str(engine_dir))

@@ -19,7 +19,7 @@ checkpoints):
    untouched) if the loss or the gradient is not finite.
 5. bookkeeping: metrics.jsonl, trackers, sample videos, atomic checkpoints.
 
-Distributed runs use accelerate (DDP or DeepSpeed ZeRO from ``configs/accelerate/``); every
+Distributed runs use accelerate (DDP, DeepSpeed ZeRO or FSDP2 from ``configs/accelerate/``); every
 random draw is a pure function of (seed, step, global sample index), so a resumed run repeats an
 uninterrupted one exactly.
 """
@@ -30,6 +30,7 @@ import contextlib
 import copy
 import os
 import time
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import ConfigError, RunConfig, check_resume, config_tree, to_yaml
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.rewards import RewardMixer, RewardSkip
+from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import (
     GroupedPromptSampler,
@@ -53,6 +55,7 @@ from vsa2_rl.runtime import (
     load_trained_state,
     resolve_device,
     resolve_dtype,
+    resolve_reward_device,
     trainable_parameters,
 )
 from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule, step_log_prob
@@ -254,6 +257,7 @@ class _Setup:
             self.rewards = RewardMixer.from_config(config.rewards)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self.reward_device = resolve_reward_device(config, self.device)
         self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
             self.bundle = build_bundle(config, self.device, self.dtype)
@@ -277,7 +281,7 @@ def _sequence_parallel_group(acc, config: RunConfig):
             f"{key}: {size} must divide the number of processes ({acc.num_processes})"
         )
     if engines.uses_deepspeed(acc):
-        raise ConfigError(f"{key}: sequence parallelism runs under DDP, not DeepSpeed")
+        raise ConfigError(f"{key}: sequence parallelism runs under DDP or FSDP2, not DeepSpeed")
     if not config.attention.enabled:
         raise ConfigError(f"{key}: sequence parallelism runs through VSA2 (attention.enabled)")
     import torch.distributed as dist
@@ -345,6 +349,7 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLog
                 batch_size=config.grpo.train_batch_size,
                 shape=(config.model.num_frames, config.model.height, config.model.width),
                 progress=False,
+                reward_device=setup.reward_device,
             )
     finally:
         bundle.transformer = live
@@ -382,6 +387,7 @@ class StepRollouts:
     chunks: list[Rollout]
     videos: torch.Tensor  # [n, T, C, H, W] float32, decoded
     stochastic: torch.Tensor  # bool [N]: the steps that drew noise (and may be trained)
+    pending: list  # rewards.async_scoring: each chunk's future RewardOutput, in order
 
 
 class _Run:
@@ -417,6 +423,8 @@ class _Run:
         )
         engines.configure(self.acc, config)
         self.transformer, self.optimizer = self.acc.prepare(transformer, optimizer)
+        # FSDP2 replaces every parameter by its shard: clipping and the finite check need those
+        self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.bundle.transformer = self.transformer
         self.reference = (
             _reference_policy(self.bundle, self.acc, config) if config.grpo.kl_beta > 0 else None
@@ -441,16 +449,22 @@ class _Run:
             self.bundle.encode_prompts([samp.negative_prompt]) if samp.guidance_scale > 1 else None
         )
         self.checkpoints = os.path.join(config.out_dir, "checkpoints")
-        # evaluation runs on the main process alone, except under ZeRO-3: there the forward
-        # gathers sharded weights, a collective every rank must join (the logger writes on the
-        # main only)
+        # evaluation runs on the main process alone, except under ZeRO-3 and FSDP2: there the
+        # forward gathers sharded weights, a collective every rank must join (the logger writes
+        # on the main only)
         # and under sequence parallelism, where the main process's group computes together
         self.evaluates = (
             self.is_main
-            or engines.zero_stage(self.acc) >= 3
+            or engines.shards_parameters(self.acc)
             or (setup.sequence_parallel is not None and setup.dp_rank == 0)
         )
         self.kl_in_reward = self.reference is not None and config.grpo.kl_mode == "reward"
+        # rewards.async_scoring: one background thread scores the chunks in their order
+        self.scoring = (
+            futures.ThreadPoolExecutor(1, thread_name_prefix="rewards")
+            if config.rewards.async_scoring
+            else None
+        )
         self.logger: MetricsLogger | None = None
 
     def velocity_fn(self, text_emb: torch.Tensor):
@@ -476,12 +490,12 @@ class _Run:
             raise ConfigError(f"train.resume: {error}") from None
         if resume_from:
             check_resume(_trained_with(restored, resume_from), config, str(resume_from))
-            if engines.uses_deepspeed(acc):  # weights and optimizer shards, DeepSpeed's files
+            if engines.shards_optimizer_state(acc):  # weight and optimizer shards, the engine's
                 engines.load_engine_state(acc, resume_from)
             elif "optimizer" not in restored:
                 raise ConfigError(
-                    f"train.resume: {resume_from} was written by a DeepSpeed run (its optimizer "
-                    "state is in DeepSpeed shards); resume it with the same DeepSpeed launcher"
+                    f"train.resume: {resume_from} was written by a DeepSpeed or FSDP2 run (its "
+                    "optimizer state is in the engine's shards); resume it with the same launcher"
                 )
             else:
                 model = acc.unwrap_model(self.transformer)
@@ -533,7 +547,8 @@ class _Run:
                     sigmas[: start + 1], grpo.train_batch_size,
                 )  # fmt: skip
             evaluations += groups * start
-        chunks, videos = [], []
+        chunks, videos, pending = [], [], []
+        metadata = self._reward_metadata(step, batch.prompt_indices, global_index)
         for part in _chunks(len(prompts), grpo.train_batch_size):
             with torch.no_grad():
                 text_emb = self.bundle.encode_prompts(prompts[part])
@@ -547,6 +562,11 @@ class _Run:
                     generator=generators[part],
                 )
                 videos.append(self.bundle.decode(trajectory.latents[-1]))
+            if self.scoring is not None:  # scored while the next chunks are sampled
+                chunk_videos = videos[-1].float().to(self.setup.reward_device)
+                pending.append(self.scoring.submit(
+                    self.setup.rewards, chunk_videos, prompts[part], metadata[part]
+                ))  # fmt: skip
             latents, log_probs = trajectory.latents, trajectory.log_probs
             if prefix is not None:  # the shared steps: deterministic, log-prob 0
                 latents = torch.cat([prefix[:-1, part], latents])
@@ -563,22 +583,38 @@ class _Run:
         metrics["perf/rollout_s"] = time.perf_counter() - t0
         return StepRollouts(
             batch.prompt_indices, batch.group_ids, prompts, global_index, chunks,
-            torch.cat(videos).float(), stochastic,
+            torch.cat(videos).float(), stochastic, pending,
         )  # fmt: skip
 
     # ---- rewards and advantages ------------------------------------------------------------
+
+    def _reward_metadata(self, step: int, prompt_indices: list, global_index: list) -> list:
+        seed = self.config.seed
+        return [
+            {"prompt_index": p, "step": step, "sample_seed": _sample_seed(seed, step, i)}
+            for p, i in zip(prompt_indices, global_index, strict=True)
+        ]
+
+    def _scored(self, step: int, rollouts: StepRollouts) -> RewardOutput:
+        """The step's rewards: the chunks' background scores (``rewards.async_scoring``), all
+        awaited before the first failure is raised, or the whole batch scored now."""
+        if not rollouts.pending:
+            metadata = self._reward_metadata(step, rollouts.prompt_indices, rollouts.global_index)
+            videos = rollouts.videos.to(self.setup.reward_device)
+            return self.setup.rewards(videos, rollouts.prompts, metadata)
+        futures.wait(rollouts.pending)
+        for pending in rollouts.pending:
+            if pending.exception() is not None:
+                raise pending.exception()
+        return RewardOutput.concat([pending.result() for pending in rollouts.pending])
 
     def score(self, step: int, rollouts: StepRollouts, metrics: dict) -> bool:
         """Rewards and group advantages (set on the chunks); False when a reward asked to skip
         the step on any rank (every rank skips together; the weights stay untouched)."""
         config, acc, device, grpo = self.config, self.acc, self.device, self.config.grpo
-        metadata = [
-            {"prompt_index": p, "step": step, "sample_seed": _sample_seed(config.seed, step, i)}
-            for p, i in zip(rollouts.prompt_indices, rollouts.global_index, strict=True)
-        ]
         rewards = self.setup.rewards
         try:
-            scored, skip_reason = rewards(rollouts.videos, rollouts.prompts, metadata), ""
+            scored, skip_reason = self._scored(step, rollouts), ""
         except RewardSkip as error:
             scored, skip_reason = None, str(error)
         skip = torch.tensor([float(scored is None)], device=device)
@@ -688,8 +724,8 @@ class _Run:
             log_prob,
             chunk.log_probs[j],
             chunk.advantages,
-            clip_range=grpo.clip_range,
-            clip_range_high=grpo.clip_range_high,
+            clip_range=grpo.clip_bounds[0],
+            clip_range_high=grpo.clip_bounds[1],
             loss_type=grpo.loss_type,
         )
         kl = torch.zeros((), device=device)
@@ -766,7 +802,7 @@ class _Run:
         if not ((every and step % every == 0) or step == config.train.num_steps):
             return
         acc.wait_for_everyone()
-        weights = engines.model_state(acc, self.transformer, config)  # ZeRO-3 gathers
+        weights = engines.model_state(acc, self.transformer, config)  # ZeRO-3, FSDP2 gather
         entries = {
             "model": weights,
             "lr_schedule": self.lr_schedule.state_dict(),
@@ -776,9 +812,9 @@ class _Run:
             "step": step,
         }
         staged = None
-        if engines.uses_deepspeed(acc):
-            # every rank writes its optimizer (and, under ZeRO-3, weight) shards into the
-            # directory the main process staged, which then commits it
+        if engines.shards_optimizer_state(acc):
+            # every rank writes its optimizer (and, under ZeRO-3 and FSDP2, weight) shards into
+            # the directory the main process staged, which then commits it
             where = [stage_checkpoint(self.checkpoints, step) if self.is_main else None]
             broadcast_object_list(where)
             staged = where[0]
@@ -795,6 +831,8 @@ class _Run:
     def summary(self) -> dict:
         """Closes the trackers, draws the reward curve and prints the start and end rewards."""
         self.logger.close()
+        if self.scoring is not None:
+            self.scoring.shutdown()
         config = self.config
         summary = {"out_dir": config.out_dir}
         if not self.is_main:
