@@ -68,7 +68,16 @@ class ClipEmbedder:
         if batch_size < 1:
             raise ValueError(f"{KEY}.batch_size: must be >= 1, got {batch_size}")
         name = model_name(clip_model)
-        model = open_clip.create_model(name, pretrained=clip_file).eval().requires_grad_(False)
+        try:
+            model = open_clip.create_model(name, pretrained=clip_file)
+        except RuntimeError as error:  # load_state_dict: missing, unexpected or mis-sized keys
+            first = str(error).strip().splitlines()[0]
+            raise ValueError(
+                f"{KEY}.clip_path: {clip_file} is not a checkpoint of the {name!r} architecture "
+                f"(kwargs.clip_model): {first[:300]}; set clip_model to the checkpoint's "
+                "architecture or give that architecture's checkpoint"
+            ) from None
+        model = model.eval().requires_grad_(False)
         preprocess = open_clip.get_model_preprocess_cfg(model)
         # without text only the image tower is kept (a ViT-L/14's text tower is ~120M weights)
         self.model = model if text else None

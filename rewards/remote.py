@@ -140,10 +140,32 @@ class RemoteReward:
         raise RuntimeError(f"{self.url}{path}: failed after {self.retries + 1} attempts: {last}")
 
     def name(self) -> str:
-        return json.loads(self._request("/health"))["reward"]
+        reply = self._request("/health")
+        try:
+            name = json.loads(reply)["reward"]
+        except (ValueError, KeyError, TypeError):
+            name = None
+        if not isinstance(name, str) or not name:
+            raise RuntimeError(
+                f'{self.url}/health: not a vsa2-rl reward server (expected {{"reward": NAME}}, '
+                f"got {reply[:80]!r})"
+            )
+        return name
 
     def __call__(
         self, videos: torch.Tensor, prompts: list[str], metadata: list[dict]
     ) -> torch.Tensor:
         reply = self._request("/score", encode_request(videos, prompts, metadata))
-        return load_tensors(reply)["scores"].to(videos.device)
+        try:
+            scores = load_tensors(reply)["scores"]
+        except Exception:  # whatever safetensors makes of bytes that are not its format
+            raise RuntimeError(
+                f"{self.url}/score: the reply is not a safetensors 'scores' tensor "
+                f"({len(reply)} bytes, starting {reply[:40]!r})"
+            ) from None
+        if scores.shape != (videos.shape[0],):
+            raise RuntimeError(
+                f"{self.url}/score: {tuple(scores.shape)} scores for a batch of "
+                f"{videos.shape[0]} videos"
+            )
+        return scores.to(videos.device)

@@ -115,6 +115,16 @@ def test_aesthetic_missing_files_fail_at_construction(tiny_clip_files, tmp_path)
         get_reward(
             "aesthetic", clip_path=clip_path, predictor_path=predictor_path, clip_model="ViT-Q-99"
         )
+    wider = tmp_path / "tiny-vsa2-test-clip-wider.json"
+    wider.write_text(json.dumps({**TINY_CLIP, "embed_dim": 24}))
+    with pytest.raises(
+        ValueError,
+        match=r"kwargs.clip_path: .*clip.pt is not a checkpoint of the "
+        r"'tiny-vsa2-test-clip-wider' architecture \(kwargs.clip_model\)",
+    ):
+        get_reward(
+            "aesthetic", clip_path=clip_path, predictor_path=predictor_path, clip_model=str(wider)
+        )
     wide = tmp_path / "wide.pt"
     torch.save(AestheticMLP(32).state_dict(), wide)
     with pytest.raises(ValueError, match=r"predictor expects 32-d embeddings .* gives 16-d"):
