@@ -187,6 +187,7 @@ for part in "${parts[@]}"; do
           sampler.same_noise_per_group=$shared grpo.group_size=4 grpo.prompts_per_step=1 \
           train.num_steps=4 attention.kv_block=16 attention.mode=topp > "$OUT/prefix_$shared.log" 2>&1
         tail -2 "$OUT/prefix_$shared.log"
+        cp /tmp/prefix_$shared/metrics.jsonl "$OUT/prefix_${shared}_metrics.jsonl"  # kept if cut short
       done
       python3 benchmarks/compare_runs.py independent=/tmp/prefix_false shared=/tmp/prefix_true \
         --keys perf/rollout_s perf/rollout_evals | tee "$OUT/prefix.md" ;;
