@@ -29,22 +29,12 @@ import argparse
 import datetime
 
 import torch
+from bench_e2e import WAN_1_3B
 
 from vsa2_rl.parallel.ulysses import SequenceParallel
 
-WAN_14B = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 40,
-    "attention_head_dim": 128,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 13824,
-    "num_layers": 40,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-}
+# Wan2.1-T2V-14B's transformer: the 1.3B's block design, wider (40 heads of 128) and deeper
+WAN_14B = {**WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 LATENT_720P_81 = (21, 90, 160)  # (frames, height, width) of the VAE latents: 75,600 tokens
 GIB = 2**30
 
