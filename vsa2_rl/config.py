@@ -474,7 +474,7 @@ class RewardsConfig:
     )
     async_scoring: bool = _doc(
         "Score each chunk of grpo.train_batch_size videos in a background thread as soon as it "
-        "is decoded, while the rollout samples the next chunks (the issue's rewards.async; "
+        "is decoded, while the rollout samples the next chunks (not named rewards.async: "
         "async is a Python keyword). The update waits for every score, so GRPO stays "
         "on-policy; a reward sees one chunk per call.",
         default=False,
