@@ -46,6 +46,8 @@ WAN_1_3B = {
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
 }
+# Wan2.1-T2V-14B's transformer: the 1.3B's block design, wider (40 heads of 128) and deeper
+WAN_14B = {**WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
 # (label, sparsity, kv_block); None = dense attention
 ATTENTION = [

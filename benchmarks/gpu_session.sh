@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
-#     [toy_build] [toy_rl] [reward_signal] [prefix] [sp_memory]
+#     [toy_build] [toy_rl] [reward_signal] [prefix] [sp_memory] [sp_speed] [sp_train]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -100,8 +100,9 @@ for part in "${parts[@]}"; do
         PYTHONSAFEPATH=1 timeout 200 accelerate launch --config_file configs/accelerate/$engine.yaml \
           $run out_dir=/tmp/mg/$engine > "$OUT/mg_$engine.log" 2>&1; tail -2 "$OUT/mg_$engine.log"
       done
-      python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/gpu1 ddp=/tmp/mg/ddp_2gpu zero2=/tmp/mg/zero2 \
-        zero3=/tmp/mg/zero3 --out "$OUT/multigpu.md" ;;
+      runs="1gpu=/tmp/mg/gpu1"
+      for engine in ${ENGINES:-ddp_2gpu zero2 zero3}; do runs="$runs $engine=/tmp/mg/$engine"; done
+      python3 benchmarks/compare_runs.py $runs --out "$OUT/multigpu.md" ;;
     gluon)  # the Gluon kernels: their GPU tests, per-kernel timings against Triton, then the
       # whole op with and without them (GLUON_KV kv_blocks, GLUON_SP sparsities)
       timeout 240 python3 -P -m pytest -q -m gpu --tb=short \
@@ -130,18 +131,23 @@ for part in "${parts[@]}"; do
           ${engine}_resumed=/tmp/rt/${engine}_resumed --out "$OUT/resume_toy_$engine.md"
       done ;;
     resume)  # issue 8: a 2-GPU run stopped after step 2 and resumed equals the uninterrupted run
+      # (MG_EXTRA: overrides for both, e.g. parallel.sequence_parallel_size=2 with ENGINES=fsdp2)
       [ -d /tmp/wan1.3b ] || python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1
       for engine in ${ENGINES:-ddp_2gpu zero2}; do
         [ -d /tmp/mg/$engine ] || PYTHONSAFEPATH=1 timeout 200 accelerate launch --config_file \
-          configs/accelerate/$engine.yaml $run out_dir=/tmp/mg/$engine > "$OUT/mg_$engine.log" 2>&1
+          configs/accelerate/$engine.yaml $run out_dir=/tmp/mg/$engine ${MG_EXTRA:-} \
+          > "$OUT/mg_$engine.log" 2>&1
         for steps in 2 3; do
           PYTHONSAFEPATH=1 timeout 200 accelerate launch --config_file configs/accelerate/$engine.yaml \
-            $run out_dir=/tmp/mg/${engine}_resumed train.num_steps=$steps \
+            $run out_dir=/tmp/mg/${engine}_resumed train.num_steps=$steps ${MG_EXTRA:-} \
             >> "$OUT/mg_${engine}_resumed.log" 2>&1; tail -2 "$OUT/mg_${engine}_resumed.log"
         done
       done
-      python3 benchmarks/compare_runs.py ddp=/tmp/mg/ddp_2gpu ddp_resumed=/tmp/mg/ddp_2gpu_resumed \
-        zero2=/tmp/mg/zero2 zero2_resumed=/tmp/mg/zero2_resumed --out "$OUT/resume.md" ;;
+      runs=""
+      for engine in ${ENGINES:-ddp_2gpu zero2}; do
+        runs="$runs $engine=/tmp/mg/$engine ${engine}_resumed=/tmp/mg/${engine}_resumed"
+      done
+      python3 benchmarks/compare_runs.py $runs --out "$OUT/resume.md" ;;
     toy_build)  # the toy model (scripts/build_toy_model.py) into $OUT/toy; TOY_RESUME=DIR
       # continues a build whose first stages are done
       timeout ${TOY_BUILD_S:-570} python3 -P scripts/build_toy_model.py --device cuda \
@@ -191,6 +197,26 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py independent=/tmp/prefix_false shared=/tmp/prefix_true \
         --keys perf/rollout_s perf/rollout_evals | tee "$OUT/prefix.md" ;;
+    sp_speed)  # issue 25 (2+ GPUs): a Wan-14B-shaped forward at 720p x 81 on 1 GPU, then with
+      # sequence parallelism over SP_GPUS (default 2); rows in $OUT/sp_speed.md
+      for gpus in 1 ${SP_GPUS:-2}; do
+        PYTHONSAFEPATH=1 timeout 400 torchrun --nproc_per_node $gpus benchmarks/bench_sp.py \
+          --model 14b --layers ${SP_LAYERS:-8} --out "$OUT/sp_speed.md" > "$OUT/sp_speed_$gpus.log" 2>&1
+        tail -1 "$OUT/sp_speed_$gpus.log"
+      done ;;
+    sp_train)  # issue 25 (2 GPUs, after "wan"): the Wan-shaped run at the 1.3B recipe's attention
+      # settings on one GPU, and with sequence parallelism 2 under DDP and FSDP2 (the same
+      # global batch: one data-parallel rank); then the table
+      recipe="attention.kv_block=16 attention.mode=topp"
+      PYTHONSAFEPATH=1 CUDA_VISIBLE_DEVICES=0 timeout 300 python3 $run $recipe \
+        out_dir=/tmp/mg/sp1 > "$OUT/mg_sp1.log" 2>&1; tail -2 "$OUT/mg_sp1.log"
+      for engine in ddp_2gpu fsdp2; do
+        PYTHONSAFEPATH=1 timeout 300 accelerate launch --config_file configs/accelerate/$engine.yaml \
+          $run $recipe out_dir=/tmp/mg/sp2_$engine parallel.sequence_parallel_size=2 \
+          > "$OUT/mg_sp2_$engine.log" 2>&1; tail -2 "$OUT/mg_sp2_$engine.log"
+      done
+      python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/sp1 sp2_ddp=/tmp/mg/sp2_ddp_2gpu \
+        sp2_fsdp2=/tmp/mg/sp2_fsdp2 --out "$OUT/sp_train.md" ;;
     sp_memory)  # issue 23: per-GPU memory of Wan-14B-shaped blocks at 720p x 81 frames, P = 1-8
       timeout 400 python3 benchmarks/sp_memory.py --out "$OUT/sp_memory.md" 2>&1 | tail -40 ;;
   esac

@@ -29,12 +29,10 @@ import argparse
 import datetime
 
 import torch
-from bench_e2e import WAN_1_3B
+from bench_e2e import WAN_14B
 
 from vsa2_rl.parallel.ulysses import SequenceParallel
 
-# Wan2.1-T2V-14B's transformer: the 1.3B's block design, wider (40 heads of 128) and deeper
-WAN_14B = {**WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 LATENT_720P_81 = (21, 90, 160)  # (frames, height, width) of the VAE latents: 75,600 tokens
 GIB = 2**30
 
