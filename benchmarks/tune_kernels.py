@@ -6,7 +6,9 @@ is given another one:
 
 * ``--profile``: per-kernel device time (torch profiler) of one ``vsa2_attention`` forward +
   backward with the coarse stage on, so the router / pooling / fusion overhead around the fine
-  stage can be read kernel by kernel, then summed by part of the op (``PARTS``);
+  stage can be read kernel by kernel, then summed by part of the op (``PARTS``): at the
+  recipes' settings (kv_block 16 top-p at 0.95 and 0.875, kv_block 64 top-p), then kv_block 64
+  top-k;
 * ``--host``: at a chosen shape (``--shape``, 480p = Wan2.1-1.3B: H=12, S=32768), kv_block and
   router mode, the forward alone and forward + backward of ``vsa2_attention``: wall time per
   call (``do_bench``), the host time of issuing one call (no synchronisation), and the device
@@ -381,10 +383,11 @@ def main(argv=None) -> None:
     if args.host:
         host_vs_device(args.kv_block, args.sparsity, args.mode, args.shape)
     if args.profile:
-        profile_full_op(64, 0.95, args.rows)
+        # the recipes' settings first (1.3B: kv16 top-p; 14B: kv64 top-p), then VSA's top-k
+        profile_full_op(16, 0.95, args.rows, mode="topp")
+        profile_full_op(16, 0.875, args.rows, mode="topp")
         profile_full_op(64, 0.95, args.rows, mode="topp")
-        profile_full_op(64, 0.875, args.rows)
-        profile_full_op(16, 0.95, args.rows)
+        profile_full_op(64, 0.95, args.rows)
     if args.topk:
         topk_warps()
     if args.gather_bound:

@@ -64,12 +64,16 @@ class _TopLogProbs(torch.autograd.Function):
     ):  # fmt: skip
         compute_dtype = torch.promote_types(q_pooled.dtype, torch.float32)
         mask_bias = _mask_bias(invalid, compute_dtype)
-        scores = _scores_plus(mask_bias, q_pooled, k_seg_pooled, scale)  # (B, H, NQ, NSEG)
-        nseg = scores.shape[-1]
+        nseg = k_seg_pooled.shape[2]
         if triton_select and compute_dtype == torch.float32 and nseg <= TRITON_TOPK_MAX_SEGMENTS:
-            # one read of each row for the threshold, ids, lse and the top-p count
-            top_log_p, top_idx, lse, counts = topk_log_softmax(scores, kmax, top_p, min_kv)
+            # one read of each row of the raw q . k (scale and mask applied as it loads) for the
+            # threshold, ids, lse and the top-p count
+            top_log_p, top_idx, lse, counts = topk_log_softmax(
+                _raw_scores(q_pooled, k_seg_pooled), kmax, top_p, min_kv,
+                scale=scale, mask_bias=mask_bias,
+            )  # fmt: skip
         else:
+            scores = _scores_plus(mask_bias, q_pooled, k_seg_pooled, scale)  # (B, H, NQ, NSEG)
             top_scores, top_idx = torch.topk(scores, kmax, dim=-1, sorted=top_p is not None)
             # log-sum-exp with the row max from top-k, in place: the scores are not needed any
             # more, so this costs no [B, H, NQ, NSEG] allocation and one pass fewer than
@@ -187,7 +191,8 @@ def _mask_bias(invalid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _scores_plus(init, q_pooled, k_seg_pooled, scale) -> torch.Tensor:
-    """``init + scale * q . k`` as (B, H, NQ, NSEG) in ``init``'s dtype, from one GEMM.
+    """``init + scale * q . k`` as (B, H, NQ, NSEG) in ``init``'s dtype, from one GEMM (the
+    torch path; the Triton top-k applies scale and mask itself to ``_raw_scores``).
 
     ``init`` (the [NSEG] mask, or a fresh [B, H, NQ, NSEG] mask minus the row lse) is the
     GEMM's starting accumulator (``baddbmm``, beta = 1), so scaling and masking cost no extra

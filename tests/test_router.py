@@ -312,6 +312,36 @@ def test_triton_top_p_keeps_the_smallest_best_set_reaching_top_p(kmax, top_p, mi
     assert ids[0, 1, 2, : int(counts[0, 1, 2])].tolist() == list(range(int(counts[0, 1, 2])))
 
 
+@pytest.mark.nan_empty
+@pytest.mark.parametrize("top_p", [None, 0.6])
+def test_triton_topk_applies_scale_and_mask_as_it_loads_the_raw_scores(top_p):
+    """The router hands the kernel ``q . k`` unscaled and unmasked: the selection and
+    log-probabilities equal those of the float64 scores ``scale * raw + mask``."""
+    from vsa2_rl.kernels.topk import topk_log_softmax
+
+    raw = torch.randn(2, 3, 4, 45) * 6
+    mask_bias = torch.zeros(45).index_fill_(0, torch.tensor([0, 7, 44]), float("-inf"))
+    scale, kmax = 0.3, 8
+    scores = raw.double() * scale + mask_bias.double()
+    log_p, ids, lse, counts = topk_log_softmax(
+        raw, kmax, top_p, 2, scale=scale, mask_bias=mask_bias
+    )
+    ref_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        log_p.double(), scores.gather(-1, ids) - ref_lse, rtol=1e-6, atol=1e-6
+    )
+    assert not mask_bias[ids].isinf().any(), "a masked segment was selected"
+    if top_p is None:
+        ref_ids = scores.topk(kmax, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(ids, ref_ids)
+    else:
+        ref_ids, ref_counts, near = _top_p_reference(scores, kmax, top_p, 2)
+        assert near.float().mean() < 0.1 and ref_counts.float().mean() < kmax
+        assert torch.equal(counts[~near], ref_counts[~near].to(torch.int32))
+        assert torch.equal(ids[~near], ref_ids[~near])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("nseg,kmax", [(1181, 59), (4725, 237)])
 def test_gpu_triton_topk_at_wan_720p_sizes(nseg, kmax):

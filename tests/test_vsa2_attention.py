@@ -189,7 +189,9 @@ def test_router_follows_the_config_backend(backend, monkeypatch):
 
     calls = []
     triton_topk = router.topk_log_softmax
-    monkeypatch.setattr(router, "topk_log_softmax", lambda *a: calls.append(1) or triton_topk(*a))
+    monkeypatch.setattr(
+        router, "topk_log_softmax", lambda *a, **kw: calls.append(1) or triton_topk(*a, **kw)
+    )
     tile_lengths, seg_lengths = _layout([64, 64, 64, 33], 64, 16)
     q, k, v = _inputs(1, 2, 256, 64, torch.float32)
     vsa2_attention(
