@@ -19,7 +19,8 @@ is given another one:
   ``triton.testing.do_bench`` medians; prints one line per configuration, best first;
 * ``--topk``: the router's row-wise top-k (``topk_log_softmax``) at the 720p rows of kv_block
   64, 32 and 16 (1176 query tiles x 40 heads, 1176 / 2352 / 4704 segments, 5% kept), in
-  "topk" and "topp" mode, for each number of warps per row, against ``torch.topk`` alone;
+  "topk" and "topp" mode, for each number of warps per row, against ``torch.topk`` alone; then
+  at kv_block 16 with the budgets of sparsity 0.875 and 0.75;
 * ``--gather-bound``: how close the fine-stage kernels run to the cost of their loads alone.
   A load-only kernel gathers the same 64-row blocks by TMA in the same order (K and V per
   selected segment, query-major, as the forward and dQ pass do; Q and dO per selecting tile,
@@ -348,6 +349,18 @@ def topk_warps() -> None:
                 ms = do_bench(call, return_mode="median")
                 tag = " (default)" if warps == NUM_WARPS else ""
                 print(f"| {nseg} | {mode} | {warps}{tag} | {ms:.3f} |")
+    print("\n-- kv_block 16 rows at the budgets of lower sparsities (recipes' eval: 0.75) --")
+    print("| sparsity | kept | mode | ms |")
+    print("|---|---|---|---|")
+    nseg = S // 16
+    scores = torch.randn(B, H, nq, nseg, device="cuda") * 4  # peaked: top-p sets below the budget
+    for sparsity in (0.875, 0.75):
+        kmax = max_kv_for(sparsity, nseg)
+        for top_p in (None, 0.9):
+            ms = do_bench(
+                functools.partial(topk_log_softmax, scores, kmax, top_p), return_mode="median"
+            )
+            print(f"| {sparsity} | {kmax} | {'topk' if top_p is None else 'topp'} | {ms:.3f} |")
 
 
 def fwd_like_configs():

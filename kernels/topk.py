@@ -15,10 +15,15 @@ It reads each row once and, in registers:
 3. keeps every score above that threshold and, of the scores equal to it, the first ones in
    index order until KMAX are kept: exactly KMAX distinct ids even with ties;
 4. writes the kept ids in ascending id order with their log-softmax values ``score - lse``;
-5. for the router's "topp" mode, reads the KMAX winners back, sorts them best first in
-   registers (``tl.sort`` of (score key, id) packed into one integer), counts the smallest
-   prefix whose probability mass reaches top_p, and rewrites the winners as the kept ids
-   ascending followed by the others ascending.
+5. for the router's "topp" mode, reads the KMAX winners back, finds the nucleus (the smallest
+   set of best winners whose probability mass reaches top_p, ties in id order) and rewrites
+   the winners as the kept ids ascending followed by the others ascending. Up to
+   ``SORTED_NUCLEUS_MAX`` winners it sorts them best first in registers (``tl.sort`` of
+   (score key, id) packed into one integer) and counts the prefix; above, where that sort
+   grows slow (10.4 ms for 588 winners per row at kv16 0.875), it sorts nothing: a bitwise
+   search over their keys for the largest threshold whose winners at or above it hold top_p of
+   the mass (32 mass-weighted counts; a count search as in 2 where fewer than min_kv reach
+   it), and positions from prefix sums (1.35 ms there).
 
 In "topp" mode this replaced a sort of the winners, a cumulative sum and a second sort back to
 id order in torch (the fine stage runs faster over segments in id order). The router hands it
@@ -60,6 +65,7 @@ def _load_scores(SCORES, MASK_BIAS, i_row, o_s, m_s, NSEG, SCALE, HAS_MASK: tl.c
 def _topk_log_softmax_kernel(
     SCORES, MASK_BIAS, TOP_LOGP, TOP_IDX, LSE, COUNTS, NSEG, KMAX, SCALE, TOP_P, MIN_KV,
     NSEG_PAD: tl.constexpr, KMAX_PAD: tl.constexpr, TOPP: tl.constexpr, HAS_MASK: tl.constexpr,
+    SORT_NUCLEUS: tl.constexpr,
 ):  # fmt: skip
     i_row = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, NSEG_PAD)
@@ -97,18 +103,76 @@ def _topk_log_softmax_kernel(
     tl.store(TOP_IDX + i_row * KMAX + o_out, o_s.to(tl.int64), mask=m_keep)
     tl.store(TOP_LOGP + i_row * KMAX + o_out, b_x - b_lse, mask=m_keep)
     if TOPP:
-        _keep_top_p(SCORES, MASK_BIAS, TOP_LOGP, TOP_IDX, COUNTS, i_row, b_lse, NSEG, KMAX,
-                    SCALE, TOP_P, MIN_KV, NSEG_PAD, KMAX_PAD, HAS_MASK)  # fmt: skip
+        if SORT_NUCLEUS:
+            _keep_top_p_by_sort(SCORES, MASK_BIAS, TOP_LOGP, TOP_IDX, COUNTS, i_row, b_lse,
+                                NSEG, KMAX, SCALE, TOP_P, MIN_KV, NSEG_PAD, KMAX_PAD,
+                                HAS_MASK)  # fmt: skip
+        else:
+            _keep_top_p_by_search(TOP_LOGP, TOP_IDX, COUNTS, i_row, KMAX, TOP_P, MIN_KV, KMAX_PAD)
 
 
 @triton.jit
-def _keep_top_p(
+def _keep_top_p_by_search(
+    TOP_LOGP, TOP_IDX, COUNTS, i_row, KMAX, TOP_P, MIN_KV, KMAX_PAD: tl.constexpr
+):
+    """Top-p among the row's KMAX winners, stored ascending: the smallest set of best winners
+    (ties in id order) whose probability mass reaches TOP_P, clamped to [min(MIN_KV, KMAX),
+    KMAX], rewritten as those ids ascending, then the other winners ascending, with the count
+    in COUNTS. No sort: bitwise threshold searches over the winners' keys, then prefix sums."""
+    tl.debug_barrier()  # the winners stored above are read back by other threads
+    o_k = tl.arange(0, KMAX_PAD)
+    m_k = o_k < KMAX
+    b_id = tl.load(TOP_IDX + i_row * KMAX + o_k, mask=m_k, other=0)
+    b_logp = tl.load(TOP_LOGP + i_row * KMAX + o_k, mask=m_k, other=float("-inf"))
+    b_p = tl.exp(b_logp)  # 0 in the padding
+    b_key = tl.where(m_k, _ordered_bits(b_logp), 0)  # the padding below every winner
+    # -- the largest threshold t whose winners at or above it hold >= TOP_P of the mass (a
+    # winner's key, or 0 = all of them where their whole mass falls short) ----
+    b_thr = tl.zeros([], tl.uint32)
+    i_bit = tl.full([], 31, tl.int32)
+    while i_bit >= 0:
+        b_try = b_thr | (tl.full([], 1, tl.uint32) << i_bit.to(tl.uint32))
+        b_thr = tl.where(tl.sum(tl.where(b_key >= b_try, b_p, 0.0), 0) >= TOP_P, b_try, b_thr)
+        i_bit -= 1
+    # -- fewer than min(MIN_KV, KMAX) reach it: the largest t with that many at or above ----
+    n_min = tl.minimum(MIN_KV, KMAX)
+    n_ge = tl.sum((b_key >= b_thr).to(tl.int32), 0)
+    if n_ge < n_min:
+        b_thr = tl.zeros([], tl.uint32)
+        n_ge = tl.full([], KMAX_PAD, tl.int32)  # count(key >= 0)
+        i_bit = tl.full([], 31, tl.int32)
+        while (i_bit >= 0) & (n_ge != n_min):
+            b_try = b_thr | (tl.full([], 1, tl.uint32) << i_bit.to(tl.uint32))
+            n_try = tl.sum((b_key >= b_try).to(tl.int32), 0)
+            b_thr = tl.where(n_try >= n_min, b_try, b_thr)
+            n_ge = tl.where(n_try >= n_min, n_try, n_ge)
+            i_bit -= 1
+    # -- keep all winners above it and, of those at it (id order = rank order), each whose
+    # better winners hold less than TOP_P or number fewer than n_min ----
+    m_above = b_key > b_thr
+    m_tie = (b_key == b_thr) & m_k
+    b_tie_p = tl.where(m_tie, b_p, 0.0)
+    b_mass_before = tl.sum(tl.where(m_above, b_p, 0.0), 0) + tl.cumsum(b_tie_p, 0) - b_tie_p
+    b_rank = tl.sum(m_above.to(tl.int32), 0) + tl.cumsum(m_tie.to(tl.int32), 0) - 1
+    m_keep = m_above | (m_tie & ((b_mass_before < TOP_P) | (b_rank < n_min)))
+    n_keep = tl.sum(m_keep.to(tl.int32), 0)
+    # kept ids ascending, then the other winners ascending
+    o_out = tl.where(
+        m_keep, tl.cumsum(m_keep.to(tl.int32), 0), n_keep + tl.cumsum((m_k & ~m_keep).to(tl.int32), 0)
+    ) - 1  # fmt: skip
+    tl.debug_barrier()  # every thread has read the winners before they are overwritten
+    tl.store(TOP_IDX + i_row * KMAX + o_out, b_id, mask=m_k)
+    tl.store(TOP_LOGP + i_row * KMAX + o_out, b_logp, mask=m_k)
+    tl.store(COUNTS + i_row, n_keep)
+
+
+@triton.jit
+def _keep_top_p_by_sort(
     SCORES, MASK_BIAS, TOP_LOGP, TOP_IDX, COUNTS, i_row, b_lse, NSEG, KMAX, SCALE, TOP_P, MIN_KV,
     NSEG_PAD: tl.constexpr, KMAX_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """Top-p among the row's KMAX winners, stored ascending: the smallest set of best winners
-    whose probability mass reaches TOP_P, clamped to [min(MIN_KV, KMAX), KMAX], rewritten as
-    those ids ascending, then the other winners ascending, with the count in COUNTS."""
+    """``_keep_top_p_by_search``'s result by sorting the winners in registers: faster for up to
+    ``SORTED_NUCLEUS_MAX`` winners, far slower above (see ``SORTED_NUCLEUS_MAX``)."""
     tl.debug_barrier()  # the winners stored above are read back by other threads
     o_k = tl.arange(0, KMAX_PAD)
     m_k = o_k < KMAX
@@ -137,6 +201,12 @@ def _keep_top_p(
 # ``benchmarks/tune_kernels.py --topk``): more warps wait longer on the cross-warp sums of the
 # threshold search, fewer hold too many of a wide row's scores each (2 warps: 11.4 ms at 4704)
 NUM_WARPS = 4
+# top-p sorts the winners in registers up to this many (padded to a power of two) and searches
+# a mass threshold above it. Top-p part alone (topp minus topk time), H200, 40 x 1176 rows
+# (``tune_kernels.py --topk``), sort / search: 64 winners 0.19 / 0.48 ms, 128 0.43 / 1.01, 256
+# 0.67 / 0.81, 1024 (kv16 at 0.875) 10.43 / 1.35, 2048 (kv16 at 0.75) search 2.51 (the sort's
+# run did not end within its 80 s limit); 512 not measured
+SORTED_NUCLEUS_MAX = 256
 
 
 def topk_log_softmax(
@@ -178,7 +248,7 @@ def topk_log_softmax(
     counts = None
     if top_p is not None:
         counts = torch.empty(scores.shape[:-1], device=scores.device, dtype=torch.int32)
-    nseg_pad = triton.next_power_of_2(nseg)
+    nseg_pad, kmax_pad = triton.next_power_of_2(nseg), triton.next_power_of_2(kmax)
     if mask_bias is not None and mask_bias.shape != (nseg,):
         raise ValueError(
             f"mask_bias must have shape [NSEG] = [{nseg}], got {tuple(mask_bias.shape)}"
@@ -186,8 +256,9 @@ def topk_log_softmax(
     _topk_log_softmax_kernel[(rows,)](
         scores, mask_bias, log_probs, ids, lse, counts, nseg, kmax, float(scale),
         1.0 if top_p is None else float(top_p), min_kv,
-        NSEG_PAD=nseg_pad, KMAX_PAD=triton.next_power_of_2(kmax), TOPP=top_p is not None,
-        HAS_MASK=mask_bias is not None, num_warps=num_warps or NUM_WARPS,
+        NSEG_PAD=nseg_pad, KMAX_PAD=kmax_pad, TOPP=top_p is not None,
+        HAS_MASK=mask_bias is not None, SORT_NUCLEUS=kmax_pad <= SORTED_NUCLEUS_MAX,
+        num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     return log_probs, ids, lse, counts
 
