@@ -53,6 +53,23 @@ def _ordered_bits(x):
 
 
 @triton.jit
+def _count_threshold(b_key, n, N_PAD: tl.constexpr):
+    """The largest t with count(b_key >= t) >= n, bit by bit from the top, stopping as soon as
+    exactly n keys reach t (then every key >= t is one of the n largest): the n-th largest key,
+    or a t between it and the next key up. Padding must hold key 0."""
+    b_thr = tl.zeros([], tl.uint32)
+    n_ge = tl.full([], N_PAD, tl.int32)  # count(key >= 0)
+    i_bit = tl.full([], 31, tl.int32)
+    while (i_bit >= 0) & (n_ge != n):
+        b_try = b_thr | (tl.full([], 1, tl.uint32) << i_bit.to(tl.uint32))
+        n_try = tl.sum((b_key >= b_try).to(tl.int32), 0)
+        b_thr = tl.where(n_try >= n, b_try, b_thr)
+        n_ge = tl.where(n_try >= n, n_try, n_ge)
+        i_bit -= 1
+    return b_thr
+
+
+@triton.jit
 def _load_scores(SCORES, MASK_BIAS, i_row, o_s, m_s, NSEG, SCALE, HAS_MASK: tl.constexpr):
     """``SCALE * s + mask`` at the ids ``o_s`` of row ``i_row``; -inf where ``m_s`` is off."""
     b_x = tl.load(SCORES + i_row * NSEG + o_s, mask=m_s, other=float("-inf")) * SCALE
@@ -84,15 +101,7 @@ def _topk_log_softmax_kernel(
     # padding gets key 0, below every real score (-inf maps to 0x007FFFFF), so it never counts
     # past the first bit
     b_key = tl.where(m_s, _ordered_bits(b_x), tl.zeros([NSEG_PAD], tl.uint32))
-    b_thr = tl.zeros([], tl.uint32)
-    n_ge = tl.full([], NSEG_PAD, tl.int32)  # count(key >= 0)
-    i_bit = tl.full([], 31, tl.int32)
-    while (i_bit >= 0) & (n_ge != KMAX):
-        b_try = b_thr | (tl.full([], 1, tl.uint32) << i_bit.to(tl.uint32))
-        n_try = tl.sum((b_key >= b_try).to(tl.int32), 0)
-        b_thr = tl.where(n_try >= KMAX, b_try, b_thr)
-        n_ge = tl.where(n_try >= KMAX, n_try, n_ge)
-        i_bit -= 1
+    b_thr = _count_threshold(b_key, KMAX, NSEG_PAD)
 
     # -- keep all keys above it, and ties in id order up to KMAX ----
     m_above = b_key > b_thr
@@ -136,17 +145,8 @@ def _keep_top_p_by_search(
         i_bit -= 1
     # -- fewer than min(MIN_KV, KMAX) reach it: the largest t with that many at or above ----
     n_min = tl.minimum(MIN_KV, KMAX)
-    n_ge = tl.sum((b_key >= b_thr).to(tl.int32), 0)
-    if n_ge < n_min:
-        b_thr = tl.zeros([], tl.uint32)
-        n_ge = tl.full([], KMAX_PAD, tl.int32)  # count(key >= 0)
-        i_bit = tl.full([], 31, tl.int32)
-        while (i_bit >= 0) & (n_ge != n_min):
-            b_try = b_thr | (tl.full([], 1, tl.uint32) << i_bit.to(tl.uint32))
-            n_try = tl.sum((b_key >= b_try).to(tl.int32), 0)
-            b_thr = tl.where(n_try >= n_min, b_try, b_thr)
-            n_ge = tl.where(n_try >= n_min, n_try, n_ge)
-            i_bit -= 1
+    if tl.sum((b_key >= b_thr).to(tl.int32), 0) < n_min:
+        b_thr = _count_threshold(b_key, n_min, KMAX_PAD)
     # -- keep all winners above it and, of those at it (id order = rank order), each whose
     # better winners hold less than TOP_P or number fewer than n_min ----
     m_above = b_key > b_thr
