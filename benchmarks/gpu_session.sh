@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
-#     [toy_build] [toy_rl] [reward_signal] [prefix] [sp_memory] [sp_speed] [sp_train]
+#     [toy_build] [toy_builds] [toy_rl] [reward_signal] [prefix] [sp_memory] [sp_speed] [sp_train]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -153,6 +153,24 @@ for part in "${parts[@]}"; do
       timeout ${TOY_BUILD_S:-570} python3 -P scripts/build_toy_model.py --device cuda \
         --out "$OUT/toy" ${TOY_RESUME:+--resume-from $TOY_RESUME} > "$OUT/toy_build.log" 2>&1
       echo "toy_build rc=$?"; grep -v " step " "$OUT/toy_build.log" | grep "^|\|saved" ;;
+    toy_builds)  # toy base variants built at once (TOY_BUILDS: "name=arg;arg ..." of
+      # scripts/build_toy_model.py), each measured by benchmarks/toy_skill.py; every model folder
+      # (weights, config, build log, skill.md) comes back as $OUT/<name>.tar
+      mkdir -p /tmp/builds
+      for build in ${TOY_BUILDS:-default=}; do
+        name=${build%%=*}; args=${build#*=}
+        ( timeout ${TOY_BUILD_S:-480} python3 -P scripts/build_toy_model.py --device cuda \
+            --out /tmp/builds/$name ${args//;/ } > /tmp/builds/$name.log 2>&1
+          timeout ${TOY_SKILL_S:-100} python3 -P benchmarks/toy_skill.py --model /tmp/builds/$name \
+            --device cuda --out /tmp/builds/$name/skill.md > /dev/null 2>&1
+          cp /tmp/builds/$name.log /tmp/builds/$name/; tar -C /tmp/builds -cf "$OUT/$name.tar" $name
+        ) &
+      done
+      wait
+      for build in ${TOY_BUILDS:-default=}; do
+        name=${build%%=*}; echo "== $name"; grep "^|" /tmp/builds/$name.log | grep -v "^|---"
+        cat /tmp/builds/$name/skill.md
+      done ;;
     reward_signal)  # gradient signal-to-noise of the default run's settings (SIGNAL_SETTINGS:
       # "label=override;..." each), benchmarks/reward_signal.py, into $OUT/reward_signal.md
       for setting in ${SIGNAL_SETTINGS:-default=}; do

@@ -20,6 +20,10 @@ Both read prompts of the synthetic task ("a red square moving left fast",
   video scores 0, a wrong direction at most 2/3, the right direction at the wrong speed 0.82
   and the asked motion 1. The score is validated on the generator's own videos, whose true
   motion is known (tests).
+- ``prompt_direction``: 1 when the prompted shape (tracked as for ``prompt_motion``) moves the
+  prompted way, 0 otherwise (:func:`follows_direction`: within 45 degrees of the prompted
+  direction and at least ``MOVING_DISTANCE`` far, whatever the speed). The binary figure behind
+  "the share of videos moving the prompted way".
 - ``shape_fidelity``: fraction of frames whose blob has the prompted colour and an area within
   ``area_tolerance`` (default 50%) of the prompted shape's true area at that resolution. A guard
   metric: it falls when a policy buys motion with smeared, split or recoloured shapes.
@@ -148,6 +152,14 @@ def motion_score(displacement: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return 2.0 / 3.0 * moving * (1.0 + cosine) / 2.0 + speed / 3.0
 
 
+def follows_direction(displacement: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Bool [...]: the displacement [..., 2] points within 45 degrees of ``target`` [..., 2] and
+    is at least ``MOVING_DISTANCE`` long (a shape that barely moves follows no direction)."""
+    length = displacement.norm(dim=-1)
+    cosine = (displacement * target).sum(dim=-1) / (length * target.norm(dim=-1)).clamp_min(1e-8)
+    return (length >= MOVING_DISTANCE) & (cosine >= math.cos(math.pi / 4))
+
+
 def parse_prompts(name: str, prompts: list[str]) -> list[ShapeSpec]:
     """The task's spec of every prompt; RewardError naming ``name`` and the prompt otherwise."""
     specs = []
@@ -197,26 +209,40 @@ def _check_kwargs(threshold: float, area_tolerance: float) -> None:
         raise ValueError(f"kwargs.area_tolerance: must be in (0, 1), got {area_tolerance}")
 
 
-@register_reward("prompt_motion")
-def prompt_motion(
-    *, threshold: float = FOREGROUND_THRESHOLD, area_tolerance: float = 0.5
-) -> RewardFn:
-    """How closely the prompted shape moves as the prompt asks (:func:`motion_score`); [0, 1]."""
+def _tracked_motion_reward(name: str, score, threshold: float, area_tolerance: float) -> RewardFn:
+    """A reward of ``score(displacement [B, 2], target [B, 2])`` where the displacement is the
+    prompted shape's over the clip and the target the prompt's motion."""
     _check_kwargs(threshold, area_tolerance)
 
     @torch.no_grad()
     def reward(videos: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        _check_frames("prompt_motion", videos)
-        specs = parse_prompts("prompt_motion", prompts)
+        _check_frames(name, videos)
+        specs = parse_prompts(name, prompts)
         moved = []
         for video, spec in zip(videos, specs, strict=True):
             blobs, is_shape = shape_frames(video, spec, threshold, area_tolerance)
             moved.append(blob_displacement(blobs, is_shape))
         target = torch.tensor([s.velocity() for s in specs])
-        return motion_score(torch.stack(moved).cpu(), target).float().to(videos.device)
+        return score(torch.stack(moved).cpu(), target).float().to(videos.device)
 
-    reward.__name__ = "prompt_motion"
+    reward.__name__ = name
     return reward
+
+
+@register_reward("prompt_motion")
+def prompt_motion(
+    *, threshold: float = FOREGROUND_THRESHOLD, area_tolerance: float = 0.5
+) -> RewardFn:
+    """How closely the prompted shape moves as the prompt asks (:func:`motion_score`); [0, 1]."""
+    return _tracked_motion_reward("prompt_motion", motion_score, threshold, area_tolerance)
+
+
+@register_reward("prompt_direction")
+def prompt_direction(
+    *, threshold: float = FOREGROUND_THRESHOLD, area_tolerance: float = 0.5
+) -> RewardFn:
+    """1 when the prompted shape moves the prompted way (:func:`follows_direction`), else 0."""
+    return _tracked_motion_reward("prompt_direction", follows_direction, threshold, area_tolerance)
 
 
 @register_reward("shape_fidelity")

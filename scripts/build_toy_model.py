@@ -28,7 +28,8 @@ from vsa2_rl.models.toy import ASSET_DIR, ToyBuildConfig, build_toy_model
 def _table(info: dict) -> str:
     """Markdown: per stage, the validation loss and the detector's figures per attention."""
     rows = ["| stage | attention | val. loss | shape fidelity | motion score | motion match "
-            "| group sd |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| direction match | direction mixed | group sd |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     stages = [(str(i), s["validation"], s["samples"]) for i, s in enumerate(info["stages"])]
     final = {"dense": info["final_dense_without_vsa2"]}
     stages.append(("final, VSA2 layers removed", final, info["final_dense_samples"]))
@@ -38,6 +39,7 @@ def _table(info: dict) -> str:
             rows.append(
                 f"| {name} | {attention} | {loss:.4f} | {figures['shape_fidelity']:.3f} | "
                 f"{figures['prompt_motion']:.3f} | {figures['motion_match']:.3f} | "
+                f"{figures['direction_match']:.3f} | {figures['direction_mixed']:.3f} | "
                 f"{figures['group_std']:.3f} |"
             )
     return "\n".join(rows)
@@ -61,11 +63,29 @@ def main() -> None:
         default=1.0,
         help="multiply every stage's steps (and the rebasing ramp) by this; 1 = the recipe",
     )
+    parser.add_argument(
+        "--mirrored-captions",
+        type=float,
+        default=None,
+        help="share of pretraining videos moving opposite to their caption (default: recipe's)",
+    )
+    parser.add_argument(
+        "--size", type=int, default=None, help="frame height = width of every stage (px)"
+    )
+    parser.add_argument(
+        "--no-frame-positions",
+        action="store_true",
+        help="ablation: no frame-position input channel (time only from the relative RoPE)",
+    )
     args = parser.parse_args()
     if args.steps_scale <= 0:
         parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
     torch.set_num_threads(args.threads)
-    config = ToyBuildConfig(seed=args.seed)
+    config = ToyBuildConfig(seed=args.seed, frame_positions=not args.no_frame_positions)
+    if args.mirrored_captions is not None:
+        config.mirrored_captions = args.mirrored_captions
+    if args.size is not None:
+        config.stages = [dataclasses.replace(s, size=args.size) for s in config.stages]
     if args.steps_scale != 1.0:
 
         def scaled(steps: int) -> int:

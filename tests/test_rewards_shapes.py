@@ -22,19 +22,20 @@ from vsa2_rl.rewards import RewardError, get_reward
 from vsa2_rl.rewards.shapes import (
     blob_displacement,
     detect_blobs,
+    follows_direction,
     largest_component,
     motion_score,
     prompt_motion,
 )
 
 
-def _generated(count, seed):
+def _generated(count, seed, size=32):
     """``count`` generator videos whose motions cycle through every motion (static included)
     while their prompts are drawn at random: right, wrong speed, wrong direction, static."""
     generator = torch.Generator().manual_seed(seed)
     specs = random_specs(count, generator)
     moves = [MOTIONS[i % len(MOTIONS)] for i in range(count)]
-    videos = render_batch(specs, list(range(count)), 8, 32, 32, moves)
+    videos = render_batch(specs, list(range(count)), 8, size, size, moves)
     return videos, [s.prompt for s in specs], specs, moves
 
 
@@ -83,6 +84,31 @@ def test_prompt_motion_tracks_the_true_motion_of_generated_videos():
     target = torch.tensor([s.velocity() for s in specs])
     scores = get_reward("prompt_motion")(videos, prompts)
     assert _spearman(scores, motion_score(truth, target)) >= 0.9
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_prompt_direction_is_one_exactly_for_videos_moving_the_prompted_way(size):
+    """At the embedded default's 16 px and at 32 px: every generator video that moves the
+    prompted way (either speed) scores 1, every other direction and every static one 0."""
+    videos, prompts, specs, moves = _generated(72, seed=4, size=size)
+    scores = get_reward("prompt_direction")(videos, prompts)
+    levels = torch.tensor([_level(s, m) for s, m in zip(specs, moves, strict=True)])
+    assert all(int((levels == level).sum()) >= 5 for level in range(4))
+    assert torch.equal(scores, (levels <= 1).float())
+
+
+def test_follows_direction_closed_form():
+    target = torch.tensor([0.25, 0.0])  # "right slowly"
+    cases = {
+        (0.55, 0.0): True,  # faster than asked: still the prompted way
+        (0.2, 0.19): True,  # 43.5 degrees off
+        (0.2, 0.21): False,  # 46.4 degrees off
+        (-0.25, 0.0): False,
+        (0.12, 0.0): False,  # shorter than MOVING_DISTANCE (0.125): barely moving
+        (0.13, 0.0): True,
+    }
+    for move, expected in cases.items():
+        assert bool(follows_direction(torch.tensor(move), target)) is expected, move
 
 
 def test_motion_score_closed_form():
@@ -169,16 +195,20 @@ def test_train_and_eval_prompts_are_disjoint_and_cover_every_attribute():
     assert sorted({s.speed for s in specs}) == sorted(TRAVEL)
 
 
-def test_rendered_displacement_and_caption_noise():
+def test_rendered_displacement_and_mirrored_captions():
     spec = ShapeSpec("red", "square", "right", "fast")
     for move in ((0.0, 0.0), (-0.25, 0.0), (0.0, 0.55)):
         video = render_video(spec, 4, 8, 32, 32, displacement=move)
         measured = blob_displacement(detect_blobs(video))
         assert torch.allclose(measured, torch.tensor(move), atol=0.02)
-    specs, _, moves = pretraining_batch(4000, torch.Generator().manual_seed(0), 0.5)
-    follows = [m is None or m == s.velocity() for s, m in zip(specs, moves, strict=True)]
-    assert sum(follows) / len(follows) == pytest.approx(1 - 0.5 * 8 / 9, abs=0.03)
-    with pytest.raises(ValueError, match="caption_noise"):
+    specs, _, moves = pretraining_batch(4000, torch.Generator().manual_seed(0), 0.3)
+    follows = [m is None for m in moves]
+    assert sum(follows) / len(follows) == pytest.approx(0.7, abs=0.03)
+    # a mirrored video moves along its caption's axis at its speed, the other way
+    for spec, move in zip(specs, moves, strict=True):
+        if move is not None:
+            assert move == tuple(-component for component in spec.velocity())
+    with pytest.raises(ValueError, match="mirrored"):
         pretraining_batch(1, torch.Generator(), 1.5)
 
 

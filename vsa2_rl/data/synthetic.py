@@ -13,10 +13,12 @@ still changes the pixels smoothly.
 
 A video may also move other than its caption says (``displacement=``): that is how motion
 rewards are validated on videos whose true motion is known (static, wrong direction, wrong
-speed), and how the toy model's pretraining data gets its caption noise
-(:func:`pretraining_batch`): like web captions, only part of them describe the motion right, so
-the pretrained model follows motion words only part of the time and RL on a motion reward has a
-known right answer to reach for.
+speed), and how the toy model's pretraining data gets its mirrored captions
+(:func:`pretraining_batch`): part of the videos move opposite to their caption ("right" for a
+shape moving left), so the pretrained model knows the axis a motion word names but picks its
+sign by chance, and RL on a motion reward has a known right answer to reach for. (Captions
+whose motion is drawn at random instead, uniform over :data:`MOTIONS`, were tried first: at half
+of the captions a 4-block model learnt to ignore motion words altogether.)
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def all_specs() -> list[ShapeSpec]:
     ]
 
 
-# Every motion a pretraining video can show: the 4 directions at both speeds, and standing still.
+# Every motion a synthetic video can show: the 4 directions at both speeds, and standing still.
 MOTIONS = [
     *((dx * travel, dy * travel) for dx, dy in DIRECTIONS.values() for travel in TRAVEL.values()),
     (0.0, 0.0),
@@ -182,21 +184,24 @@ def render_batch(
 
 
 def pretraining_batch(
-    count: int, generator: torch.Generator, caption_noise: float
+    count: int, generator: torch.Generator, mirrored: float
 ) -> tuple[list[ShapeSpec], list[int], list[tuple[float, float] | None]]:
     """Captions, seeds and true motions of ``count`` pretraining videos.
 
-    With probability ``caption_noise`` a video's motion is drawn uniformly from :data:`MOTIONS`
-    instead of following its caption (it may match by chance), so a model trained on them follows
-    motion words in about ``1 - caption_noise * 8 / 9`` of its samples.
+    With probability ``mirrored`` a video moves opposite to its caption (same axis and speed,
+    the other sign); the others move as captioned (motion None). A model trained on them moves a
+    shape the prompted way in about ``1 - mirrored`` of its samples and along the prompted axis
+    in all of them.
     """
-    if not 0.0 <= caption_noise <= 1.0:
-        raise ValueError(f"caption_noise must be in [0, 1], got {caption_noise}")
+    if not 0.0 <= mirrored <= 1.0:
+        raise ValueError(f"mirrored must be in [0, 1], got {mirrored}")
     specs = random_specs(count, generator)
     seeds = torch.randint(1 << 30, (count,), generator=generator).tolist()
-    noisy = (torch.rand(count, generator=generator) < caption_noise).tolist()
-    picks = torch.randint(len(MOTIONS), (count,), generator=generator).tolist()
-    moves = [MOTIONS[pick] if flip else None for flip, pick in zip(noisy, picks, strict=True)]
+    flips = (torch.rand(count, generator=generator) < mirrored).tolist()
+    moves = []
+    for spec, flip in zip(specs, flips, strict=True):
+        dx, dy = spec.velocity()
+        moves.append((-dx, -dy) if flip else None)
     return specs, seeds, moves
 
 

@@ -1,11 +1,20 @@
 """Toy video DiT of the embedded default: a tiny WanTransformer3DModel on pixel-space latents.
 
 The model is diffusers' ``WanTransformer3DModel`` at about 0.25 M parameters per block
-(4 blocks, width 128, 4 heads of 32) with ``in_channels = out_channels = 3``: the "latents" are
-the RGB pixels mapped to [-1, 1], so decoding is an affine map and no VAE is needed. Prompts go
-through the built-in word-level text encoder (:mod:`vsa2_rl.models.text`). The bundle's velocity
-is the transformer output plus a fixed linear estimate of the velocity
-(:func:`linear_velocity`, a skip preconditioning), so the transformer learns a residual.
+(4 blocks, width 128, 4 heads of 32) with ``out_channels = 3``: the "latents" are the RGB pixels
+mapped to [-1, 1], so decoding is an affine map and no VAE is needed. Prompts go through the
+built-in word-level text encoder (:mod:`vsa2_rl.models.text`). The bundle's velocity is the
+transformer output plus a fixed linear estimate of the velocity (:func:`linear_velocity`, a skip
+preconditioning), so the transformer learns a residual.
+
+The input has one channel more than the latents: the frame's position in the clip, -1 at the
+first frame to 1 at the last (:func:`with_frame_positions`), concatenated as Wan's image-to-video
+models concatenate their mask channels. Wan's only time signal is its 3D RoPE, which is
+relative: a network that sees noise at high noise levels cannot tell the first frame from the
+last, so its posterior mean is the same in every frame and which way a shape moves is left to the
+sampling noise (measured: the earlier model, trained without this channel, moved "right" shapes
+left as often as right). Real Wan latents carry absolute time anyway (the causal VAE's first
+latent frame encodes one frame, the others four); the toy's pixels do not, so it gets a channel.
 
 It is trained by :func:`build_toy_model` (``scripts/build_toy_model.py``) with rectified-flow
 matching (Liu et al. 2022; the velocity is noise - data and the timestep sigma * 1000, as in
@@ -49,7 +58,7 @@ TOY_TRANSFORMER = {
     "patch_size": [1, 2, 2],
     "num_attention_heads": 4,
     "attention_head_dim": 32,
-    "in_channels": 3,
+    "in_channels": 4,  # RGB + the frame-position channel (with_frame_positions)
     "out_channels": 3,
     "text_dim": 64,
     "freq_dim": 64,
@@ -58,6 +67,13 @@ TOY_TRANSFORMER = {
     "rope_max_seq_len": 64,
 }
 TOY_TEXT = {"dim": 64, "max_length": 8}
+
+
+def toy_transformer_config(frame_positions: bool = True) -> dict:
+    """``TOY_TRANSFORMER``, or its variant without the frame-position input channel."""
+    config = dict(TOY_TRANSFORMER)
+    config["in_channels"] = config["out_channels"] + int(frame_positions)
+    return config
 
 
 def make_toy_transformer(config: dict | None = None) -> nn.Module:
@@ -129,12 +145,29 @@ def linear_velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return c * (latents.float() - (1.0 - s) * DATA_MEAN) - DATA_MEAN
 
 
+def with_frame_positions(latents: torch.Tensor) -> torch.Tensor:
+    """Latents [B, C, T, H, W] with a channel appended holding each frame's position in the
+    clip, from -1 (first frame) to 1 (last): [B, C + 1, T, H, W]."""
+    batch, _, frames, height, width = latents.shape
+    positions = torch.linspace(-1.0, 1.0, frames, device=latents.device, dtype=latents.dtype)
+    channel = positions.view(1, 1, frames, 1, 1).expand(batch, 1, frames, height, width)
+    return torch.cat([latents, channel], dim=1)
+
+
 def toy_velocity(
-    transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, text_emb: torch.Tensor
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    text_emb: torch.Tensor,
+    frame_positions: bool = True,
 ) -> torch.Tensor:
-    """Toy model velocity: transformer residual + :func:`linear_velocity`, float32."""
+    """Toy model velocity: transformer residual + :func:`linear_velocity`, float32.
+
+    ``frame_positions``: the transformer takes :func:`with_frame_positions`' extra channel
+    (models built before it existed do not)."""
     sigma = sigma.reshape(-1).expand(latents.shape[0])
-    residual = wan_velocity(transformer, latents, sigma, text_emb)
+    inputs = with_frame_positions(latents) if frame_positions else latents
+    residual = wan_velocity(transformer, inputs, sigma, text_emb)
     return residual + linear_velocity(latents, sigma)
 
 
@@ -148,6 +181,7 @@ class ToyBundle:
     tokenizer: WordTokenizer
     latent_channels: int = 3
     info: dict = field(default_factory=dict)  # training record from the checkpoint's json
+    frame_positions: bool = True  # the input carries the frame-position channel
 
     @property
     def device(self) -> torch.device:
@@ -178,7 +212,7 @@ class ToyBundle:
         self, latents: torch.Tensor, sigma: torch.Tensor, text_emb: torch.Tensor
     ) -> torch.Tensor:
         """Velocity = transformer output + the fixed linear estimate (see ``linear_velocity``)."""
-        return toy_velocity(self.transformer, latents, sigma, text_emb)
+        return toy_velocity(self.transformer, latents, sigma, text_emb, self.frame_positions)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return latents_to_pixels(latents)
@@ -201,7 +235,9 @@ def save_toy_checkpoint(
     tensors.update({f"text_encoder.{k}": v for k, v in text_encoder.state_dict().items()})
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
     save_file(tensors, str(path / WEIGHTS_FILE))
-    config = {"transformer": TOY_TRANSFORMER, "text_encoder": TOY_TEXT, "training": info}
+    architecture = {key: transformer.config[key] for key in TOY_TRANSFORMER}
+    architecture["patch_size"] = list(architecture["patch_size"])
+    config = {"transformer": architecture, "text_encoder": TOY_TEXT, "training": info}
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -248,12 +284,15 @@ def load_toy_bundle(
     tokenizer, text_encoder = make_toy_text_encoder(config["text_encoder"])
     text_encoder.load_state_dict(_split(tensors, "text_encoder."))
     text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+    architecture = config["transformer"]
     return ToyBundle(
         transformer=transformer.to(device=device, dtype=dtype),
         sparsity_state=state,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
+        latent_channels=architecture["out_channels"],
         info=config.get("training", {}),
+        frame_positions=architecture["in_channels"] > architecture["out_channels"],
     )
 
 
@@ -282,12 +321,12 @@ class ToyBuildConfig:
     seed: int = 0
     stages: list[ToyStage] = field(
         default_factory=lambda: [
-            ToyStage(32, 8, steps=5000, batch_size=64, vsa2=False),
+            ToyStage(16, 8, steps=5000, batch_size=64, vsa2=False),
             # Sparse rebasing: the ramp to the target sparsity, then the RL rollout range;
             # a gentler learning rate so the fresh optimizer does not undo stage 0.
-            ToyStage(32, 8, 600, 64, vsa2=True, sparsity_range=(0.5, 0.9), lr_scale=0.3),
+            ToyStage(16, 8, 600, 64, vsa2=True, sparsity_range=(0.5, 0.9), lr_scale=0.3),
             # Every sparsity that RL and evaluation use, from dense (0) to the rollouts' 0.9.
-            ToyStage(32, 8, 400, 64, vsa2=True, sparsity_range=(0.0, 0.9), lr_scale=0.1),
+            ToyStage(16, 8, 400, 64, vsa2=True, sparsity_range=(0.0, 0.9), lr_scale=0.1),
         ]
     )
     lr: float = 1e-3
@@ -295,11 +334,13 @@ class ToyBuildConfig:
     # middle noise levels, where a sample's layout is decided).
     sigma_sampling: str = "logit_normal"
     adaln_zero: bool = True  # start from DiT's adaLN-Zero init (see adaln_zero_init)
+    # the input's frame-position channel (module docstring); False = RoPE's relative time only
+    frame_positions: bool = True
     warmup_lr_steps: int = 100
     ema_decay: float = 0.999  # each stage ends on the EMA of its weights (DiT's sampling weights)
-    # Share of pretraining videos whose motion ignores the caption (synthetic.pretraining_batch):
-    # the base model follows motion words only part of the time, which RL is to fix.
-    caption_noise: float = 0.5
+    # Share of pretraining videos moving opposite to their caption (synthetic.pretraining_batch):
+    # the base model knows a motion word's axis but picks its sign by chance, which RL is to fix.
+    mirrored_captions: float = 0.5
     target_sparsity: float = 0.9
     rebase_steps: int = 300  # density 1 -> 1 - target_sparsity at the first VSA2 stage's start
     vsa2: VSA2Config = field(default_factory=lambda: VSA2Config(backend="torch"))
@@ -316,11 +357,12 @@ def flow_matching_loss(
     text_emb: torch.Tensor,
     sigma: torch.Tensor,
     noise: torch.Tensor,
+    frame_positions: bool,
 ) -> torch.Tensor:
     """MSE between predicted and true velocity (noise - data) at noise levels ``sigma`` [B]."""
     s = sigma.view(-1, 1, 1, 1, 1)
     noisy = (1.0 - s) * latents + s * noise
-    pred = toy_velocity(transformer, noisy, sigma, text_emb)
+    pred = toy_velocity(transformer, noisy, sigma, text_emb, frame_positions)
     return (pred - (noise - latents)).pow(2).mean()
 
 
@@ -328,7 +370,7 @@ def _training_videos(
     config: ToyBuildConfig, stage: ToyStage, count: int, generator: torch.Generator, device
 ) -> tuple[list[str], torch.Tensor]:
     """Captions and latents [B, C, T, H, W] of pretraining videos (with caption noise)."""
-    specs, seeds, moves = pretraining_batch(count, generator, config.caption_noise)
+    specs, seeds, moves = pretraining_batch(count, generator, config.mirrored_captions)
     videos = render_batch(specs, seeds, stage.num_frames, stage.size, stage.size, moves, device)
     return [s.prompt for s in specs], pixels_to_latents(videos)
 
@@ -357,13 +399,14 @@ def validation_losses(
     prompts, latents, noise, sigma = _validation_set(config, stage, device)
     ids, mask = tokenizer(prompts)
     text_emb = text_encoder(ids.to(device), mask.to(device))
+    inputs = (latents, text_emb, sigma, noise, config.frame_positions)
     if state is None:
-        return {"dense": flow_matching_loss(transformer, latents, text_emb, sigma, noise).item()}
+        return {"dense": flow_matching_loss(transformer, *inputs).item()}
     losses = {}
     saved = state.sparsity
     for sparsity in config.eval_sparsities:
         state.sparsity = sparsity
-        loss = flow_matching_loss(transformer, latents, text_emb, sigma, noise).item()
+        loss = flow_matching_loss(transformer, *inputs).item()
         losses[f"vsa2@{sparsity}"] = loss
         losses[f"density@{sparsity}"] = state.pop_density()
     state.sparsity = saved
@@ -371,54 +414,99 @@ def validation_losses(
 
 
 @torch.no_grad()
+def draw_samples(
+    bundle: ToyBundle,
+    prompts: list[str],
+    *,
+    seeds_per_prompt: int,
+    num_steps: int,
+    num_frames: int,
+    size: int,
+    kind: str = "ode",
+    noise_level: float = 0.0,
+    sde_window: tuple[int, int] | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Videos [len(prompts) * seeds_per_prompt, T, 3, H, W] of each prompt repeated
+    ``seeds_per_prompt`` times (prompt-major), at the bundle's current sparsity: the ODE by
+    default, or the SDE steps of the RL rollouts (``kind``, ``noise_level``, ``sde_window``).
+    Video i starts from ``seeded_noise`` of ``seed * len(videos) + i``; the SDE noise is drawn
+    from ``seed``."""
+    from vsa2_rl.sampling import sample, seeded_noise, sigma_schedule
+
+    repeated = [p for p in prompts for _ in range(seeds_per_prompt)]
+    first = seed * len(repeated)
+    seeds = list(range(first, first + len(repeated)))
+    noise = seeded_noise(bundle.latent_shape(num_frames, size, size), seeds)
+    text_emb = bundle.encode_prompts(repeated)
+    sigmas = sigma_schedule(num_steps)
+    generator = torch.Generator(bundle.device).manual_seed(seed)
+    videos = []
+    for start in range(0, len(repeated), 64):
+        emb = text_emb[start : start + 64]
+        trajectory = sample(
+            lambda x, sigma, emb=emb: bundle.velocity(x.to(bundle.dtype), sigma, emb),
+            noise[start : start + 64].to(bundle.device),
+            sigmas,
+            kind=kind,
+            noise_level=noise_level,
+            sde_window=sde_window,
+            generator=generator,
+        )
+        videos.append(bundle.decode(trajectory.latents[-1]).float().cpu())
+    return torch.cat(videos)
+
+
+def score_samples(videos: torch.Tensor, prompts: list[str], seeds_per_prompt: int) -> dict:
+    """The toy task's detector figures (:mod:`vsa2_rl.rewards.shapes`) of :func:`draw_samples`'
+    videos of ``prompts``.
+
+    ``shape_fidelity``: share of frames with one blob of the prompted colour and about the
+    prompted shape's area; ``prompt_motion``: mean motion score; ``motion_match``: share of
+    videos whose motion scores >= 0.9 (right direction, about the right speed);
+    ``direction_match``: share of videos whose shape moves the prompted way
+    (``prompt_direction``); ``direction_mixed``: share of prompts whose videos include both one
+    moving the prompted way and one that does not (a group GRPO can learn from);
+    ``group_std``: standard deviation of the motion score among a prompt's videos, averaged over
+    prompts (the spread GRPO's group advantages feed on).
+    """
+    from vsa2_rl.rewards import get_reward
+
+    repeated = [p for p in prompts for _ in range(seeds_per_prompt)]
+    fidelity = get_reward("shape_fidelity")(videos, repeated)
+    motion = get_reward("prompt_motion")(videos, repeated)
+    direction = get_reward("prompt_direction")(videos, repeated).view(len(prompts), -1)
+    mixed = (direction.amax(dim=1) > 0.5) & (direction.amin(dim=1) < 0.5)
+    return {
+        "shape_fidelity": fidelity.mean().item(),
+        "prompt_motion": motion.mean().item(),
+        "motion_match": (motion >= 0.9).float().mean().item(),
+        "direction_match": direction.mean().item(),
+        "direction_mixed": mixed.float().mean().item(),
+        "group_std": motion.view(len(prompts), -1).std(dim=1).mean().item(),
+    }
+
+
 def sample_report(
     bundle: ToyBundle,
     prompts: list[str],
     *,
     seeds_per_prompt: int,
     num_steps: int,
-    num_frames: int = 8,
-    size: int = 32,
+    num_frames: int,
+    size: int,
 ) -> dict[str, float]:
-    """What the model draws: deterministic ODE samples of ``prompts`` x ``seeds_per_prompt``
-    scored by the toy task's detector (:mod:`vsa2_rl.rewards.shapes`), at the bundle's current
-    sparsity.
-
-    ``shape_fidelity``: share of frames with one blob of the prompted colour and about the
-    prompted shape's area; ``prompt_motion``: mean motion score; ``motion_match``: share of
-    videos whose motion scores >= 0.9 (right direction, about the right speed);
-    ``group_std``: standard deviation of the motion score among a prompt's seeds, averaged over
-    prompts (the spread GRPO's group advantages feed on).
-    """
-    from vsa2_rl.rewards import get_reward
-    from vsa2_rl.sampling import sample, seeded_noise, sigma_schedule
-
-    repeated = [p for p in prompts for _ in range(seeds_per_prompt)]
-    noise = seeded_noise(bundle.latent_shape(num_frames, size, size), list(range(len(repeated))))
-    text_emb = bundle.encode_prompts(repeated)
-    sigmas = sigma_schedule(num_steps)
-
-    videos = []
-    for start in range(0, len(repeated), 64):
-        part = noise[start : start + 64].to(bundle.device)
-        emb = text_emb[start : start + 64]
-        trajectory = sample(
-            lambda x, sigma, emb=emb: bundle.velocity(x.to(bundle.dtype), sigma, emb),
-            part,
-            sigmas,
-            kind="ode",
-            noise_level=0.0,
-        )
-        videos.append(bundle.decode(trajectory.latents[-1]).float().cpu())
-    videos = torch.cat(videos)
-    fidelity = get_reward("shape_fidelity")(videos, repeated)
-    motion = get_reward("prompt_motion")(videos, repeated)
-    return {
-        "shape_fidelity": fidelity.mean().item(),
-        "prompt_motion": motion.mean().item(),
-        "motion_match": (motion >= 0.9).float().mean().item(),
-        "group_std": motion.view(len(prompts), seeds_per_prompt).std(dim=1).mean().item(),
-    }
+    """:func:`score_samples` of deterministic ODE samples of ``prompts`` x ``seeds_per_prompt``
+    at the bundle's current sparsity."""
+    videos = draw_samples(
+        bundle,
+        prompts,
+        seeds_per_prompt=seeds_per_prompt,
+        num_steps=num_steps,
+        num_frames=num_frames,
+        size=size,
+    )
+    return score_samples(videos, prompts, seeds_per_prompt)
 
 
 def _stage_report(
@@ -427,11 +515,18 @@ def _stage_report(
     tokenizer: WordTokenizer,
     state: SparsityState | None,
     config: ToyBuildConfig,
+    stage: ToyStage,
 ) -> dict[str, dict[str, float]]:
     """:func:`sample_report` on the held-out eval prompts, dense and at each eval sparsity."""
     from vsa2_rl.data.prompts import toy_prompts
 
-    bundle = ToyBundle(transformer, state or SparsityState(), text_encoder, tokenizer)
+    bundle = ToyBundle(
+        transformer,
+        state or SparsityState(),
+        text_encoder,
+        tokenizer,
+        frame_positions=config.frame_positions,
+    )
     settings = [None] if state is None else list(config.eval_sparsities)
     report = {}
     for sparsity in settings:
@@ -443,6 +538,8 @@ def _stage_report(
             toy_prompts("eval"),
             seeds_per_prompt=config.report_seeds,
             num_steps=config.report_steps,
+            num_frames=stage.num_frames,
+            size=stage.size,
         )
         if state is not None:
             state.pop_density()
@@ -517,7 +614,9 @@ def _train_stage(
         text_emb = text_encoder(ids.to(device), mask.to(device))
         # bf16 autocast on CUDA (float32 weights and optimizer); plain float32 on the CPU
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-            loss = flow_matching_loss(transformer, latents, text_emb, sigma, noise)
+            loss = flow_matching_loss(
+                transformer, latents, text_emb, sigma, noise, config.frame_positions
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -581,7 +680,7 @@ def build_toy_model(
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(config.seed)
-    transformer = make_toy_transformer()
+    transformer = make_toy_transformer(toy_transformer_config(config.frame_positions))
     if config.adaln_zero:
         adaln_zero_init(transformer)
     tokenizer, text_encoder = make_toy_text_encoder()
@@ -609,7 +708,7 @@ def build_toy_model(
         _train_stage(index, stage, modules, state, schedule, config, generator, log)
         transformer.eval()
         losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
-        report = _stage_report(transformer, text_encoder, tokenizer, state, config)
+        report = _stage_report(transformer, text_encoder, tokenizer, state, config, stage)
         transformer.train()
         log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses}")
         log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)}")
@@ -618,12 +717,12 @@ def build_toy_model(
         save_toy_checkpoint(out_dir, transformer, text_encoder, info)  # kept if a later stage dies
     # The dense reference at the final resolution: the same weights without the VSA2 layers.
     final = config.stages[-1]
-    dense = make_toy_transformer().to(device).eval()
+    dense = make_toy_transformer(toy_transformer_config(config.frame_positions)).to(device).eval()
     dense.load_state_dict({k: v for k, v in transformer.state_dict().items() if ".vsa2." not in k})
     info["final_dense_without_vsa2"] = validation_losses(
         dense, text_encoder, tokenizer, None, config, final
     )["dense"]
-    info["final_dense_samples"] = _stage_report(dense, text_encoder, tokenizer, None, config)
+    info["final_dense_samples"] = _stage_report(dense, text_encoder, tokenizer, None, config, final)
     info["build_seconds"] = round(time.time() - start, 1)
     info["build_device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     log(f"dense attention (VSA2 layers removed): {info['final_dense_without_vsa2']:.4f}")
