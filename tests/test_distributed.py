@@ -60,11 +60,11 @@ def _rows(out_dir):
         return [json.loads(line) for line in handle]
 
 
-def _assert_same_weights(out_dir, reference_dir, rel=1e-4):
+def _assert_same_weights(out_dir, reference_dir, rel=1e-4, entry="model"):
     """Every tensor of the two runs' step-2 checkpoints agrees to ``rel`` (relative RMS)."""
     from safetensors.torch import load_file
 
-    path = os.path.join("checkpoints", "step_2", "model.safetensors")
+    path = os.path.join("checkpoints", "step_2", f"{entry}.safetensors")
     weights = load_file(os.path.join(out_dir, path))
     reference = load_file(os.path.join(reference_dir, path))
     assert weights.keys() == reference.keys()
@@ -82,6 +82,21 @@ def test_two_processes_match_one_process(tmp_path):
         for key in ("reward/mean", "reward/std", "loss/policy", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (a["step"], key)
         assert b["train/ratio_dev_first"] < 1e-3
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "sequence_parallel"])
+def test_nft_on_two_processes_matches_one_process(tmp_path, parallel):
+    # DiffusionNFT: the forward noising is drawn per sample, so ranks that split a group (DDP)
+    # or share its videos (sequence parallelism) train as one process does
+    nft = ["grpo.algorithm=nft", "sampler.kind=ode", "nft.eta_rate=0.3"]
+    sp = ["parallel.sequence_parallel_size=2"] if parallel == "sequence_parallel" else []
+    two = _run([*TORCHRUN, "train_rl.py"], tmp_path / "two", *nft, *sp)
+    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", *nft)
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward/mean", "loss/policy", "train/grad_norm", "train/old_deviation"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (a["step"], key)
+    for entry in ("model", "old_policy"):
+        _assert_same_weights(tmp_path / "two", tmp_path / "one", entry=entry)
 
 
 def constant_on_rank0(videos, prompts, metadata):

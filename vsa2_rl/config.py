@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import random
 import re
@@ -41,6 +42,10 @@ def _check(condition: bool, key: str, message: str) -> None:
 
 def _check_choice(value: str, key: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, key, f"got {value!r}, expected one of {', '.join(choices)}")
+
+
+def _check_finite(value: float, key: str) -> None:
+    _check(math.isfinite(value), key, f"must be a finite number, got {value}")
 
 
 @dataclass
@@ -225,7 +230,10 @@ class SamplerConfig:
     """Flow-matching sampler for rollouts (SDE) and evaluation (deterministic ODE)."""
 
     kind: str = _doc(
-        "Rollout sampler: 'sde' (Flow-GRPO) or 'cps' (coefficient-preserving).", default="sde"
+        "Rollout sampler: 'sde' (Flow-GRPO), 'cps' (coefficient-preserving) or 'ode' "
+        "(deterministic Euler, no log-probs: grpo.algorithm=nft only, the DiffusionNFT paper's "
+        "setting).",
+        default="sde",
     )
     num_steps: int = _doc("Denoising steps per rollout.", default=10)
     eval_num_steps: int = _doc("ODE steps for evaluation and sample videos.", default=10)
@@ -266,7 +274,7 @@ class SamplerConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_choice(self.kind, "sampler.kind", ("sde", "cps"))
+        _check_choice(self.kind, "sampler.kind", ("sde", "cps", "ode"))
         _check(self.num_steps >= 1, "sampler.num_steps", f"must be >= 1, got {self.num_steps}")
         _check(
             self.eval_num_steps >= 1,
@@ -283,10 +291,10 @@ class SamplerConfig:
             f"must be >= 1 (1 disables guidance), got {self.guidance_scale}",
         )
         _check(
-            not (self.same_noise_per_group and self.noise_level == 0),
+            not (self.same_noise_per_group and (self.noise_level == 0 or self.kind == "ode")),
             "sampler.same_noise_per_group",
-            "with sampler.noise_level 0 every sample of a group would be the same video; "
-            "raise sampler.noise_level or set same_noise_per_group false",
+            "with sampler.noise_level 0 or sampler.kind ode every sample of a group would be the "
+            "same video; use SDE noise or set same_noise_per_group false",
         )
         if self.sde_window is not None:
             _check(
@@ -333,10 +341,23 @@ class SamplerConfig:
         return start, start + self.sde_window_size
 
 
+ALGORITHMS = ("flow_grpo", "nft")
+
+
 @dataclass
 class GRPOConfig:
-    """Group-relative policy optimisation on SDE rollouts (Flow-GRPO)."""
+    """Group-relative RL: prompt groups, advantages and the update rule (grpo.algorithm)."""
 
+    algorithm: str = _doc(
+        "Update rule. 'flow_grpo': PPO-clip on the log-probs of SDE transitions (Flow-GRPO, Liu "
+        "et al. 2025). 'nft': DiffusionNFT (Zheng et al. 2025), a flow-matching loss on "
+        "forward-noised rollouts contrasting implicit positive and negative policies, rollouts "
+        "from any solver (sampler.kind ode included) by the old policy, settings in nft.*. "
+        "Shared: group_size, prompts_per_step, scale_rewards, adv_clip, kl_beta (with nft an "
+        "MSE of velocities to the reference), num_inner_epochs, train_batch_size; loss_type, "
+        "clip_range*, kl_mode=reward and timestep_fraction are Flow-GRPO's only.",
+        default="flow_grpo",
+    )
     group_size: int = _doc(
         "K: samples per prompt; advantages are relative within a group.", default=4
     )
@@ -387,6 +408,7 @@ class GRPOConfig:
         return low, high
 
     def __post_init__(self) -> None:
+        _check_choice(self.algorithm, "grpo.algorithm", ALGORITHMS)
         _check(
             self.group_size >= 2,
             "grpo.group_size",
@@ -434,6 +456,87 @@ class GRPOConfig:
             "grpo.train_batch_size",
             f"must be >= 1, got {self.train_batch_size}",
         )
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT (grpo.algorithm=nft; Zheng et al. 2025, arXiv 2509.16117): defaults are the
+    paper's (its Algorithm 1 and the authors' SD3.5 scripts, NVlabs/DiffusionNFT)."""
+
+    beta: float = _doc(
+        "beta of the implicit policies v+ = (1 - beta) v_old + beta v_theta and v- = (1 + beta) "
+        "v_old - beta v_theta (the loss is divided by beta so its gradient scale does not "
+        "depend on it); the paper's 1, 0.1 in its OCR and multi-reward runs.",
+        default=1.0,
+    )
+    advantage_scale: float = _doc(
+        "Z of the optimality probability r = 0.5 + 0.5 * clip(A / Z, -1, 1) of a sample with "
+        "group advantage A; the paper's 5 (its adv_clip_max).",
+        default=5.0,
+    )
+    eta_rate: float = _doc(
+        "Old-policy soft update after RL step i: theta_old <- eta_i theta_old + (1 - eta_i) "
+        "theta with eta_i = min(eta_rate * (i - eta_delay_steps), eta_max), 0 before the delay; "
+        "the paper's 0.001 (0.0075 in its OCR run).",
+        default=0.001,
+    )
+    eta_max: float = _doc(
+        "Largest eta (see nft.eta_rate); the paper's 0.5 (0.999 in its OCR run).", default=0.5
+    )
+    eta_delay_steps: int = _doc(
+        "RL steps with eta 0 (the old policy follows the current one) before eta grows; the "
+        "paper's 0 (75 in its OCR run).",
+        default=0,
+    )
+    timestep_sampling: str = _doc(
+        "Noise levels sigma of the training samples x_sigma = (1 - sigma) x0 + sigma eps: "
+        "'schedule' = distinct sigmas of the rollout schedule (sampler.num_steps, "
+        "sampler.shift) per sample, as the authors' scripts; 'uniform' = sigma ~ U(0, 1).",
+        default="schedule",
+    )
+    timestep_fraction: float = _doc(
+        "Noise levels trained per sample and inner epoch: max(1, floor(fraction * "
+        "sampler.num_steps)), each with fresh noise; the authors' 0.99 (9 of 10 steps).",
+        default=0.99,
+    )
+    adaptive_weighting: bool = _doc(
+        "Self-normalised x0 regression (the paper's adaptive loss weighting): each sample's "
+        "|x0_hat - x0|^2 divided by its detached mean |x0_hat - x0|; false = the plain "
+        "velocity MSE.",
+        default=True,
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("beta", "advantage_scale", "eta_rate", "eta_max", "timestep_fraction"):
+            _check_finite(getattr(self, key), f"nft.{key}")
+        _check(self.beta > 0, "nft.beta", f"must be > 0, got {self.beta}")
+        _check(
+            self.advantage_scale > 0,
+            "nft.advantage_scale",
+            f"must be > 0, got {self.advantage_scale}",
+        )
+        _check(self.eta_rate >= 0, "nft.eta_rate", f"must be >= 0, got {self.eta_rate}")
+        _check(0 <= self.eta_max < 1, "nft.eta_max", f"must be in [0, 1), got {self.eta_max}")
+        _check(
+            self.eta_delay_steps >= 0,
+            "nft.eta_delay_steps",
+            f"must be >= 0, got {self.eta_delay_steps}",
+        )
+        _check_choice(self.timestep_sampling, "nft.timestep_sampling", ("schedule", "uniform"))
+        _check(
+            0 < self.timestep_fraction <= 1,
+            "nft.timestep_fraction",
+            f"must be in (0, 1], got {self.timestep_fraction}",
+        )
+
+    def eta(self, step: int) -> float:
+        """The old policy's soft-update weight after RL step ``step`` (1-based)."""
+        if step < self.eta_delay_steps:
+            return 0.0
+        return min(self.eta_rate * (step - self.eta_delay_steps), self.eta_max)
+
+    def timesteps_per_sample(self, num_steps: int) -> int:
+        return max(1, math.floor(self.timestep_fraction * num_steps))
 
 
 @dataclass
@@ -672,6 +775,7 @@ class RunConfig:
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -726,6 +830,42 @@ class RunConfig:
             "sampler.negative_prompt",
             "is only used by classifier-free guidance, and sampler.guidance_scale and "
             "eval.guidance_scale are both 1; raise one of them or leave it empty",
+        )
+
+        self._check_algorithm()
+
+    def _check_algorithm(self) -> None:
+        """Settings that only one update rule can honour (vsa2_rl.rl.nft says why)."""
+        if self.grpo.algorithm == "flow_grpo":
+            _check(
+                self.sampler.kind != "ode",
+                "sampler.kind",
+                "'ode' rollouts have no log-probs for Flow-GRPO to train on; use sde or cps, "
+                "or grpo.algorithm=nft",
+            )
+            changed = [
+                f.name
+                for f in dataclasses.fields(NFTConfig)
+                if getattr(self.nft, f.name) != getattr(NFTConfig(), f.name)
+            ]
+            _check(
+                not changed,
+                f"nft.{changed[0] if changed else ''}",
+                "is only read by grpo.algorithm=nft (this run is flow_grpo); set "
+                "grpo.algorithm=nft or leave nft.* at its defaults",
+            )
+            return
+        _check(
+            self.grpo.kl_mode == "loss",
+            "grpo.kl_mode",
+            "'reward' needs the log-probs of SDE transitions, which nft does not use; with "
+            "grpo.algorithm=nft the KL is a loss term (grpo.kl_mode=loss)",
+        )
+        _check(
+            self.sampler.guidance_scale == 1.0,
+            "sampler.guidance_scale",
+            "nft trains the conditional velocity alone (CFG-free, as the DiffusionNFT paper), "
+            "so its rollouts must come from that policy: set 1 (eval.guidance_scale may differ)",
         )
 
     @property
@@ -885,15 +1025,20 @@ def config_tree(config: RunConfig) -> dict[str, Any]:
 
 def check_resume(saved: dict[str, Any], config: RunConfig, source: str) -> None:
     """Refuses to resume ``source`` (a checkpoint, trained with the config tree ``saved``) under
-    a config that changes anything outside ``RESUMABLE_KEYS`` / ``RESUMABLE_SECTIONS``."""
+    a config that changes anything outside ``RESUMABLE_KEYS`` / ``RESUMABLE_SECTIONS``. A key
+    the checkpoint does not record (added to the schema after it was written) counts as
+    unchanged while it holds its schema default, the behaviour the run had before the key
+    existed."""
     was, now = _flatten(saved), _flatten(config_tree(config))
     absent = "<absent>"
+    defaults = _flatten(config_tree(RunConfig()))
     changed = [
         key
         for key in sorted(set(was) | set(now))
         if key not in RESUMABLE_KEYS
         and not key.startswith(RESUMABLE_SECTIONS)
         and was.get(key, absent) != now.get(key, absent)
+        and not (key not in was and now.get(key) == defaults.get(key, absent))
     ]
     if changed:
         key = changed[0]

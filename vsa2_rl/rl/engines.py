@@ -91,6 +91,12 @@ def check_options(acc, config: RunConfig) -> None:
         return
     engine = "FSDP2" if uses_fsdp2(acc) else "ZeRO-3"
     whole = "configs/accelerate/ddp_2gpu.yaml or zero2.yaml"
+    if config.grpo.algorithm == "nft":
+        raise ConfigError(
+            f"grpo.algorithm: nft keeps whole old-policy weights (LoRA tensors or a frozen "
+            f"model copy) beside the trained ones on every rank, which {engine}-sharded "
+            f"parameters do not give; use {whole}"
+        )
     if config.train.ema_decay > 0:
         raise ConfigError(
             f"train.ema_decay: an EMA of {engine}-sharded parameters is not supported; set "

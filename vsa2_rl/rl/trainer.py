@@ -1,4 +1,4 @@
-"""The Flow-GRPO training loop with VSA2 sparse rollouts (``vsa2-rl train`` / ``train_rl.py``).
+"""The RL training loop with VSA2 sparse rollouts (``vsa2-rl train`` / ``train_rl.py``).
 
 One iteration reads top to bottom in :func:`train` (cleanrl style), each phase a method of the
 run's state (``_Run``: set-up and resume, rollout, score, update, evaluation, samples and
@@ -18,6 +18,11 @@ checkpoints):
    the same whatever the chunking; one optimizer step per inner epoch, skipped (weights
    untouched) if the loss or the gradient is not finite.
 5. bookkeeping: metrics.jsonl, trackers, sample videos, atomic checkpoints.
+
+That is Flow-GRPO (``grpo.algorithm=flow_grpo``). With ``grpo.algorithm=nft`` (DiffusionNFT,
+vsa2_rl.rl.nft) the old policy samples the rollouts (any ``sampler.kind``, ``ode`` included),
+scoring is the same, and the update is :class:`vsa2_rl.rl.nft.NFTUpdate`'s flow-matching loss on
+forward-noised rollouts, followed by the old policy's soft update.
 
 Distributed runs use accelerate (DDP, DeepSpeed ZeRO or FSDP2 from ``configs/accelerate/``); every
 random draw is a pure function of (seed, step, global sample index), so a resumed run repeats an
@@ -48,6 +53,7 @@ from vsa2_rl.rl.grpo import (
     gaussian_kl,
     grpo_loss,
 )
+from vsa2_rl.rl.nft import NFTUpdate
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.runtime import (
     build_bundle,
@@ -70,6 +76,7 @@ class Rollout:
     log_probs: torch.Tensor  # [N, b] float32
     advantages: torch.Tensor | None = None  # [b]
     kl_penalty: torch.Tensor | None = None  # [b], grpo.kl_mode=reward: sum_j log p - log p_ref
+    valid: torch.Tensor | None = None  # bool [b]: False where rewards.on_error dropped the sample
 
 
 # grpo_loss's statistics as logged (per-sample means over an update); ratio_max_dev is logged
@@ -466,6 +473,12 @@ class _Run:
             else None
         )
         self.logger: MetricsLogger | None = None
+        self.nft = NFTUpdate(self) if config.grpo.algorithm == "nft" else None
+
+    def sampling_policy(self):
+        """The policy the rollouts come from: DiffusionNFT's old policy, or (Flow-GRPO) the
+        current one."""
+        return self.nft.old.active() if self.nft is not None else contextlib.nullcontext()
 
     def velocity_fn(self, text_emb: torch.Tensor):
         samp = self.config.sampler
@@ -505,6 +518,8 @@ class _Run:
             self.schedule.load_state_dict(restored["schedule"])  # a longer run keeps its curriculum
             if self.ema is not None:
                 self.ema.load_state_dict(restored["ema"])
+            if self.nft is not None:
+                self.nft.old.load_state_dict(restored["old_policy"])
             start_step = int(restored["step"])
         if self.is_main:
             os.makedirs(config.out_dir, exist_ok=True)
@@ -654,6 +669,7 @@ class _Run:
         parts = _chunks(len(rollouts.prompts), grpo.train_batch_size)
         for chunk, part in zip(rollouts.chunks, parts, strict=True):
             chunk.advantages = advantages[part]
+            chunk.valid = scored.valid[part].to(device)
         return True
 
     # ---- policy update ---------------------------------------------------------------------
@@ -661,7 +677,10 @@ class _Run:
     def update(self, step: int, rollouts: StepRollouts, sparsity: float, metrics: dict) -> None:
         """``grpo.num_inner_epochs`` optimizer steps over a random ``grpo.timestep_fraction``
         of the stochastic steps; a non-finite loss or gradient skips the step (weights
-        untouched)."""
+        untouched). DiffusionNFT's update is :meth:`NFTUpdate.update`."""
+        if self.nft is not None:
+            self.nft.update(step, rollouts, sparsity, metrics)
+            return
         config, grpo, acc = self.config, self.config.grpo, self.acc
         t0 = time.perf_counter()
         state = self.bundle.sparsity_state
@@ -755,6 +774,13 @@ class _Run:
         return penalty
 
     def _log_update(self, metrics, rollouts, sums, count, first_ratio_dev, grad_norms, skipped):
+        ratio_dev = first_ratio_dev[0] if first_ratio_dev else None
+        metrics.update(_update_metrics(self.acc, self.device, sums, count, ratio_dev))
+        self.log_optimizer_steps(metrics, rollouts, grad_norms, skipped)
+
+    def log_optimizer_steps(self, metrics, rollouts, grad_norms, skipped) -> None:
+        """The update's peak memory, throughput, last gradient norm, learning rate and skipped
+        optimizer steps (either algorithm)."""
         acc, device = self.acc, self.device
         if device.type == "cuda":  # the largest per-GPU peak of the iteration over the ranks
             peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
@@ -762,8 +788,6 @@ class _Run:
             torch.cuda.reset_peak_memory_stats(device)
         seconds = metrics["perf/rollout_s"] + metrics["perf/train_s"]
         metrics["perf/videos_per_s"] = len(rollouts.prompts) * self.setup.dp_world / seconds
-        ratio_dev = first_ratio_dev[0] if first_ratio_dev else None
-        metrics.update(_update_metrics(acc, device, sums, count, ratio_dev))
         metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
         metrics["train/lr"] = self.lr_schedule.get_last_lr()[0]
         metrics["train/skipped_nonfinite"] = skipped
@@ -807,6 +831,7 @@ class _Run:
             "model": weights,
             "lr_schedule": self.lr_schedule.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else {},
+            **({"old_policy": self.nft.old.state_dict()} if self.nft is not None else {}),
             "schedule": self.schedule.state_dict(),
             "config": config_tree(config),
             "step": step,
@@ -862,7 +887,7 @@ class _Run:
 
 
 def train(config: RunConfig) -> dict:
-    """Runs GRPO fine-tuning; returns a summary (start/end rewards, out_dir)."""
+    """Runs RL fine-tuning (``grpo.algorithm``); returns a summary (start/end rewards, out_dir)."""
     run = _Run(config)  # every check and all loading happen before anything is written
     start_step = run.resume()
     if start_step == 0 and run.evaluation_due(0):
@@ -877,7 +902,8 @@ def train(config: RunConfig) -> dict:
             "sparsity/train": sparsities.train,
             "sparsity/eval": sparsities.eval,
         }
-        rollouts = run.rollout(step, sparsities.rollout, metrics)
+        with run.sampling_policy():
+            rollouts = run.rollout(step, sparsities.rollout, metrics)
         if not run.score(step, rollouts, metrics):  # a reward asked to skip the step
             run.logger.log(step, {**metrics, "train/skipped_reward": 1})
             run.checkpoint_if_due(step)  # the weights are unchanged, the step still counts

@@ -1,0 +1,348 @@
+"""DiffusionNFT: online RL on the forward process (``grpo.algorithm=nft``).
+
+Follows Zheng et al., 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"
+(arXiv 2509.16117), its Algorithm 1 and the authors' SD3.5 scripts (NVlabs/DiffusionNFT), in this
+repository's convention ``x_sigma = (1 - sigma) x0 + sigma eps``, velocity ``v = eps - x0``:
+
+- the old policy ``v_old`` samples the rollouts, with any solver (``sampler.kind=ode`` included:
+  no log-probs are needed) and without guidance;
+- a reward becomes an optimality probability ``r = 0.5 + 0.5 clip(A / Z, -1, 1)`` of the sample's
+  group advantage A (:func:`optimality_probability`);
+- the clean rollouts x0 are noised again on the forward process, and the policy regresses the
+  flow-matching target ``eps - x0`` through two implicit policies, ``v+ = (1 - beta) v_old +
+  beta v_theta`` weighted by r and ``v- = (1 + beta) v_old - beta v_theta`` weighted by 1 - r
+  (:func:`implicit_policies`, :func:`nft_loss`): raising r pulls v_theta towards the sample,
+  lowering it pushes v_theta away, both measured from v_old;
+- the paper's adaptive weighting is a self-normalised x0 regression: ``|x0_hat - x0|^2`` divided
+  by its detached mean ``|x0_hat - x0|`` per sample;
+- after every RL step the old policy follows the trained one by a soft update
+  ``theta_old <- eta theta_old + (1 - eta) theta`` with a growing eta (``NFTConfig.eta``).
+
+:class:`OldPolicy` holds theta_old (LoRA runs: float32 copies of the trained tensors, swapped in
+while it runs; full fine-tuning: a frozen copy of the model) and :class:`NFTUpdate` is the
+trainer's update step for this rule; rollout, rewards, advantages, guards, the sparsity
+schedule, engines and checkpoints are the trainer's own (vsa2_rl.rl.trainer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from vsa2_rl.rl import engines
+
+# the authors' floor of the adaptive weight (a sample whose x0 is already exact)
+MIN_WEIGHT = 1e-5
+
+
+def optimality_probability(advantages: Tensor, scale: float) -> Tensor:
+    """``r = 0.5 + 0.5 * clip(A / scale, -1, 1)`` per sample, float32 in [0, 1].
+
+    A sample with advantage 0 (a group whose rewards are all equal) gets r = 0.5: it pulls
+    v_theta towards v_old rather than towards or away from itself.
+    """
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    return 0.5 + 0.5 * (advantages.detach().float() / scale).clamp(-1.0, 1.0)
+
+
+def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """The implicit positive and negative velocities ``(v+, v-)`` (v_old is a constant)."""
+    v_old = v_old.detach()
+    return (1.0 - beta) * v_old + beta * v_theta, (1.0 + beta) * v_old - beta * v_theta
+
+
+def _regression(velocity: Tensor, target: Tensor, sigma: Tensor, adaptive: bool) -> Tensor:
+    """Per-sample regression loss of ``velocity`` onto the flow-matching ``target``.
+
+    The x0 estimate ``x_sigma - sigma v`` misses x0 by ``sigma (target - v)``, so the adaptive
+    x0 regression needs sigma, not x_sigma.
+    """
+    dims = tuple(range(1, velocity.ndim))
+    if not adaptive:
+        return (velocity - target).square().mean(dims)
+    x0_error = sigma.reshape(-1, *[1] * len(dims)) * (velocity - target)
+    weight = x0_error.detach().abs().mean(dims).clamp_min(MIN_WEIGHT)
+    return x0_error.square().mean(dims) / weight
+
+
+def nft_loss(
+    v_theta: Tensor,
+    v_old: Tensor,
+    target: Tensor,
+    sigma: Tensor,
+    r: Tensor,
+    *,
+    beta: float,
+    adaptive_weighting: bool = True,
+) -> Tensor:
+    """DiffusionNFT's loss per sample, float32 [B]:
+    ``(r * L(v+) + (1 - r) * L(v-)) / beta`` with L the regression onto ``target = eps - x0``.
+
+    Args:
+        v_theta: [B, ...] velocity of the trained policy at x_sigma (differentiable).
+        v_old: [B, ...] velocity of the old policy at the same x_sigma (a constant).
+        target: [B, ...] ``eps - x0`` of the forward noising.
+        sigma: [B] noise levels of x_sigma.
+        r: [B] optimality probabilities (:func:`optimality_probability`).
+        beta: > 0; dividing by it keeps the gradient's scale independent of it (as the
+            authors' scripts do; they also multiply by Z, a constant that Adam ignores up to
+            where ``train.max_grad_norm`` clips).
+        adaptive_weighting: the self-normalised x0 regression; False = velocity MSE.
+
+    With r = 1 the gradient w.r.t. v_theta is plain flow matching's at v+ (the 1 / beta
+    cancels the chain rule's beta); with r = 0 it is minus flow matching's at v-.
+    """
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta!r}")
+    if not v_theta.shape == v_old.shape == target.shape:
+        raise ValueError(
+            f"v_theta {tuple(v_theta.shape)}, v_old {tuple(v_old.shape)} and target "
+            f"{tuple(target.shape)} must have one shape"
+        )
+    positive, negative = implicit_policies(v_theta.float(), v_old.float(), beta)
+    target, sigma, r = target.float(), sigma.float(), r.detach().float()
+    loss_positive = _regression(positive, target, sigma, adaptive_weighting)
+    loss_negative = _regression(negative, target, sigma, adaptive_weighting)
+    return (r * loss_positive + (1.0 - r) * loss_negative) / beta
+
+
+class OldPolicy:
+    """theta_old: the policy that samples the rollouts and anchors v+ and v-; starts equal to
+    the trained model.
+
+    ``model`` is the unwrapped transformer that trains (``bundle.transformer`` may be its
+    DDP / DeepSpeed wrapper). LoRA runs (``copy_model=False``) keep float32 copies of its
+    trainable tensors (adapters and VSA2 router/gates, a few MB) and swap them in while the old
+    policy runs, so the base weights are not held twice; full fine-tuning
+    (``copy_model=True``) keeps a frozen copy of the whole model in its dtype, which ``bundle``
+    runs instead (no weights move per call). Sharded parameters (ZeRO-3, FSDP2) are refused
+    before this is built (vsa2_rl.rl.engines.check_options).
+    """
+
+    def __init__(self, bundle, model: torch.nn.Module, *, copy_model: bool):
+        self.bundle = bundle
+        self.live = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.frozen = None
+        if copy_model:
+            self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
+            frozen = dict(self.frozen.named_parameters())
+            self.weights = {name: frozen[name] for name in self.live}
+        else:
+            self.weights = {n: p.detach().float().clone() for n, p in self.live.items()}
+
+    @torch.no_grad()
+    def soft_update(self, eta: float) -> None:
+        """``theta_old <- eta * theta_old + (1 - eta) * theta``."""
+        for name, weight in self.weights.items():
+            weight.lerp_(self.live[name].detach().to(weight.dtype), 1.0 - eta)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Runs the block with the old policy in ``bundle`` (call it under ``no_grad``)."""
+        if self.frozen is not None:
+            live, self.bundle.transformer = self.bundle.transformer, self.frozen
+            try:
+                yield
+            finally:
+                self.bundle.transformer = live
+            return
+        trained = {name: param.detach().clone() for name, param in self.live.items()}
+        self._copy_into_live(self.weights)
+        try:
+            yield
+        finally:
+            self._copy_into_live(trained)
+
+    @torch.no_grad()
+    def _copy_into_live(self, tensors: dict[str, Tensor]) -> None:
+        for name, param in self.live.items():
+            param.copy_(tensors[name])
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {name: weight.detach() for name, weight in self.weights.items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restores :meth:`state_dict`; names and shapes must be this model's."""
+        if set(state) != set(self.weights):
+            missing = sorted(set(self.weights) - set(state))
+            extra = sorted(set(state) - set(self.weights))
+            raise ValueError(
+                f"old-policy state does not match the trained parameters: missing "
+                f"{missing[:3]}, unexpected {extra[:3]}"
+            )
+        for name, weight in self.weights.items():
+            if state[name].shape != weight.shape:
+                raise ValueError(
+                    f"old-policy tensor {name!r} has shape {tuple(state[name].shape)}, the "
+                    f"parameter {tuple(weight.shape)}"
+                )
+            weight.copy_(state[name])
+
+
+def _draw_seed(seed: int, step: int, epoch: int, index: int) -> int:
+    """Seed of one sample's forward noising (noise levels, then one noise per pass) at an inner
+    epoch of a step: a pure function of them, like the rollouts' seeds, so that any number of
+    ranks and a resumed run draw the same."""
+    return (((seed * 1_000_003 + step) * 10_007 + epoch) * 1_000_033 + index) % (2**63 - 1)
+
+
+class _Draws(NamedTuple):
+    """One chunk's forward noising in one inner epoch."""
+
+    sigmas: Tensor  # [b, K] float32 on the device: each sample's K noise levels
+    generators: list[torch.Generator]  # one per sample (CPU), drawing its noise pass by pass
+
+
+class NFTUpdate:
+    """The update of ``grpo.algorithm=nft`` for a trainer run (``vsa2_rl.rl.trainer._Run``,
+    whose optimizer, engines, reference, EMA and schedules it uses), and its old policy.
+
+    Per inner epoch, every kept sample (its reward not dropped) is trained at K =
+    ``nft.timesteps_per_sample(sampler.num_steps)`` noise levels, one backward pass per
+    (chunk, level), all accumulated into one optimizer step in which every sample and level
+    weighs the same, however ``grpo.train_batch_size`` cuts the samples and over any number of
+    ranks. The old and the trained velocity both run at the training sparsity, so that at the
+    first pass of a run (theta_old = theta) they agree exactly (``train/old_deviation`` 0).
+    """
+
+    def __init__(self, run):
+        self.run = run
+        config = run.config
+        self.settings = config.nft
+        self.num_levels = config.nft.timesteps_per_sample(config.sampler.num_steps)
+        model = run.acc.unwrap_model(run.transformer)
+        self.old = OldPolicy(run.bundle, model, copy_model=not config.model.lora.enabled)
+
+    def update(self, step: int, rollouts, sparsity: float, metrics: dict) -> None:
+        """``grpo.num_inner_epochs`` optimizer steps on the step's rollouts, then the old
+        policy's soft update; a non-finite loss or gradient skips an optimizer step."""
+        run = self.run
+        t0 = time.perf_counter()
+        state = run.bundle.sparsity_state
+        state.sparsity, state.phase = sparsity, "train"
+        run.transformer.train()
+        weight = self._sample_weight(rollouts.chunks)
+        names = ("loss/policy", "loss/kl", "train/old_deviation", "train/r_mean")
+        sums = {name: [] for name in names}
+        epochs = run.config.grpo.num_inner_epochs if weight else 0
+        grad_norms, skipped = [], 0
+        for epoch in range(epochs):
+            stepped, grad_norm = self._epoch(step, epoch, rollouts, weight, sums)
+            if stepped and run.ema is not None:
+                run.ema.update()
+            skipped += not stepped  # a NaN/inf never reaches the weights
+            grad_norms.append(grad_norm)
+        run.lr_schedule.step()
+        eta = self.settings.eta(step)
+        self.old.soft_update(eta)
+        state.pop_density()
+        metrics["perf/train_s"] = time.perf_counter() - t0
+        # (sample, level) terms of all ranks: num_processes / weight per epoch
+        metrics.update(self._means(sums, epochs * run.acc.num_processes / weight if epochs else 1))
+        metrics["train/old_policy_eta"] = eta
+        run.log_optimizer_steps(metrics, rollouts, grad_norms, skipped)
+
+    def _epoch(self, step: int, epoch: int, rollouts, weight: float, sums: dict) -> tuple:
+        """One optimizer step over every (chunk, noise level) pass; ``(stepped, grad norm)``."""
+        run, kl_beta = self.run, self.run.config.grpo.kl_beta
+        draws = [self._draws(step, epoch, indices) for indices in _chunk_indices(rollouts)]
+        work = [  # a chunk's passes in level order: its generators draw one noise per pass
+            (chunk, chunk_draws, level)
+            for chunk, chunk_draws in zip(rollouts.chunks, draws, strict=True)
+            for level in range(self.num_levels)
+        ]
+        run.optimizer.zero_grad(set_to_none=True)
+        for index, (chunk, draws, level) in enumerate(work):
+            last = index == len(work) - 1
+            kept = chunk.valid.float()  # a dropped reward's sample is not trained on
+            with engines.accumulation_context(run.acc, run.transformer, last):
+                losses = self._pass_losses(chunk, draws, level)
+                total = ((losses[0] + kl_beta * losses[1]) * kept).sum() * weight
+                engines.backward(run.acc, total, last)
+            for name, value in zip(sums, losses, strict=True):
+                sums[name].append((value.detach() * kept).sum())
+        stepped, grad_norm = engines.finish_update(
+            run.acc, run.optimizer, run.params, run.config.train.max_grad_norm, sums["loss/policy"]
+        )
+        run.optimizer.zero_grad(set_to_none=True)
+        return stepped, grad_norm
+
+    def _draws(self, step: int, epoch: int, indices: list[int]) -> _Draws:
+        """The noise levels of a chunk's samples (global indices ``indices``) and their noise
+        generators: K distinct sigmas of the rollout schedule (not its final 0) or K uniform
+        ones per sample."""
+        seed, run = self.run.config.seed, self.run
+        generators = [
+            torch.Generator().manual_seed(_draw_seed(seed, step, epoch, i)) for i in indices
+        ]
+        if self.settings.timestep_sampling == "schedule":
+            levels = run.sigmas[:-1]
+            rows = [
+                levels[torch.randperm(len(levels), generator=g)[: self.num_levels]]
+                for g in generators
+            ]
+        else:
+            rows = [torch.rand(self.num_levels, generator=g) for g in generators]
+        return _Draws(torch.stack(rows).float().to(run.device), generators)
+
+    def _pass_losses(self, chunk, draws: _Draws, level: int) -> tuple[Tensor, ...]:
+        """Per sample of the chunk at its ``level``-th noise level: the NFT loss, the velocity
+        MSE to the reference (0 without one), the squared distance of v_theta to v_old and r."""
+        run, settings = self.run, self.settings
+        x0 = chunk.latents[-1]  # [b, C, T, H, W] float32, the rollouts' clean samples
+        noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws.generators])
+        noise, sigma = noise.to(x0.device), draws.sigmas[:, level]
+        column = sigma.reshape(-1, *[1] * (x0.ndim - 1))
+        x = (1.0 - column) * x0 + column * noise
+        velocity = run.velocity_fn(chunk.text_emb)
+        with torch.no_grad(), self.old.active():
+            v_old = velocity(x, sigma).float()
+        v_theta = velocity(x, sigma).float()
+        r = optimality_probability(chunk.advantages, settings.advantage_scale)
+        loss = nft_loss(
+            v_theta, v_old, noise - x0, sigma, r,
+            beta=settings.beta, adaptive_weighting=settings.adaptive_weighting,
+        )  # fmt: skip
+        dims = tuple(range(1, x0.ndim))
+        kl = torch.zeros_like(loss)
+        if run.reference is not None:
+            with torch.no_grad(), run.reference():
+                v_reference = velocity(x, sigma).float()
+            kl = (v_theta - v_reference).square().mean(dims)
+        return loss, kl, (v_theta.detach() - v_old).square().mean(dims), r
+
+    def _sample_weight(self, chunks: list) -> float:
+        """The factor of a pass's summed loss that makes the update the mean over every kept
+        sample of all ranks and its K passes (DDP then averages over ranks); 0 when no rank
+        kept a sample."""
+        acc = self.run.acc
+        kept = torch.tensor([float(sum(int(c.valid.sum()) for c in chunks))], device=acc.device)
+        total = float(acc.reduce(kept, reduction="sum").item())
+        return acc.num_processes / (total * self.num_levels) if total else 0.0
+
+    def _means(self, sums: dict, count: float) -> dict:
+        """Means of the logged per-pass sums of every rank over their ``count`` terms."""
+        acc, device = self.run.acc, self.run.device
+        totals = torch.stack(
+            [torch.stack(v).sum() if v else torch.zeros((), device=device) for v in sums.values()]
+        )
+        totals = acc.reduce(totals.float(), reduction="sum")
+        return {name: float(total) / count for name, total in zip(sums, totals, strict=True)}
+
+
+def _chunk_indices(rollouts) -> list[list[int]]:
+    """Each chunk's global sample indices (chunks hold consecutive samples of the step)."""
+    indices, start = [], 0
+    for chunk in rollouts.chunks:
+        size = chunk.latents.shape[1]
+        indices.append(rollouts.global_index[start : start + size])
+        start += size
+    return indices
