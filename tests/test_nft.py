@@ -213,6 +213,7 @@ def test_old_policy_soft_update_swap_and_state(copy_model):
         (["grpo.algorithm=nft", "nft.eta_delay_steps=-1"], "nft.eta_delay_steps: must be >= 0"),
         (["grpo.algorithm=nft", "nft.timestep_fraction=0"], "nft.timestep_fraction: must be in"),
         (["grpo.algorithm=nft", "nft.timestep_sampling=log"], "nft.timestep_sampling: got 'log'"),
+        (["grpo.algorithm=nft", "nft.sigma_range=[0.9,0.2]"], "nft.sigma_range: must be [low,"),
         (["nft.beta=0.1"], "nft.beta: is only read by grpo.algorithm=nft"),
         (["sampler.kind=ode"], "sampler.kind: 'ode' rollouts have no log-probs for Flow-GRPO"),
         (["grpo.algorithm=nft", "grpo.kl_mode=reward"], "grpo.kl_mode: 'reward' needs the log"),
@@ -324,6 +325,36 @@ def test_an_nft_run_trains_samples_with_the_old_policy_and_logs_its_metrics(tmp_
         trained_velocity = bundle.velocity(noise, sigma, text_emb)
     torch.testing.assert_close(first_velocities[1], old_velocity, rtol=1e-5, atol=1e-5)
     assert (first_velocities[1] - trained_velocity).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("sampling", ["schedule", "uniform"])
+def test_nft_trains_only_at_noise_levels_within_its_sigma_range(sampling, tmp_path, monkeypatch):
+    sigmas = []
+    real_loss = nft_module.nft_loss
+
+    def recording_loss(v_theta, v_old, target, sigma, r, **kwargs):
+        sigmas.extend(sigma.tolist())
+        return real_loss(v_theta, v_old, target, sigma, r, **kwargs)
+
+    monkeypatch.setattr(nft_module, "nft_loss", recording_loss)
+    config = _config(
+        tmp_path, "train.num_steps=2", "sampler.kind=ode", "nft.sigma_range=[0.5,1.0]",
+        f"nft.timestep_sampling={sampling}", "nft.timestep_fraction=1.0",
+    )  # fmt: skip
+    train(config)
+    # 2 steps x 4 samples; the 3-step schedule's sigmas are 1, 2/3, 1/3 (and the final 0)
+    if sampling == "schedule":  # both levels in the range, each once per sample and step
+        assert sorted(sigmas) == pytest.approx(sorted([1.0, 2 / 3] * 8))
+    else:  # 3 uniform draws per sample and step, all in the range
+        assert len(sigmas) == 24 and min(sigmas) >= 0.5 and max(sigmas) <= 1.0
+        assert max(sigmas) - min(sigmas) > 0.1
+
+
+def test_a_sigma_range_without_schedule_sigmas_is_one_error_line(tmp_path):
+    config = _config(tmp_path, "sampler.kind=ode", "nft.sigma_range=[0.7,0.9]")
+    with pytest.raises(ConfigError, match=r"^nft.sigma_range: \[0.7, 0.9\] holds none of"):
+        train(config)
+    assert not os.path.exists(config.out_dir)
 
 
 def test_an_nft_lora_run_resumes_as_it_would_have_gone_on(tmp_path):

@@ -496,8 +496,15 @@ class NFTConfig:
     )
     timestep_fraction: float = _doc(
         "Noise levels trained per sample and inner epoch: max(1, floor(fraction * "
-        "sampler.num_steps)), each with fresh noise; the authors' 0.99 (9 of 10 steps).",
+        "sampler.num_steps)), each with fresh noise (at most the schedule's sigmas within "
+        "nft.sigma_range); the authors' 0.99 (9 of 10 steps).",
         default=0.99,
+    )
+    sigma_range: list[float] = _doc(
+        "[low, high]: train only at noise levels low <= sigma <= high (the schedule's sigmas "
+        "in it, or U(low, high)); [0, 1] = all, as the paper. A narrower range at high noise "
+        "trains where a sample's layout and motion are decided.",
+        default_factory=lambda: [0.0, 1.0],
     )
     adaptive_weighting: bool = _doc(
         "Self-normalised x0 regression (the paper's adaptive loss weighting): each sample's "
@@ -523,6 +530,13 @@ class NFTConfig:
             f"must be >= 0, got {self.eta_delay_steps}",
         )
         _check_choice(self.timestep_sampling, "nft.timestep_sampling", ("schedule", "uniform"))
+        _check(
+            len(self.sigma_range) == 2
+            and all(math.isfinite(v) for v in self.sigma_range)
+            and 0.0 <= self.sigma_range[0] < self.sigma_range[1] <= 1.0,
+            "nft.sigma_range",
+            f"must be [low, high] with 0 <= low < high <= 1, got {self.sigma_range}",
+        )
         _check(
             0 < self.timestep_fraction <= 1,
             "nft.timestep_fraction",
@@ -684,6 +698,11 @@ class EvalConfig:
         default_factory=lambda: [0.0, 0.5, 0.75, 0.9],
     )
     num_prompts: int = _doc("Prompts evaluated (first N of the eval prompt set).", default=8)
+    samples_per_prompt: int = _doc(
+        "Videos per evaluated prompt, each from its own noise (more of them: a steadier "
+        "estimate of a share such as prompt_direction's).",
+        default=1,
+    )
     seed: int = _doc(
         "Seed of the evaluation noise (the same for every sparsity and run).", default=1234
     )
@@ -703,6 +722,10 @@ class EvalConfig:
         default_factory=list,
     )
 
+    def select_prompts(self, prompts: list[str]) -> list[str]:
+        """The evaluated prompts: the first ``num_prompts``, each ``samples_per_prompt`` times."""
+        return [p for p in prompts[: self.num_prompts] for _ in range(self.samples_per_prompt)]
+
     def __post_init__(self) -> None:
         _check(bool(self.sparsities), "eval.sparsities", "needs at least one value")
         for index, entry in enumerate(self.guard_rewards):
@@ -714,6 +737,11 @@ class EvalConfig:
         for value in self.sparsities:
             _check(0.0 <= value < 1.0, "eval.sparsities", f"each must be in [0, 1), got {value}")
         _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
+        _check(
+            self.samples_per_prompt >= 1,
+            "eval.samples_per_prompt",
+            f"must be >= 1, got {self.samples_per_prompt}",
+        )
         _check(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
         _check(
             self.guidance_scale is None or self.guidance_scale >= 1.0,

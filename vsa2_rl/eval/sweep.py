@@ -253,7 +253,7 @@ def evaluate(config: RunConfig) -> list[dict]:
     """Runs the sweep of ``config.eval`` over every target; writes and returns the table rows."""
     targets = resolve_targets(config)
     rewards = _reward_fns(config)
-    prompts = load_prompts(config, "eval")[: config.eval.num_prompts]
+    prompts = config.eval.select_prompts(load_prompts(config, "eval"))
     device = resolve_device(config.device)
     rows, previews = [], {}
     for target in targets:

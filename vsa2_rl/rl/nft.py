@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from vsa2_rl.config import ConfigError
 from vsa2_rl.rl import engines
 
 # the authors' floor of the adaptive weight (a sample whose x0 is already exact)
@@ -217,7 +218,18 @@ class NFTUpdate:
         self.run = run
         config = run.config
         self.settings = config.nft
+        low, high = config.nft.sigma_range
+        levels = run.sigmas[:-1]  # the schedule's sigmas but the final 0
+        self.levels = levels[(levels >= low) & (levels <= high)]
+        if config.nft.timestep_sampling == "schedule" and not len(self.levels):
+            raise ConfigError(
+                f"nft.sigma_range: [{low}, {high}] holds none of the rollout schedule's sigmas "
+                f"{[round(float(v), 4) for v in levels]}; widen it or use "
+                "nft.timestep_sampling=uniform"
+            )
         self.num_levels = config.nft.timesteps_per_sample(config.sampler.num_steps)
+        if config.nft.timestep_sampling == "schedule":
+            self.num_levels = min(self.num_levels, len(self.levels))
         model = run.acc.unwrap_model(run.transformer)
         self.old = OldPolicy(run.bundle, model, copy_model=not config.model.lora.enabled)
 
@@ -284,13 +296,16 @@ class NFTUpdate:
             torch.Generator().manual_seed(_draw_seed(seed, step, epoch, i)) for i in indices
         ]
         if self.settings.timestep_sampling == "schedule":
-            levels = run.sigmas[:-1]
+            levels = self.levels
             rows = [
                 levels[torch.randperm(len(levels), generator=g)[: self.num_levels]]
                 for g in generators
             ]
         else:
-            rows = [torch.rand(self.num_levels, generator=g) for g in generators]
+            low, high = self.settings.sigma_range
+            rows = [
+                low + (high - low) * torch.rand(self.num_levels, generator=g) for g in generators
+            ]
         return _Draws(torch.stack(rows).float().to(run.device), generators)
 
     def _pass_losses(self, chunk, draws: _Draws, level: int) -> tuple[Tensor, ...]:

@@ -243,7 +243,7 @@ class _Setup:
         self.device = self.accelerator.device
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.prompts = load_prompts(config, "train")
-        self.eval_prompts = load_prompts(config, "eval")[: config.eval.num_prompts]
+        self.eval_prompts = config.eval.select_prompts(load_prompts(config, "eval"))
         self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
         sp_size = config.parallel.sequence_parallel_size
         # data-parallel ranks: sequence-parallel groups share their samples
@@ -871,7 +871,7 @@ class _Run:
             summary["reward_start"], summary["reward_end"] = points[0][1], points[-1][1]
             print(
                 f"eval reward (ODE, sparsity {self.schedule(config.train.num_steps).eval}, "
-                f"{len(self.setup.eval_prompts)} fixed prompts): step {points[0][0]} "
+                f"{len(self.setup.eval_prompts)} videos of fixed prompts): step {points[0][0]} "
                 f"{points[0][1]:.4f} -> step {points[-1][0]} {points[-1][1]:.4f}"
             )
         if train_rows:
