@@ -199,7 +199,7 @@ for part in "${parts[@]}"; do
       done
       wait
       for variant in ${TOY_VARIANTS:-default=} control=; do
-        dirs=$(ls -d /tmp/toy_rl/${variant%%=*}_*/ | paste -sd,); echo "${variant%%=*}=$dirs"
+        dirs=$(ls -d /tmp/toy_rl/${variant%%=*}_[0-9]*/ | paste -sd,); echo "${variant%%=*}=$dirs"
       done > /tmp/toy_rl/groups
       python3 benchmarks/efficacy_table.py $(cat /tmp/toy_rl/groups) --out "$OUT/toy_rl.md" ;;
     prefix)  # issue 22: rollout time with the ODE prefix shared per group, Wan-1.3B shape (after

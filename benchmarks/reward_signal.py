@@ -12,6 +12,11 @@ noise-to-signal ratio: a run accumulates a gradient with signal-to-noise 1 only 
 ``rho`` trained samples of that step. The same is measured with random advantages (what the
 ``random`` control reward trains on), whose cosine must scatter around 0.
 
+With ``grpo.algorithm=nft`` the gradient is DiffusionNFT's at its first pass (theta_old =
+theta), per noise level of the schedule within ``nft.sigma_range``: the clean rollouts are
+noised again at that sigma (one noise per sample, or per group with ``nft.group_noise``) and
+the gradient of the NFT loss with ``r`` from the advantages is formed on each half.
+
     python benchmarks/reward_signal.py --config configs/default.yaml --prompts 64 \
         device=cuda model.dtype=float32 sampler.noise_level=1.0
 """
@@ -92,6 +97,56 @@ def _half_gradient(config, bundle, params, latents, emb, advantages, index, j, s
     return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
 
 
+def _nft_half_gradient(config, bundle, params, x0, emb, r, index, sigma, noise):
+    """Flattened gradient of the mean NFT loss over the samples ``index`` at noise level
+    ``sigma``, with v_old = v_theta (the first pass of a step)."""
+    from vsa2_rl.rl.nft import nft_loss
+
+    bundle.sparsity_state.phase = "train"
+    for p in params:
+        p.grad = None
+    for start in range(0, len(index), config.grpo.train_batch_size):
+        rows = index[start : start + config.grpo.train_batch_size]
+        sigmas = torch.full((len(rows),), sigma, device=x0.device)
+        x = (1.0 - sigma) * x0[rows] + sigma * noise[rows]
+        v_theta = bundle.velocity(x.to(bundle.dtype), sigmas, emb[rows]).float()
+        loss = nft_loss(
+            v_theta, v_theta.detach(), noise[rows] - x0[rows], sigmas, r[rows],
+            beta=config.nft.beta, adaptive_weighting=config.nft.adaptive_weighting,
+        )  # fmt: skip
+        loss.sum().div(len(index)).backward()
+    return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+
+def _gradient_pairs(config, bundle, params, latents, emb, stochastic, sigmas, group_ids, seed):
+    """Per trained step or noise level: (label step, sigma, gradient of a half given advantages
+    and a half's sample indices)."""
+    if config.grpo.algorithm != "nft":
+        for j in torch.nonzero(stochastic).flatten().tolist():
+            yield (
+                j,
+                float(sigmas[j]),
+                lambda adv, half, j=j: _half_gradient(
+                    config, bundle, params, latents, emb, adv, half, j, sigmas
+                ),
+            )
+        return
+    from vsa2_rl.rl.nft import optimality_probability
+
+    low, high = config.nft.sigma_range
+    x0 = latents[-1]
+    keys = group_ids if config.nft.group_noise else torch.arange(len(group_ids))
+    generator = torch.Generator().manual_seed(seed + 17)
+    per_key = torch.randn(int(keys.max()) + 1, *x0.shape[1:], generator=generator)
+    noise = per_key[keys].to(x0.device)
+    for j, sigma in enumerate(sigmas[:-1].tolist()):
+        if low <= sigma <= high:
+            yield j, sigma, lambda adv, half, sigma=sigma: _nft_half_gradient(
+                config, bundle, params, x0, emb,
+                optimality_probability(adv, config.nft.advantage_scale), half, sigma, noise,
+            )  # fmt: skip
+
+
 def measure(config, num_prompts: int, seed: int) -> list[dict]:
     """One row per stochastic step: cosines and noise-to-signal ratios, real and random."""
     device = resolve_device(config.device)
@@ -113,19 +168,19 @@ def measure(config, num_prompts: int, seed: int) -> list[dict]:
     halves = [torch.nonzero(group_ids % 2 == h).flatten().to(device) for h in (0, 1)]
     n_half = len(halves[0])
     rows = []
-    for j in torch.nonzero(stochastic).flatten().tolist():
+    pairs = _gradient_pairs(
+        config, bundle, params, latents, emb, stochastic, sigmas, group_ids, seed
+    )
+    for j, sigma, half_gradient in pairs:
         row = {
             "step": j,
-            "sigma": float(sigmas[j]),
+            "sigma": sigma,
             "reward_mean": rewards.mean().item(),
             "reward_group_std": rewards.view(-1, group).std(1, correction=0).mean().item(),
         }
         for name, adv in (("real", real), ("random", control)):
             adv = adv.to(device)
-            g0, g1 = (
-                _half_gradient(config, bundle, params, latents, emb, adv, h, j, sigmas)
-                for h in halves
-            )
+            g0, g1 = (half_gradient(adv, h) for h in halves)
             cos = torch.nn.functional.cosine_similarity(g0, g1, dim=0).item()
             row[f"cos_{name}"] = cos
             row[f"rho_{name}"] = n_half * (1 - cos) / cos if cos > 0 else math.inf

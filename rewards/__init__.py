@@ -8,8 +8,8 @@ package registers the built-ins: ``dynamic_degree``, ``motion_smoothness``, ``te
 ``clip_score``, ``pickscore``, ``hpsv2`` (prompt-frame cosine of open_clip embeddings, local
 weights), ``subject_consistency`` and ``background_consistency`` (VBench, DINO / CLIP features),
 ``image_quality`` (weight-free sharpness, colourfulness, exposure, gated by a noise estimate),
-``prompt_motion`` and ``shape_fidelity`` (the toy task's known-answer motion reward and shape
-guard), ``vlm_judge`` (a local transformers video-language model's yes/no log-odds or scalar
+``prompt_motion``, ``prompt_direction`` and ``shape_fidelity`` (the toy task's known-answer
+motion rewards and shape guard), ``vlm_judge`` (a local transformers video-language model's yes/no log-odds or scalar
 head) and ``random`` (the control of RL experiments).
 """
 

@@ -1,12 +1,13 @@
 """Build the toy Wan-architecture model of the embedded default and write it to assets/toy/.
 
 Trains ``vsa2_rl.models.toy.ToyBuildConfig``'s recipe: flow matching on synthetic moving-shape
-videos with caption noise, dense at 32x32 px, then sparse rebasing to VSA2 (the sparsity ramped
-to 0.9, then drawn from the RL range), then every sparsity from dense to 0.9. After each stage it
-prints the validation flow-matching loss and the detector's figures of ODE samples on the
-held-out eval prompts (``sample_report``: shape fidelity, motion score, share of videos with the
-prompted motion, spread within a prompt's group). The shipped model was built on one H200 GPU
-(``--device cuda``, 7 to 10 minutes); on 2 CPU cores the same recipe takes hours.
+videos, half of them moving opposite to their caption, dense at 16x16 px, then sparse rebasing
+to VSA2 (the sparsity ramped to 0.9, then drawn from the RL range), then every sparsity from
+dense to 0.9. After each stage it prints the validation flow-matching loss and the detector's
+figures of ODE samples on the held-out eval prompts (``sample_report``: shape fidelity, motion
+score, share of videos with the prompted motion and direction, share of prompts whose samples
+both follow and miss the direction, spread within a prompt's group). The shipped model was
+built on one H200 GPU (``--device cuda``, about 6 minutes); on 2 CPU cores it takes hours.
 
     python scripts/build_toy_model.py [--out assets/toy] [--seed 0] [--device cuda]
     python scripts/build_toy_model.py --steps-scale 0.01 --out /tmp/toy   # a quick smoke run

@@ -350,6 +350,29 @@ def test_nft_trains_only_at_noise_levels_within_its_sigma_range(sampling, tmp_pa
         assert max(sigmas) - min(sigmas) > 0.1
 
 
+@pytest.mark.parametrize("group_noise", [False, True])
+def test_group_noise_gives_a_groups_samples_the_same_noise_levels_and_noise(group_noise, tmp_path):
+    config = _config(tmp_path, "sampler.kind=ode", f"nft.group_noise={str(group_noise).lower()}")
+    update = trainer_module._Run(config).nft
+    # two chunks of 3 and 1 samples; groups 5, 5, 8 | 8 (a group may straddle chunks)
+    rollouts = SimpleNamespace(
+        chunks=[
+            SimpleNamespace(latents=torch.zeros(4, 3)),
+            SimpleNamespace(latents=torch.zeros(4, 1)),
+        ],
+        group_ids=[5, 5, 8, 8],
+        global_index=[0, 1, 2, 3],
+    )
+    keys = nft_module._chunk_draw_keys(rollouts, by_group=config.nft.group_noise)
+    draws = [update._draws(1, 0, chunk_keys) for chunk_keys in keys]
+    sigmas = torch.cat([d.sigmas for d in draws])
+    noises = torch.stack([torch.randn(6, generator=g) for d in draws for g in d.generators])
+    same = [torch.equal(noises[a], noises[b]) and torch.equal(sigmas[a], sigmas[b])
+            for a, b in ((0, 1), (2, 3))]  # fmt: skip
+    assert same == [group_noise, group_noise]
+    assert not torch.equal(noises[1], noises[2])  # other groups (or samples): other noise
+
+
 def test_a_sigma_range_without_schedule_sigmas_is_one_error_line(tmp_path):
     config = _config(tmp_path, "sampler.kind=ode", "nft.sigma_range=[0.7,0.9]")
     with pytest.raises(ConfigError, match=r"^nft.sigma_range: \[0.7, 0.9\] holds none of"):

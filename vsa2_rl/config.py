@@ -506,6 +506,13 @@ class NFTConfig:
         "trains where a sample's layout and motion are decided.",
         default_factory=lambda: [0.0, 1.0],
     )
+    group_noise: bool = _doc(
+        "Noise the samples of a prompt's group with the same noise levels and noise (common "
+        "random numbers): with r centred on 0.5 within the group, the noise's own part of the "
+        "regression target largely cancels across it, and what is left is the samples' "
+        "difference. false = independent noise per sample, as the paper.",
+        default=False,
+    )
     adaptive_weighting: bool = _doc(
         "Self-normalised x0 regression (the paper's adaptive loss weighting): each sample's "
         "|x0_hat - x0|^2 divided by its detached mean |x0_hat - x0|; false = the plain "

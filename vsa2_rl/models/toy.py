@@ -19,8 +19,8 @@ latent frame encodes one frame, the others four); the toy's pixels do not, so it
 It is trained by :func:`build_toy_model` (``scripts/build_toy_model.py``) with rectified-flow
 matching (Liu et al. 2022; the velocity is noise - data and the timestep sigma * 1000, as in
 Wan2.1) from DiT's adaLN-Zero initialisation on synthetic moving-shape videos
-(:mod:`vsa2_rl.data.synthetic`) whose captions describe the motion only part of the time
-(``caption_noise``), in stages: dense attention at 32x32 px; sparse rebasing to VSA2
+(:mod:`vsa2_rl.data.synthetic`), half of which move opposite to their caption
+(``mirrored_captions``), in stages: dense attention at 16x16 px; sparse rebasing to VSA2
 (:mod:`vsa2_rl.models.rebase`) with the sparsity annealed from 0 to the target, then drawn from
 the RL range; finally every sparsity from dense to the rollouts'. Each stage ends on the EMA of
 its weights; :func:`sample_report` scores what the model draws after each (the toy task's shape

@@ -265,7 +265,8 @@ class NFTUpdate:
     def _epoch(self, step: int, epoch: int, rollouts, weight: float, sums: dict) -> tuple:
         """One optimizer step over every (chunk, noise level) pass; ``(stepped, grad norm)``."""
         run, kl_beta = self.run, self.run.config.grpo.kl_beta
-        draws = [self._draws(step, epoch, indices) for indices in _chunk_indices(rollouts)]
+        keys = _chunk_draw_keys(rollouts, by_group=self.settings.group_noise)
+        draws = [self._draws(step, epoch, chunk_keys) for chunk_keys in keys]
         work = [  # a chunk's passes in level order: its generators draw one noise per pass
             (chunk, chunk_draws, level)
             for chunk, chunk_draws in zip(rollouts.chunks, draws, strict=True)
@@ -353,11 +354,14 @@ class NFTUpdate:
         return {name: float(total) / count for name, total in zip(sums, totals, strict=True)}
 
 
-def _chunk_indices(rollouts) -> list[list[int]]:
-    """Each chunk's global sample indices (chunks hold consecutive samples of the step)."""
-    indices, start = [], 0
+def _chunk_draw_keys(rollouts, by_group: bool) -> list[list[int]]:
+    """Per chunk, the key seeding each sample's forward noising (chunks hold consecutive samples
+    of the step): its global sample index, or with ``by_group`` its prompt group's id, so that a
+    group's samples share noise levels and noise."""
+    keys = rollouts.group_ids if by_group else rollouts.global_index
+    per_chunk, start = [], 0
     for chunk in rollouts.chunks:
         size = chunk.latents.shape[1]
-        indices.append(rollouts.global_index[start : start + size])
+        per_chunk.append(list(keys[start : start + size]))
         start += size
-    return indices
+    return per_chunk
