@@ -9,8 +9,8 @@ package registers the built-ins: ``dynamic_degree``, ``motion_smoothness``, ``te
 weights), ``subject_consistency`` and ``background_consistency`` (VBench, DINO / CLIP features),
 ``image_quality`` (weight-free sharpness, colourfulness, exposure, gated by a noise estimate),
 ``prompt_motion``, ``prompt_direction`` and ``shape_fidelity`` (the toy task's known-answer
-motion rewards and shape guard), ``vlm_judge`` (a local transformers video-language model's yes/no log-odds or scalar
-head) and ``random`` (the control of RL experiments).
+motion rewards and shape guard), ``vlm_judge`` (a local transformers video-language model's
+yes/no log-odds or scalar head) and ``random`` (the control of RL experiments).
 """
 
 from . import (  # noqa: F401

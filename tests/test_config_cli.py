@@ -28,7 +28,11 @@ def test_default_config_is_valid_and_embedded():
     assert config.model.kind == "toy"
     assert config.sparsity.eval < config.sparsity.train  # hard-to-easy
     assert [f.name for f in config.rewards.functions] == ["prompt_motion"]
-    assert [g.name for g in config.eval.guard_rewards] == ["shape_fidelity", "image_quality"]
+    assert [g.name for g in config.eval.guard_rewards] == [
+        "prompt_direction",
+        "shape_fidelity",
+        "image_quality",
+    ]
 
 
 @pytest.mark.parametrize(
