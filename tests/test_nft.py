@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_trainer import TINY as TRAINER_TINY
 
 from vsa2_rl.cli import main
 from vsa2_rl.config import ConfigError, NFTConfig, load_config
@@ -21,20 +22,7 @@ from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import build_bundle, load_prompts
 
 TINY = [
-    "model.num_frames=4",
-    "model.height=16",
-    "model.width=16",
-    "sampler.num_steps=3",
-    "sampler.sde_window=[0,2]",
-    "grpo.prompts_per_step=2",
-    "grpo.group_size=2",
-    "grpo.train_batch_size=4",
-    "train.learning_rate=1e-3",
-    "train.sample_every=0",
-    "logging.progress=false",
-    "rewards.num_workers=1",
-    "eval.every=0",
-    "attention.backend=torch",
+    *TRAINER_TINY,
     "rewards.functions=[{name: 'test_trainer:brightness', weight: 1.0}]",
     "grpo.algorithm=nft",
 ]
