@@ -63,6 +63,16 @@ def test_default_config_is_valid_and_embedded():
         (["eval.guard_rewards=[{kwargs: {}}]"], "eval.guard_rewards[0].name"),
         (["train.num_steps=[1,2"], "train.num_steps: cannot parse the value '[1,2' as YAML"),
         (["eval.sparsities=0.5"], "eval.sparsities: expects a list, e.g. eval.sparsities=[0.0"),
+        (["train.learning_rate=inf"], "train.learning_rate: must be a finite number, got inf"),
+        (["sampler.noise_level=inf"], "sampler.noise_level: must be a finite number, got inf"),
+        (["sampler.shift=inf"], "sampler.shift: must be a finite number, got inf"),
+        (["grpo.kl_beta=inf"], "grpo.kl_beta: must be a finite number, got inf"),
+        (["train.max_grad_norm=nan"], "train.max_grad_norm: must be >= 0, got nan"),
+        (
+            ["rewards.functions=[{name: prompt_motion, weight: .inf}]"],
+            "rewards.functions[0].weight: must be a finite number, got inf",
+        ),
+        (["sampler.noise_level=0"], "sampler.noise_level: 0 makes every rollout step determ"),
     ],
 )
 def test_bad_config_names_the_key(overrides, expected):

@@ -48,6 +48,23 @@ def _check_finite(value: float, key: str) -> None:
     _check(math.isfinite(value), key, f"must be a finite number, got {value}")
 
 
+def _check_finite_fields(section, prefix: str) -> None:
+    """Every float of ``section`` and of its nested sections (lists included) is finite: an inf
+    learning rate, noise level or shift would only show as NaN videos mid-run."""
+    for entry in dataclasses.fields(section):
+        value, key = getattr(section, entry.name), f"{prefix}{entry.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite_fields(value, f"{key}.")
+        elif isinstance(value, float):
+            _check_finite(value, key)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, float):
+                    _check_finite(item, key)
+                elif dataclasses.is_dataclass(item):
+                    _check_finite_fields(item, f"{key}[{index}].")
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters on the transformer (peft). Disabled = full fine-tuning."""
@@ -240,7 +257,10 @@ class SamplerConfig:
     shift: float = _doc(
         "Timestep shift of the sigma schedule (Wan uses 3-5 at 480p/720p).", default=1.0
     )
-    noise_level: float = _doc("SDE noise level a (0 = ODE).", default=0.7)
+    noise_level: float = _doc(
+        "SDE noise level a (> 0 for Flow-GRPO; 0 = ODE steps, for grpo.algorithm=nft).",
+        default=0.7,
+    )
     guidance_scale: float = _doc(
         "Classifier-free guidance scale of rollouts and training; 1 = no guidance. Both use the "
         "same guided velocity, so the trained log-probs are those of the policy that sampled.",
@@ -827,6 +847,7 @@ class RunConfig:
     checkpoint: str | None = _doc("vsa2-rl eval: one checkpoint folder to evaluate.", default=None)
 
     def __post_init__(self) -> None:
+        _check_finite_fields(self, "")
         _check(bool(self.out_dir), "out_dir", "must not be empty")
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -877,6 +898,12 @@ class RunConfig:
                 "sampler.kind",
                 "'ode' rollouts have no log-probs for Flow-GRPO to train on; use sde or cps, "
                 "or grpo.algorithm=nft",
+            )
+            _check(
+                self.sampler.noise_level > 0,
+                "sampler.noise_level",
+                "0 makes every rollout step deterministic (an ODE): Flow-GRPO has no log-probs "
+                "to train on; use a level > 0 (0.7 is Flow-GRPO's), or grpo.algorithm=nft",
             )
             changed = [
                 f.name
