@@ -60,6 +60,26 @@ def figures_row(label: str, figures: dict) -> str:
     return f"| {label} | " + " | ".join(f"{figures[k]:.3f}" for k in keys) + " |"
 
 
+def rollout_figures(bundle, prompts: list[str], config, groups: int, shape: dict) -> dict:
+    """:func:`score_samples` of ``groups`` draws of a group of ``grpo.group_size`` videos per
+    prompt at the config's rollout settings (sampler and rollout sparsity), averaged."""
+    samp, group = config.sampler, config.grpo.group_size
+    bundle.sparsity_state.sparsity = config.sparsity.train
+    per_draw = [
+        score_samples(
+            draw_samples(
+                bundle, prompts, seeds_per_prompt=group, num_steps=samp.num_steps,
+                kind=samp.kind, noise_level=samp.noise_level, sde_window=samp.sde_window,
+                seed=1 + g, **shape,
+            ),
+            prompts,
+            group,
+        )
+        for g in range(groups)
+    ]  # fmt: skip
+    return {key: sum(f[key] for f in per_draw) / len(per_draw) for key in per_draw[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="toy checkpoint folder")
@@ -81,21 +101,8 @@ def main() -> None:
     dense = draw_samples(
         bundle, prompts, seeds_per_prompt=args.seeds, num_steps=samp.eval_num_steps, **shape
     )
-    bundle.sparsity_state.sparsity = config.sparsity.train
+    rollouts = rollout_figures(bundle, prompts, config, args.groups, shape)
     group = config.grpo.group_size
-    per_draw = [
-        score_samples(
-            draw_samples(
-                bundle, prompts, seeds_per_prompt=group, num_steps=samp.num_steps,
-                kind=samp.kind, noise_level=samp.noise_level, sde_window=samp.sde_window,
-                seed=1 + g, **shape,
-            ),
-            prompts,
-            group,
-        )
-        for g in range(args.groups)
-    ]  # fmt: skip
-    rollouts = {k: sum(f[k] for f in per_draw) / len(per_draw) for k in per_draw[0]}
     header = (
         "| samples | shape fidelity | direction match | direction mixed | motion score | "
         "group sd |\n|---|---|---|---|---|---|"
