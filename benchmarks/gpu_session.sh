@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
-#     [toy_build] [toy_builds] [toy_rl] [reward_signal] [prefix] [sp_memory] [sp_speed] [sp_train]
+#     [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix] [sp_memory] [sp_speed] [sp_train]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -180,13 +180,17 @@ for part in "${parts[@]}"; do
           device=cuda model.dtype=float32 attention.backend=torch \
           model.path=${TOY_PATH:-$OUT/toy} ${overrides//;/ } 2>&1 | grep -v "^|" | tail -3
       done ;;
+    toy_ceiling)  # what filtered fine-tuning of the model in TOY_PATH reaches (toy_ceiling.py)
+      PYTHONSAFEPATH=1 timeout ${TOY_CEILING_S:-300} python3 benchmarks/toy_ceiling.py \
+        --model ${TOY_PATH:-$OUT/toy} --device cuda ${TOY_CEILING_ARGS:-} \
+        --out "$OUT/toy_ceiling.md" > "$OUT/toy_ceiling.log" 2>&1; tail -12 "$OUT/toy_ceiling.log" ;;
     toy_rl)  # the embedded default on the GPU (float32, torch attention as on the CPU) with the
       # model in $OUT/toy, all runs at once: each variant of TOY_VARIANTS ("name=override;..."
-      # with the default's reward) and the random-reward control, seeds TOY_SEEDS, every run
-      # with the overrides TOY_COMMON (a variant named control_X gets X's overrides, with the
-      # control config); then the table
+      # with the default's reward; default: the default and its random-reward control), seeds
+      # TOY_SEEDS, every run with the overrides TOY_COMMON (a variant named control or
+      # control_X runs the control config, with X's overrides); then the table
       mkdir -p /tmp/toy_rl
-      for variant in ${TOY_VARIANTS:-default=} control=; do
+      for variant in ${TOY_VARIANTS:-default= control=}; do
         name=${variant%%=*}; overrides=${variant#*=}
         config=configs/default.yaml; [ ${name%%_*} = control ] && config=configs/toy_control.yaml
         for seed in ${TOY_SEEDS:-0 1}; do
@@ -198,7 +202,7 @@ for part in "${parts[@]}"; do
         done
       done
       wait
-      for variant in ${TOY_VARIANTS:-default=} control=; do
+      for variant in ${TOY_VARIANTS:-default= control=}; do
         dirs=$(ls -d /tmp/toy_rl/${variant%%=*}_[0-9]*/ | paste -sd,); echo "${variant%%=*}=$dirs"
       done > /tmp/toy_rl/groups
       python3 benchmarks/efficacy_table.py $(cat /tmp/toy_rl/groups) --out "$OUT/toy_rl.md" ;;
