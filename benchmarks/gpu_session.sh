@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
-#     [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix] [sp_memory] [sp_speed] [sp_train]
+#     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
+#     [sp_memory] [sp_speed] [sp_train]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -95,6 +96,15 @@ for part in "${parts[@]}"; do
     gpu1)  # issue 8 reference: the short Wan-shaped run on one GPU
       PYTHONSAFEPATH=1 timeout 240 python3 $run out_dir=/tmp/mg/gpu1 > "$OUT/mg_gpu1.log" 2>&1
       tail -2 "$OUT/mg_gpu1.log" ;;
+    algorithms)  # issue 32 (after "wan"): seconds per iteration of Flow-GRPO and DiffusionNFT,
+      # same samples per step, at the 1.3B recipe's attention settings; then the table
+      recipe="attention.kv_block=16 attention.mode=topp train.num_steps=3 sampler.num_steps=8"
+      PYTHONSAFEPATH=1 timeout 200 python3 $run $recipe out_dir=/tmp/alg/flow_grpo \
+        > "$OUT/alg_flow_grpo.log" 2>&1; tail -2 "$OUT/alg_flow_grpo.log"
+      PYTHONSAFEPATH=1 timeout 200 python3 $run $recipe grpo.algorithm=nft sampler.kind=ode \
+        out_dir=/tmp/alg/nft > "$OUT/alg_nft.log" 2>&1; tail -2 "$OUT/alg_nft.log"
+      python3 benchmarks/compare_runs.py flow_grpo=/tmp/alg/flow_grpo nft=/tmp/alg/nft \
+        --keys reward/mean perf/rollout_s perf/train_s perf/peak_mem_gib --out "$OUT/algorithms.md" ;;
     engines)  # the same run on 2 GPUs with DDP, ZeRO-2 and ZeRO-3, then the comparison table
       for engine in ${ENGINES:-ddp_2gpu zero2 zero3}; do
         PYTHONSAFEPATH=1 timeout 200 accelerate launch --config_file configs/accelerate/$engine.yaml \

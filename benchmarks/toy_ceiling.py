@@ -8,13 +8,15 @@ transformer (the text encoder frozen, as in RL) at the rollout sparsity, per ste
   off-policy data: how fast the weights can move toward the skill at all);
 - ``filtered``: flow matching on the model's own ODE samples of the train prompts (drawn at
   ``--filter-sparsity``, default the rollout sparsity) that move the prompted way
-  (rejection-sampling fine-tuning: what a perfect binary reward gives).
+  (rejection-sampling fine-tuning: what a perfect binary reward gives);
+- ``own``: the same samples, all kept (what fine-tuning on the model's own rollouts does by
+  itself, without any reward).
 
 Every ``--eval-every`` steps: ODE samples of the held-out prompts at the eval sparsity, the
 share moving the prompted way and the shape fidelity (``score_samples``).
 
     python benchmarks/toy_ceiling.py --model assets/toy [--device cuda] [--lrs 3e-5 1e-4 3e-4]
-        [--modes captioned filtered] [--steps 40] [--batch 64] [--filter-sparsity S]
+        [--modes captioned filtered own] [--steps 40] [--batch 64] [--filter-sparsity S]
         [--out ceiling.md]
 """
 
@@ -38,6 +40,8 @@ from vsa2_rl.models.toy import (
 )
 from vsa2_rl.rewards import get_reward
 
+MODES = ("captioned", "filtered", "own")
+
 
 def captioned_batch(count: int, shape: dict, generator: torch.Generator, device):
     """Prompts and latents of ``count`` synthetic videos moving as captioned."""
@@ -47,9 +51,9 @@ def captioned_batch(count: int, shape: dict, generator: torch.Generator, device)
     return [spec.prompt for spec in specs], pixels_to_latents(videos)
 
 
-def filtered_batch(bundle, count: int, shape: dict, step: int, num_steps: int, device):
+def own_batch(bundle, count: int, shape: dict, step: int, num_steps: int, only_followed: bool):
     """Prompts and latents of the model's ODE samples of ``count`` train prompts (drawn with
-    ``step`` as seed) that move the prompted way."""
+    ``step`` as seed); ``only_followed``: only those that move the prompted way."""
     generator = torch.Generator().manual_seed(10_000 + step)
     pool = toy_prompts("train")
     prompts = [pool[i] for i in torch.randint(len(pool), (count,), generator=generator)]
@@ -57,7 +61,9 @@ def filtered_batch(bundle, count: int, shape: dict, step: int, num_steps: int, d
         bundle, prompts, seeds_per_prompt=1, num_steps=num_steps, seed=1000 + step, **shape
     )
     kept = get_reward("prompt_direction")(videos, prompts) > 0.5
-    latents = pixels_to_latents(videos[kept].to(device))
+    if not only_followed:
+        kept = torch.ones_like(kept)
+    latents = pixels_to_latents(videos[kept].to(bundle.device))
     return [p for p, keep in zip(prompts, kept.tolist(), strict=True) if keep], latents
 
 
@@ -88,8 +94,8 @@ def fine_tune(base, mode: str, lr: float, shape: dict, args, sparsity: dict) -> 
             prompts, latents = captioned_batch(args.batch, shape, generator, device)
         else:
             bundle.sparsity_state.sparsity = sparsity["filter"]
-            prompts, latents = filtered_batch(
-                bundle, args.batch, shape, step, args.eval_num_steps, device
+            prompts, latents = own_batch(
+                bundle, args.batch, shape, step, args.eval_num_steps, mode == "filtered"
             )
         bundle.sparsity_state.sparsity = sparsity["train"]
         rows[-1].setdefault("kept", []).append(len(prompts))
@@ -115,18 +121,18 @@ def main() -> None:
     parser.add_argument("--config", default="configs/default.yaml", help="run config (sparsities)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4])
-    parser.add_argument("--modes", nargs="+", default=["captioned", "filtered"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=64, help="videos drawn per step")
-    parser.add_argument("--filter-sparsity", type=float, default=None, help="of filtered data")
+    parser.add_argument("--filter-sparsity", type=float, default=None, help="sparsity of the filtered and own samples (default: the rollouts)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-seeds", type=int, default=4)
     parser.add_argument("--eval-num-steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
     for mode in args.modes:
-        if mode not in ("captioned", "filtered"):
-            parser.error(f"--modes: {mode!r} is not one of captioned, filtered")
+        if mode not in MODES:
+            parser.error(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
     config = load_config(args.config, [f"model.path={args.model}", "attention.backend=torch"])
     base = load_toy_bundle(config.attention, device=args.device, path=args.model)
     base.text_encoder.requires_grad_(False)
@@ -136,7 +142,7 @@ def main() -> None:
     evals = list(range(0, args.steps + 1, args.eval_every))
     lines = [
         f"model {args.model}; {args.batch} videos a step, Adam, train sparsity "
-        f"{sparsity['train']} (filtered samples drawn at {sparsity['filter']}); held-out "
+        f"{sparsity['train']} (own samples drawn at {sparsity['filter']}); held-out "
         f"direction match (shape fidelity) at eval sparsity "
         f"{sparsity['eval']}, ODE {args.eval_num_steps} steps, {args.eval_seeds} per prompt",
         "",

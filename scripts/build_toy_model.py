@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from vsa2_rl.data.synthetic import COLORS
 from vsa2_rl.models.toy import ASSET_DIR, ToyBuildConfig, build_toy_model
 
 
@@ -71,6 +72,11 @@ def main() -> None:
         help="share of pretraining videos moving opposite to their caption (default: recipe's)",
     )
     parser.add_argument(
+        "--faithful-colors",
+        default=None,
+        help="comma-separated colours whose videos always move as captioned (default: none)",
+    )
+    parser.add_argument(
         "--size", type=int, default=None, help="frame height = width of every stage (px)"
     )
     parser.add_argument(
@@ -85,6 +91,11 @@ def main() -> None:
     config = ToyBuildConfig(seed=args.seed, frame_positions=not args.no_frame_positions)
     if args.mirrored_captions is not None:
         config.mirrored_captions = args.mirrored_captions
+    if args.faithful_colors:
+        config.faithful_colors = tuple(args.faithful_colors.split(","))
+        unknown = sorted(set(config.faithful_colors) - set(COLORS))
+        if unknown:
+            parser.error(f"--faithful-colors: unknown {unknown}; known: {','.join(COLORS)}")
     if args.size is not None:
         config.stages = [dataclasses.replace(s, size=args.size) for s in config.stages]
     if args.steps_scale != 1.0:

@@ -212,6 +212,20 @@ def test_rendered_displacement_and_mirrored_captions():
         pretraining_batch(1, torch.Generator(), 1.5)
 
 
+def test_faithful_colors_always_move_as_captioned():
+    specs, _, moves = pretraining_batch(
+        6000, torch.Generator().manual_seed(1), 0.5, faithful_colors=("red", "green")
+    )
+    by_color = {}
+    for spec, move in zip(specs, moves, strict=True):
+        by_color.setdefault(spec.color, []).append(move is None)
+    assert all(by_color["red"]) and all(by_color["green"])
+    for color in ("blue", "yellow", "cyan", "magenta"):
+        assert sum(by_color[color]) / len(by_color[color]) == pytest.approx(0.5, abs=0.05)
+    with pytest.raises(ValueError, match=r"faithful_colors.*purple"):
+        pretraining_batch(1, torch.Generator(), 0.5, faithful_colors=("purple",))
+
+
 def test_prompt_motion_tracks_the_shape_not_its_fragments():
     spec = ShapeSpec("red", "square", "right", "fast")
     video = render_video(spec, 2, 8, 32, 32)[None]

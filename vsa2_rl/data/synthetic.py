@@ -184,23 +184,30 @@ def render_batch(
 
 
 def pretraining_batch(
-    count: int, generator: torch.Generator, mirrored: float
+    count: int,
+    generator: torch.Generator,
+    mirrored: float,
+    faithful_colors: tuple[str, ...] = (),
 ) -> tuple[list[ShapeSpec], list[int], list[tuple[float, float] | None]]:
     """Captions, seeds and true motions of ``count`` pretraining videos.
 
     With probability ``mirrored`` a video moves opposite to its caption (same axis and speed,
     the other sign); the others move as captioned (motion None). A model trained on them moves a
     shape the prompted way in about ``1 - mirrored`` of its samples and along the prompted axis
-    in all of them.
+    in all of them. Videos of a colour in ``faithful_colors`` always move as captioned.
     """
     if not 0.0 <= mirrored <= 1.0:
         raise ValueError(f"mirrored must be in [0, 1], got {mirrored}")
+    unknown = sorted(set(faithful_colors) - set(COLORS))
+    if unknown:
+        raise ValueError(f"faithful_colors: unknown colours {unknown}; known: {list(COLORS)}")
     specs = random_specs(count, generator)
     seeds = torch.randint(1 << 30, (count,), generator=generator).tolist()
     flips = (torch.rand(count, generator=generator) < mirrored).tolist()
     moves = []
     for spec, flip in zip(specs, flips, strict=True):
         dx, dy = spec.velocity()
+        flip = flip and spec.color not in faithful_colors
         moves.append((-dx, -dy) if flip else None)
     return specs, seeds, moves
 

@@ -341,6 +341,9 @@ class ToyBuildConfig:
     # Share of pretraining videos moving opposite to their caption (synthetic.pretraining_batch):
     # the base model knows a motion word's axis but picks its sign by chance, which RL is to fix.
     mirrored_captions: float = 0.5
+    # Colours whose videos always move as captioned: the base learns to follow direction words
+    # for these and not for the others (a skill RL can carry over to every colour).
+    faithful_colors: tuple[str, ...] = ()
     target_sparsity: float = 0.9
     rebase_steps: int = 300  # density 1 -> 1 - target_sparsity at the first VSA2 stage's start
     vsa2: VSA2Config = field(default_factory=lambda: VSA2Config(backend="torch"))
@@ -370,7 +373,9 @@ def _training_videos(
     config: ToyBuildConfig, stage: ToyStage, count: int, generator: torch.Generator, device
 ) -> tuple[list[str], torch.Tensor]:
     """Captions and latents [B, C, T, H, W] of pretraining videos (with caption noise)."""
-    specs, seeds, moves = pretraining_batch(count, generator, config.mirrored_captions)
+    specs, seeds, moves = pretraining_batch(
+        count, generator, config.mirrored_captions, config.faithful_colors
+    )
     videos = render_batch(specs, seeds, stage.num_frames, stage.size, stage.size, moves, device)
     return [s.prompt for s in specs], pixels_to_latents(videos)
 
