@@ -124,7 +124,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=64, help="videos drawn per step")
-    parser.add_argument("--filter-sparsity", type=float, default=None, help="sparsity of the filtered and own samples (default: the rollouts)")
+    parser.add_argument(
+        "--filter-sparsity",
+        type=float,
+        default=None,
+        help="sparsity of the filtered and own samples (default: the rollouts)",
+    )
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-seeds", type=int, default=4)
     parser.add_argument("--eval-num-steps", type=int, default=10)
