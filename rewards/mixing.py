@@ -23,6 +23,9 @@ values is reported by name through :class:`RewardError`.
   advantages on the valid samples only. Failures that concern the whole batch (the reward
   raised, wrong shape or dtype) cannot be attributed to samples and propagate as with "stop".
 
+A weighted sum that overflows although every reward is finite is such a failure too, reported
+as the reward ``"weighted sum"``.
+
 Per-reward means are logged as ``reward/<name>`` (see :meth:`RewardOutput.metrics`); a name
 used twice gets a suffix ``_2``, ``_3``, ...
 """
@@ -239,5 +242,28 @@ class RewardMixer:
                 logger.warning("reward %r: non-finite at samples %s; dropped", name, dropped[name])
                 valid &= finite
         total = sum(self.weights[name] * values for name, values in rewards.items())
+        valid = self._check_total(total, valid, dropped)
         total = torch.where(valid, total, torch.full_like(total, math.nan))
         return RewardOutput(rewards=rewards, total=total, valid=valid, dropped=dropped)
+
+    def _check_total(
+        self, total: torch.Tensor, valid: torch.Tensor, dropped: dict[str, list[int]]
+    ) -> torch.Tensor:
+        """``valid`` less the samples whose weighted sum overflowed though every reward was
+        finite (e.g. 3e38 x weight 2), handled by ``on_error`` like a reward's failure (reported
+        as the reward ``"weighted sum"``)."""
+        overflow = valid & ~torch.isfinite(total)
+        if not bool(overflow.any()):
+            return valid
+        samples = overflow.nonzero().flatten().tolist()
+        detail = (
+            f"overflows at samples {samples} although every reward is finite (weights "
+            f"{self.weights}); rescale the rewards or their weights"
+        )
+        if self.on_error == "skip":
+            raise RewardSkip("weighted sum", f"step skipped: {detail}")
+        if self.on_error == "stop":
+            raise RewardError("weighted sum", detail)
+        logger.warning("reward 'weighted sum': %s; dropped", detail)
+        dropped["weighted sum"] = samples
+        return valid & ~overflow

@@ -73,6 +73,16 @@ def test_default_config_is_valid_and_embedded():
             "rewards.functions[0].weight: must be a finite number, got inf",
         ),
         (["sampler.noise_level=0"], "sampler.noise_level: 0 makes every rollout step determ"),
+        (["grpo.group_size=100000000000"], "grpo.prompts_per_step = 400,000,000,000 videos"),
+        (["grpo.group_size=400000"], "grpo.group_size x grpo.prompts_per_step = 1,600,000 vid"),
+        (["train.keep_last=" + "9" * 12], "train.keep_last: must be at most 2**31 - 1 in size"),
+        (["train.num_steps=" + "1" * 23], "train.num_steps: must be at most 2**31 - 1 in size"),
+        (["seed=" + "1" * 20], "seed: must be at most 2**31 - 1 in size"),
+        (["seed=-1"], "seed: must be >= 0, got -1"),
+        (["eval.seed=-3"], "eval.seed: must be >= 0, got -3"),
+        (["sampler.kind=cps", "sampler.noise_level=1.5"], "sampler.noise_level: must be in [0, 1]"),
+        (["model.num_frames=1"], "model.num_frames: must be >= 2 (the rewards score motion"),
+        (["eval.sparsities=[0.5,0.0,0.5]"], "eval.sparsities: [0.5] given more than once"),
     ],
 )
 def test_bad_config_names_the_key(overrides, expected):
@@ -90,6 +100,10 @@ def test_bad_config_names_the_key(overrides, expected):
             "rewards:\n  functions:\n    - name: image_quality\n      kwargs: [1, 2]\n",
             "rewards.functions[0].kwargs: Cannot merge incompatible container types",
         ),
+        (
+            "rewards:\n  functions:\n    - name: image_quality\n      weight: 0\n",
+            "rewards.functions: every weight is 0, so every advantage would be 0",
+        ),
     ],
 )
 def test_bad_yaml_files_name_the_problem(tmp_path, text, expected):
@@ -98,6 +112,27 @@ def test_bad_yaml_files_name_the_problem(tmp_path, text, expected):
     with pytest.raises(ConfigError) as error:
         load_config(str(path), [])
     assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_files_that_are_not_utf8_name_the_key(tmp_path):
+    latin1 = "train:\n  num_steps: 2  # caf\u00e9\n".encode("latin-1")
+    (tmp_path / "config.yaml").write_bytes(latin1)
+    with pytest.raises(ConfigError, match=r"--config: .*config.yaml is not UTF-8 text"):
+        load_config(str(tmp_path / "config.yaml"), [])
+    from vsa2_rl.runtime import read_prompt_file
+
+    (tmp_path / "prompts.txt").write_bytes("a caf\u00e9 moving\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"prompts.file: .*prompts.txt is not UTF-8 text"):
+        read_prompt_file(str(tmp_path / "prompts.txt"), "prompts.file")
+
+
+def test_a_guard_reward_kwarg_of_the_wrong_type_names_the_entry():
+    from vsa2_rl.eval.sweep import reward_fns
+
+    guard = "eval.guard_rewards=[{name: image_quality, kwargs: {num_frames: [1]}}]"
+    config = load_config(None, [guard])
+    with pytest.raises(ConfigError, match=r"eval.guard_rewards\[0\] \(image_quality\): "):
+        reward_fns(config.eval.guard_rewards, "eval.guard_rewards")
 
 
 def test_folders_that_are_not_what_a_key_needs(tmp_path):
@@ -199,3 +234,13 @@ def test_control_recipe_differs_from_the_default_in_its_reward_alone():
     for config in (default, control):
         del config["out_dir"], config["rewards"]["functions"]
     assert control == default
+
+
+def test_a_video_size_the_model_cannot_make_is_a_config_error():
+    import torch
+
+    from vsa2_rl.runtime import build_bundle
+
+    config = load_config(None, ["model.height=33", "attention.backend=torch"])
+    with pytest.raises(ConfigError, match=r"model.num_frames / model.height / model.width: .*33"):
+        build_bundle(config, torch.device("cpu"), torch.float32)

@@ -311,6 +311,21 @@ def test_on_error_drop_sample_masks_and_never_zeroes(plugin):
     assert metrics["reward/valid_fraction"] == pytest.approx(2 / 3)
 
 
+def test_an_overflowing_weighted_sum_follows_on_error():
+    def huge(videos, prompts, metadata):
+        return torch.tensor([3e38, 1.0, -3e38])  # finite in float32; times 2 it is not
+
+    entries = [(huge, 2.0)]
+    with pytest.raises(RewardError, match=r"reward 'weighted sum': overflows at samples \[0, 2\]"):
+        RewardMixer(entries, on_error="stop")(_videos(), ["p"] * 3)
+    with pytest.raises(RewardSkip, match=r"'weighted sum': step skipped: overflows"):
+        RewardMixer(entries, on_error="skip")(_videos(), ["p"] * 3)
+    out = RewardMixer(entries, on_error="drop_sample")(_videos(), ["p"] * 3)
+    assert out.valid.tolist() == [False, True, False]
+    assert out.dropped == {"weighted sum": [0, 2]}
+    assert out.total[1].item() == 2.0
+
+
 def test_drop_sample_still_stops_on_batch_level_failures():
     def wrong_shape(videos, prompts, metadata):
         return torch.zeros(len(videos), 2)

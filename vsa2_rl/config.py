@@ -65,6 +65,28 @@ def _check_finite_fields(section, prefix: str) -> None:
                     _check_finite_fields(item, f"{key}[{index}].")
 
 
+# The largest integer any key takes (int32's): beyond it a value is a typo, and a size
+# (group_size, num_steps) would exhaust memory or never end rather than fail.
+MAX_INT = 2**31 - 1
+MAX_ROLLOUTS_PER_STEP = 100_000
+
+
+def _check_int(value: int, key: str) -> None:
+    _check(abs(value) <= MAX_INT, key, f"must be at most 2**31 - 1 in size, got {value}")
+
+
+def _check_int_fields(section, prefix: str) -> None:
+    """Every integer of ``section`` and of its nested sections is at most ``MAX_INT`` in size."""
+    for entry in dataclasses.fields(section):
+        value, key = getattr(section, entry.name), f"{prefix}{entry.name}"
+        if dataclasses.is_dataclass(value):
+            _check_int_fields(value, f"{key}.")
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, int) and not isinstance(item, bool):
+                _check_int(item, key)
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters on the transformer (peft). Disabled = full fine-tuning."""
@@ -143,9 +165,14 @@ class ModelConfig:
                 "model.path",
                 f"{self.path} is an empty folder; point it at the model's files",
             )
-        for key in ("num_frames", "height", "width"):
+        for key in ("height", "width"):
             value = getattr(self, key)
             _check(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+        _check(
+            self.num_frames >= 2,
+            "model.num_frames",
+            f"must be >= 2 (the rewards score motion between frames), got {self.num_frames}",
+        )
         if self.kind == "wan":
             _check(
                 bool(self.path),
@@ -306,6 +333,12 @@ class SamplerConfig:
             self.noise_level >= 0, "sampler.noise_level", f"must be >= 0, got {self.noise_level}"
         )
         _check(
+            self.kind != "cps" or self.noise_level <= 1,
+            "sampler.noise_level",
+            f"must be in [0, 1] with sampler.kind=cps (its noise is sigma_next * sin(a * pi / 2)), "
+            f"got {self.noise_level}",
+        )
+        _check(
             self.guidance_scale >= 1.0,
             "sampler.guidance_scale",
             f"must be >= 1 (1 disables guidance), got {self.guidance_scale}",
@@ -438,6 +471,13 @@ class GRPOConfig:
             self.prompts_per_step >= 1,
             "grpo.prompts_per_step",
             f"must be >= 1, got {self.prompts_per_step}",
+        )
+        rollouts = self.group_size * self.prompts_per_step
+        _check(
+            rollouts <= MAX_ROLLOUTS_PER_STEP,
+            "grpo.group_size",
+            f"grpo.group_size x grpo.prompts_per_step = {rollouts:,} videos a step; at most "
+            f"{MAX_ROLLOUTS_PER_STEP:,}",
         )
         _check_choice(self.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
         _check_choice(self.loss_type, "grpo.loss_type", ("ppo_clip", "reinforce"))
@@ -638,6 +678,12 @@ class RewardsConfig:
                 f"rewards.functions[{index}].name",
                 "is missing: give a registered reward name or 'package.module:callable'",
             )
+        _check(
+            any(entry.weight != 0 for entry in self.functions),
+            "rewards.functions",
+            "every weight is 0, so every advantage would be 0 and nothing would train; give a "
+            "reward a non-zero weight",
+        )
         _check_choice(self.aggregation, "rewards.aggregation", ("reward", "advantage"))
         _check_choice(self.on_error, "rewards.on_error", ("skip", "stop", "drop_sample"))
         _check(
@@ -763,6 +809,9 @@ class EvalConfig:
             )
         for value in self.sparsities:
             _check(0.0 <= value < 1.0, "eval.sparsities", f"each must be in [0, 1), got {value}")
+        repeated = sorted({v for v in self.sparsities if self.sparsities.count(v) > 1})
+        _check(not repeated, "eval.sparsities", f"{repeated} given more than once")
+        _check(self.seed >= 0, "eval.seed", f"must be >= 0, got {self.seed}")
         _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
         _check(
             self.samples_per_prompt >= 1,
@@ -848,6 +897,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_finite_fields(self, "")
+        _check_int_fields(self, "")
+        _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         _check(bool(self.out_dir), "out_dir", "must not be empty")
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -992,6 +1043,11 @@ def _load_yaml(path: str) -> DictConfig:
         loaded = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException) as error:
         raise ConfigError(f"--config: {path} is not valid YAML: {_yaml_problem(error)}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"--config: {path} is not UTF-8 text ({error.reason} at byte "
+            f"{error.start}); save it as UTF-8"
+        ) from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(
             f"--config: {path} must hold a mapping of keys (e.g. 'train: {{num_steps: 2}}'), "

@@ -41,24 +41,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
-    """The VideoDiTBundle of ``config.model`` (docs/CONTRACTS.md), VSA2 per ``config.attention``."""
+    """The VideoDiTBundle of ``config.model`` (docs/CONTRACTS.md), VSA2 per ``config.attention``;
+    a video size the model cannot make (``bundle.latent_shape``) is a config error."""
     model: ModelConfig = config.model
     if model.kind == "toy":
         from vsa2_rl.models.toy import load_toy_bundle
 
-        return load_toy_bundle(config.attention, device=device, dtype=dtype, path=model.path)
-    from vsa2_rl.models.wan import load_wan_bundle
+        bundle = load_toy_bundle(config.attention, device=device, dtype=dtype, path=model.path)
+    else:
+        from vsa2_rl.models.wan import load_wan_bundle
 
-    cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
-    return load_wan_bundle(
-        model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache
-    )
+        cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
+        bundle = load_wan_bundle(
+            model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache
+        )
+    try:
+        bundle.latent_shape(model.num_frames, model.height, model.width)
+    except ValueError as error:
+        raise ConfigError(f"model.num_frames / model.height / model.width: {error}") from None
+    return bundle
 
 
 def read_prompt_file(path: str, key: str) -> list[str]:
     """Non-empty lines of a prompt file; an empty file is rejected naming ``key``."""
-    with open(path, encoding="utf-8") as handle:
-        prompts = [line.strip() for line in handle if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            prompts = [line.strip() for line in handle if line.strip()]
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{key}: {path} is not UTF-8 text ({error.reason} at byte {error.start}); save it "
+            "as UTF-8"
+        ) from None
     if not prompts:
         raise ConfigError(f"{key}: prompt file {path} has no prompts (one prompt per line)")
     return prompts

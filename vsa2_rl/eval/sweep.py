@@ -103,7 +103,7 @@ def reward_fns(entries: list, key: str, prefix: str = "") -> list:
     for index, entry in enumerate(entries):
         try:
             reward = get_reward(entry.name, **dict(entry.kwargs))
-        except (ValueError, OSError) as error:
+        except (ValueError, TypeError, OSError) as error:  # TypeError: a wrong-typed kwarg
             raise ConfigError(f"{key}[{index}] ({entry.name}): {error}") from None
         fns.append(Reward(prefix + reward.name, reward.fn) if prefix else reward)
     return fns
