@@ -152,3 +152,18 @@ def _batch_prompts(config):
         seed=config.seed,
     )  # fmt: skip
     return sampler.batch(0).prompt_indices
+
+
+def test_a_checkpoint_moved_out_of_its_run_exports_with_its_own_settings(tmp_path):
+    import shutil
+
+    sparse = ["attention.kv_block=64", "attention.mode=topk", "sparsity.train=0.5"]
+    run = load_config(None, [*TINY, *sparse, "sparsity.eval=0.5", f"out_dir={tmp_path / 'run'}"])
+    train(run)
+    moved = tmp_path / "elsewhere" / "step_1"
+    shutil.copytree(find_latest(tmp_path / "run" / "checkpoints"), moved)
+    folder = export(load_config(None, [f"checkpoint={moved}", f"out_dir={tmp_path / 'x'}"]))
+    with open(os.path.join(folder, "vsa2_attention.json"), encoding="utf-8") as handle:
+        settings = json.load(handle)
+    assert settings["attention"]["kv_block"] == 64 and settings["attention"]["mode"] == "topk"
+    assert settings["sparsity"]["train"] == 0.5

@@ -1033,6 +1033,18 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return config
 
 
+def config_from_tree(tree: dict[str, Any], source: str) -> RunConfig:
+    """The RunConfig of a recorded config tree (:func:`config_tree`, e.g. a checkpoint's),
+    validated like :func:`load_config`'s; errors name ``source``."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(tree))
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{source}: records an unusable config: {_friendly(error)}") from None
+    assert isinstance(config, RunConfig)
+    return config
+
+
 def _yaml_problem(error: Exception) -> str:
     return " ".join(str(error).split())  # PyYAML's multi-line report on one line
 

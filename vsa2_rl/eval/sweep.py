@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from vsa2_rl.config import ConfigError, RunConfig, load_config
+from vsa2_rl.config import ConfigError, RunConfig, config_from_tree, load_config
 from vsa2_rl.eval.media import save_video_grid
 from vsa2_rl.runtime import (
     load_model,
@@ -54,6 +55,26 @@ class EvalTarget:
     checkpoint: str | None
 
 
+def _checkpoint_config(checkpoint: str, command_line: RunConfig) -> RunConfig:
+    """What ``checkpoint`` was trained with: its own record, else the config.yaml of the run
+    folder holding it; only a checkpoint with neither falls back to ``command_line``'s settings,
+    with a warning (they may differ from the trained ones)."""
+    recorded = os.path.join(checkpoint, "config.pt")
+    if os.path.isfile(recorded):
+        tree = torch.load(recorded, map_location="cpu", weights_only=True)
+        return config_from_tree(tree, f"checkpoint: {checkpoint}")
+    run_dir = os.path.dirname(os.path.dirname(os.path.normpath(checkpoint)))
+    saved = os.path.join(run_dir, "config.yaml")
+    if os.path.isfile(saved):
+        return load_config(saved)
+    print(
+        f"warning: checkpoint {checkpoint} records no config and is not in its run folder: "
+        "using this command's model, attention and sparsity settings",
+        file=sys.stderr,
+    )
+    return command_line
+
+
 def resolve_targets(config: RunConfig) -> list[EvalTarget]:
     from vsa2_rl.rl.checkpoint import find_latest
 
@@ -78,9 +99,7 @@ def resolve_targets(config: RunConfig) -> list[EvalTarget]:
     if config.checkpoint:
         if not os.path.isdir(config.checkpoint):
             raise ConfigError(f"checkpoint: folder not found: {config.checkpoint}")
-        run_dir = os.path.dirname(os.path.dirname(os.path.normpath(config.checkpoint)))
-        saved = os.path.join(run_dir, "config.yaml")
-        trained = load_config(saved) if os.path.isfile(saved) else config
+        trained = _checkpoint_config(config.checkpoint, config)
         targets.append(
             EvalTarget(
                 os.path.basename(os.path.normpath(config.checkpoint)), trained, config.checkpoint
