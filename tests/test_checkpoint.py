@@ -272,6 +272,23 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_whole_one(tmp_path, 
         find_latest(tmp_path)
 
 
+def test_files_the_run_did_not_write_and_markers_without_a_checksum_are_refused(tmp_path):
+    staged = stage_checkpoint(tmp_path, 1)
+    (staged / "deepspeed").mkdir()
+    torch.save({"moments": torch.arange(8.0)}, staged / "deepspeed" / "rank0.pt")
+    final = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}}, staged=staged)
+    assert verify_checkpoint(final) is None
+    torch.save({"planted": 1}, final / "deepspeed" / "rank1.pt")  # unpickled by DeepSpeed
+    problem = "deepspeed/rank1.pt was not written with the checkpoint (meta.json does not record"
+    assert verify_checkpoint(final).startswith(problem)
+    os.remove(final / "deepspeed" / "rank1.pt")
+    (final / "COMPLETE").write_text("step 1\n")  # a hand-made marker: meta.json goes unchecked
+    assert (
+        verify_checkpoint(final) == "COMPLETE carries no meta.json checksum (edited, or not "
+        "written by vsa2_rl)"
+    )
+
+
 def test_a_damaged_deepspeed_shard_stops_the_resume_before_deepspeed_reads_it(tmp_path):
     # DeepSpeed unpickles its shards (weights_only=False): they are verified like every file
     staged = stage_checkpoint(tmp_path, 1)

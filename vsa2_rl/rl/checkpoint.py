@@ -116,21 +116,24 @@ def _sha256(path: Path) -> str:
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """None if the checkpoint at ``path`` is whole, else what is wrong with it (one line).
 
-    Checks the completion marker, meta.json against the checksum in the marker, and every file
-    against the size and sha256 that meta.json recorded. Checkpoints written before checksums
-    were recorded (a marker without one) pass on the marker alone.
+    Checks the completion marker and the meta.json checksum it carries, every file against the
+    size and sha256 that meta.json recorded, and that the folder holds no file meta.json does
+    not record: only the files the run wrote reach a loader (DeepSpeed unpickles its shards).
     """
     path = Path(path)
     marker = path / COMPLETE_MARKER
     if not marker.is_file():
         return f"no {COMPLETE_MARKER} marker (a save that did not finish)"
     fields = marker.read_text().split()
-    if "sha256" not in fields:
-        return None
+    if "sha256" not in fields[:-1]:
+        return (
+            f"{COMPLETE_MARKER} carries no {META_FILE} checksum (edited, or not written by vsa2_rl)"
+        )
     expected = fields[fields.index("sha256") + 1]
     if not (path / META_FILE).is_file() or _sha256(path / META_FILE) != expected:
         return f"{META_FILE} is missing or does not match the checksum in {COMPLETE_MARKER}"
-    for name, record in json.loads((path / META_FILE).read_text())["files"].items():
+    recorded = json.loads((path / META_FILE).read_text())["files"]
+    for name, record in recorded.items():
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
@@ -138,6 +141,10 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
             return f"{name} has {file.stat().st_size} bytes, {record['size']} were written"
         if _sha256(file) != record["sha256"]:
             return f"{name} does not match the checksum recorded when it was written"
+    present = {str(f.relative_to(path)) for f in path.rglob("*") if not f.is_dir()}
+    added = sorted(present - set(recorded) - {META_FILE, COMPLETE_MARKER})
+    if added:
+        return f"{added[0]} was not written with the checkpoint ({META_FILE} does not record it)"
     return None
 
 
