@@ -244,3 +244,14 @@ def test_a_video_size_the_model_cannot_make_is_a_config_error():
     config = load_config(None, ["model.height=33", "attention.backend=torch"])
     with pytest.raises(ConfigError, match=r"model.num_frames / model.height / model.width: .*33"):
         build_bundle(config, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["toy", "wan"])
+def test_a_model_path_that_holds_no_model_is_one_error_line(kind, tmp_path, capsys):
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    (unrelated / "readme.txt").write_text("not a model\n")
+    argv = ["train", f"model.kind={kind}", f"model.path={unrelated}", f"out_dir={tmp_path / 'r'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: model.path='{unrelated}'")

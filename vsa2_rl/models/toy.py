@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vsa2_rl.attention import SparsityState
-from vsa2_rl.config import VSA2Config
+from vsa2_rl.config import ConfigError, VSA2Config
 from vsa2_rl.data.synthetic import pretraining_batch, render_batch
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.text import ToyTextEncoder, WordTokenizer, toy_vocabulary
@@ -262,7 +262,7 @@ def load_toy_bundle(
     """
     path = Path(ASSET_DIR if path is None else path)
     if not (path / WEIGHTS_FILE).exists() or not (path / CONFIG_FILE).exists():
-        raise ValueError(
+        raise ConfigError(
             f"model.path={str(path)!r} has no toy checkpoint ({WEIGHTS_FILE} + {CONFIG_FILE}); "
             "leave model.path empty in a source checkout (assets/toy), point it at a folder "
             "written by scripts/build_toy_model.py, or build one there with "

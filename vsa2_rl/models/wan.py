@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
-from vsa2_rl.config import VSA2Config
+from vsa2_rl.config import ConfigError, VSA2Config
 
 WAN_TEXT_LEN = 512  # UMT5 context length of Wan2.1 (the transformer is trained on 512 tokens)
 WAN_COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
@@ -486,9 +486,9 @@ class WanBundle:
         return video.permute(0, 2, 1, 3, 4).contiguous()
 
 
-def _missing(path: str, component: str, message: str) -> ValueError:
+def _missing(path: str, component: str, message: str) -> ConfigError:
     folders = ", ".join(f"{c}/" for c in WAN_COMPONENTS)
-    return ValueError(
+    return ConfigError(
         f"model.path={path!r}: {message} Put a local diffusers Wan2.1 text-to-video folder there "
         f"(e.g. /data/Wan2.1-T2V-1.3B-Diffusers with {folders}); missing: {component}"
     )
