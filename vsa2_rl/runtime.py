@@ -11,12 +11,19 @@ from vsa2_rl.config import ConfigError, ModelConfig, RunConfig
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; an unavailable CUDA request is a config error."""
+    """``auto`` picks CUDA when present; a CUDA device this process does not see (no CUDA, or
+    ``cuda:N`` with N >= the device count) is a config error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: {name!r} requested but CUDA is not available (use device=cpu)")
-    return torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device: {name!r} requested but this process sees {torch.cuda.device_count()} CUDA "
+            "device(s); name one of them (cuda:0 ...), cuda, or cpu"
+        )
+    return device
 
 
 def resolve_reward_device(config: RunConfig, run_device: torch.device) -> torch.device:
