@@ -60,6 +60,17 @@ def _write_transformer(transformer: torch.nn.Module, folder: str) -> None:
     plain.save_pretrained(os.path.join(folder, "transformer"))
 
 
+def _check_out_dir(out_dir: str) -> None:
+    """A new or empty folder that can be made, and a parent to assemble it in and rename it
+    from (checked before the model loads)."""
+    from vsa2_rl.runtime import check_output_dir
+
+    check_output_dir(out_dir)
+    check_output_dir(os.path.dirname(os.path.abspath(out_dir)))
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"out_dir: {out_dir} is not empty; export into a new folder")
+
+
 def export(config: RunConfig) -> str:
     """Writes the export of ``config``'s run (see the module docstring); returns the folder."""
     from vsa2_rl.eval.sweep import resolve_targets
@@ -67,9 +78,8 @@ def export(config: RunConfig) -> str:
 
     if not (config.run_dir or config.checkpoint) or config.run_dirs:
         raise ConfigError("run_dir: export takes one run (run_dir=DIR or checkpoint=DIR)")
+    _check_out_dir(config.out_dir)
     (target,) = resolve_targets(config)
-    if os.path.exists(config.out_dir) and os.listdir(config.out_dir):
-        raise ConfigError(f"out_dir: {config.out_dir} is not empty; export into a new folder")
     trained = target.config
     bundle = load_model(trained, torch.device("cpu"), torch.float32, checkpoint=target.checkpoint)
     parent = os.path.dirname(os.path.abspath(config.out_dir))

@@ -26,6 +26,32 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def check_output_dir(path: str, key: str = "out_dir") -> None:
+    """Refuses, before any work, an output folder that cannot be made or written into: a file,
+    a dangling symbolic link, a path under a file, or one whose nearest existing folder (where
+    the rest would be made) this user cannot write into."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        what = "a file" if os.path.exists(path) else "a symbolic link to a missing target"
+        raise ConfigError(f"{key}: {path} is {what}, not a folder; give a new or existing folder")
+    existing = _nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ConfigError(
+            f"{key}: {path} cannot be made: {existing} is not a folder; give a path outside it"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}: {path} cannot be written: no write permission on {existing}; give a "
+            "folder you can write into"
+        )
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def resolve_reward_device(config: RunConfig, run_device: torch.device) -> torch.device:
     """Where the rewards score: ``rewards.device``, else the run's device."""
     name = config.rewards.device

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import ConfigError, RunConfig, load_config
 from vsa2_rl.eval.media import save_video_grid
 from vsa2_rl.runtime import (
+    check_output_dir,
     load_model,
     load_prompts,
     resolve_device,
@@ -251,6 +252,7 @@ def plot_sweep(rows: list[dict], path: str) -> None:
 
 def evaluate(config: RunConfig) -> list[dict]:
     """Runs the sweep of ``config.eval`` over every target; writes and returns the table rows."""
+    check_output_dir(config.out_dir)  # before the sweep, whose results would be lost
     targets = resolve_targets(config)
     rewards = _reward_fns(config)
     prompts = config.eval.select_prompts(load_prompts(config, "eval"))

@@ -57,6 +57,7 @@ from vsa2_rl.rl.nft import NFTUpdate
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.runtime import (
     build_bundle,
+    check_output_dir,
     load_prompts,
     load_trained_state,
     resolve_device,
@@ -236,6 +237,7 @@ class _Setup:
     def __init__(self, config: RunConfig):
         from accelerate import Accelerator
 
+        check_output_dir(config.out_dir)
         _refuse_abandoned_run(config)
         self.config = config
         self.accelerator = Accelerator(cpu=resolve_device(config.device).type == "cpu")
