@@ -4,6 +4,7 @@ the checkpoint's velocities; ``model.lora.init_from`` starts a run from such an 
 
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -152,3 +153,38 @@ def _batch_prompts(config):
         seed=config.seed,
     )  # fmt: skip
     return sampler.batch(0).prompt_indices
+
+
+@pytest.fixture(scope="module", params=["lora", "full"])
+def trained_run(request, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp(request.param) / "run"
+    train(
+        load_config(None, [*TINY, *(LORA if request.param == "lora" else []), f"out_dir={run_dir}"])
+    )
+    return run_dir
+
+
+def _modes(folder) -> dict[str, int]:
+    """Permission bits of the folder and of everything in it, by path relative to it."""
+    paths = [folder] + [
+        os.path.join(root, name) for root, dirs, files in os.walk(folder) for name in dirs + files
+    ]
+    return {os.path.relpath(path, folder): stat.S_IMODE(os.stat(path).st_mode) for path in paths}
+
+
+@pytest.mark.parametrize(
+    ("umask", "folders", "files"), [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)]
+)
+def test_an_export_gets_the_permissions_the_umask_gives(
+    umask, folders, files, trained_run, tmp_path
+):
+    before = os.umask(umask)
+    try:
+        folder = export(load_config(None, [f"run_dir={trained_run}", f"out_dir={tmp_path / 'x'}"]))
+    finally:
+        os.umask(before)
+    modes = _modes(folder)
+    assert len(modes) >= 4
+    assert modes == {
+        path: folders if os.path.isdir(os.path.join(folder, path)) else files for path in modes
+    }
