@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from test_trainer import TINY as TRAINER_TINY
 
+from vsa2_rl.cli import main
 from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.export import ADAPTER_WEIGHTS, VSA2_WEIGHTS, export
 from vsa2_rl.rl.checkpoint import find_latest
@@ -188,3 +189,11 @@ def test_an_export_gets_the_permissions_the_umask_gives(
     assert modes == {
         path: folders if os.path.isdir(os.path.join(folder, path)) else files for path in modes
     }
+
+
+def test_export_needs_an_out_dir_of_its_own(trained_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where the config's out_dir (runs/default) would be
+    assert main(["export", f"run_dir={trained_run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out_dir: export needs out_dir=DIR")
+    assert os.listdir(tmp_path) == []
