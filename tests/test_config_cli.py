@@ -255,3 +255,29 @@ def test_a_model_path_that_holds_no_model_is_one_error_line(kind, tmp_path, caps
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: model.path='{unrelated}'")
+
+
+@pytest.mark.parametrize("device", ["cudafoo", "cuda:1x", "cuda:x", "cuda:-1", "cuda0", "tpu"])
+def test_a_device_that_is_not_a_device_names_the_key(device):
+    with pytest.raises(ConfigError, match=rf"^device: got '{device}', expected auto, cpu or"):
+        load_config(None, [f"device={device}"])
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"), [("cuda", "cuda"), ("cuda:1", "cuda:1"), ("cpu", "cpu")]
+)
+def test_devices_this_process_sees_resolve(device, expected, monkeypatch):
+    from vsa2_rl.runtime import resolve_device
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert str(resolve_device(device)) == expected
+
+
+def test_a_cuda_index_this_process_does_not_see_is_one_error_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert main(["eval", "device=cuda:2", f"out_dir={tmp_path / 'eval'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: device: 'cuda:2' requested but this process sees 2 CUDA")

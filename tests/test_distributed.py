@@ -10,6 +10,7 @@ configs/accelerate/fsdp2.yaml`` starts them through torchrun, and the FSDP2 test
 trainer under it through tests/fsdp2_cpu_worker.py (accelerate enables FSDP on GPUs only).
 """
 
+import fcntl
 import json
 import os
 import subprocess
@@ -82,6 +83,26 @@ def test_two_processes_match_one_process(tmp_path):
         for key in ("reward/mean", "reward/std", "loss/policy", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (a["step"], key)
         assert b["train/ratio_dev_first"] < 1e-3
+
+
+def test_a_run_folder_in_use_stops_every_rank(tmp_path):
+    """Only the main process locks out_dir (it alone writes there); the other ranks learn that
+    the folder is in use from it and stop with it, instead of waiting for it forever."""
+    from vsa2_rl.rl.run_folder import LOCK_FILE
+
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    with open(out_dir / LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running training run holds it
+        result = subprocess.run(
+            [*TORCHRUN, "train_rl.py", *TINY, f"out_dir={out_dir}"],
+            cwd=REPO, capture_output=True, text=True, timeout=240,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    assert result.returncode != 0
+    error = f"error: out_dir: {out_dir} is in use by another training run"
+    assert result.stderr.count(error) == 2, result.stderr[-3000:]  # one line from each rank
+    assert os.listdir(out_dir) == [LOCK_FILE]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "sequence_parallel"])

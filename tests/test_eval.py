@@ -135,3 +135,37 @@ def test_sample_videos_are_also_written_as_mp4_where_opencv_encodes():
     assert len(frames) == 8 and frames[0].shape == (32, 64, 3)
     means = [float(frame.mean()) / 255 for frame in frames]
     assert means == pytest.approx(ramp[0, :, 0, 0, 0].tolist(), abs=0.05)
+
+
+def test_run_labels_are_the_shortest_distinct_path_suffixes():
+    from vsa2_rl.eval.sweep import run_labels
+
+    paths = ["x/A/run", "/y/B/run/", "z/other", "w/A/b", "v/C/b"]
+    assert run_labels(paths) == ["A/run", "B/run", "other", "A/b", "C/b"]
+    assert run_labels(["runs/a", "runs/b"]) == ["a", "b"]
+
+
+def test_runs_with_the_same_folder_name_get_their_own_rows_and_samples(tmp_path):
+    import shutil
+
+    from test_trainer import TINY
+
+    from vsa2_rl.rl.trainer import train
+
+    first, second = tmp_path / "A" / "run", tmp_path / "B" / "run"
+    train(load_config(None, [*TINY, "train.num_steps=1", f"out_dir={first}"]))
+    shutil.copytree(first, second)
+    out = tmp_path / "eval"
+    config = load_config(
+        None, [*SMALL, f"run_dirs=[{first},{second}]", f"out_dir={out}", "eval.sparsities=[0.9]"]
+    )
+    assert [row["run"] for row in evaluate(config)] == ["A/run", "B/run"]
+    assert [row["run"] for row in json.loads((out / "eval.json").read_text())] == ["A/run", "B/run"]
+    assert (out / "samples" / "A" / "run" / "sparsity_0.9.png").exists()
+    assert (out / "samples" / "B" / "run" / "sparsity_0.9.png").exists()
+
+
+def test_a_run_given_twice_is_refused(tmp_path):
+    config = load_config(None, [*SMALL, f"run_dirs=[{tmp_path},{tmp_path}/]"])
+    with pytest.raises(ConfigError, match=r"^run_dirs: .* is given twice"):
+        evaluate(config)

@@ -4,12 +4,14 @@ the checkpoint's velocities; ``model.lora.init_from`` starts a run from such an 
 
 import json
 import os
+import stat
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_trainer import TINY as TRAINER_TINY
 
+from vsa2_rl.cli import main
 from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.export import ADAPTER_WEIGHTS, VSA2_WEIGHTS, export
 from vsa2_rl.rl.checkpoint import find_latest
@@ -167,3 +169,46 @@ def test_a_checkpoint_moved_out_of_its_run_exports_with_its_own_settings(tmp_pat
         settings = json.load(handle)
     assert settings["attention"]["kv_block"] == 64 and settings["attention"]["mode"] == "topk"
     assert settings["sparsity"]["train"] == 0.5
+
+
+@pytest.fixture(scope="module", params=["lora", "full"])
+def trained_run(request, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp(request.param) / "run"
+    train(
+        load_config(None, [*TINY, *(LORA if request.param == "lora" else []), f"out_dir={run_dir}"])
+    )
+    return run_dir
+
+
+def _modes(folder) -> dict[str, int]:
+    """Permission bits of the folder and of everything in it, by path relative to it."""
+    paths = [folder] + [
+        os.path.join(root, name) for root, dirs, files in os.walk(folder) for name in dirs + files
+    ]
+    return {os.path.relpath(path, folder): stat.S_IMODE(os.stat(path).st_mode) for path in paths}
+
+
+@pytest.mark.parametrize(
+    ("umask", "folders", "files"), [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)]
+)
+def test_an_export_gets_the_permissions_the_umask_gives(
+    umask, folders, files, trained_run, tmp_path
+):
+    before = os.umask(umask)
+    try:
+        folder = export(load_config(None, [f"run_dir={trained_run}", f"out_dir={tmp_path / 'x'}"]))
+    finally:
+        os.umask(before)
+    modes = _modes(folder)
+    assert len(modes) >= 4
+    assert modes == {
+        path: folders if os.path.isdir(os.path.join(folder, path)) else files for path in modes
+    }
+
+
+def test_export_needs_an_out_dir_of_its_own(trained_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where the config's out_dir (runs/default) would be
+    assert main(["export", f"run_dir={trained_run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out_dir: export needs out_dir=DIR")
+    assert os.listdir(tmp_path) == []

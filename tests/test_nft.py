@@ -18,6 +18,7 @@ from vsa2_rl.rl import trainer as trainer_module
 from vsa2_rl.rl.checkpoint import load_checkpoint
 from vsa2_rl.rl.grpo import GroupedPromptSampler, group_advantages
 from vsa2_rl.rl.nft import OldPolicy, implicit_policies, nft_loss, optimality_probability
+from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import build_bundle, load_prompts
 
@@ -341,7 +342,8 @@ def test_nft_trains_only_at_noise_levels_within_its_sigma_range(sampling, tmp_pa
 @pytest.mark.parametrize("group_noise", [False, True])
 def test_group_noise_gives_a_groups_samples_the_same_noise_levels_and_noise(group_noise, tmp_path):
     config = _config(tmp_path, "sampler.kind=ode", f"nft.group_noise={str(group_noise).lower()}")
-    update = trainer_module._Run(config).nft
+    with RunFolder(config.out_dir) as folder:
+        update = trainer_module._Run(config, folder).nft
     # two chunks of 3 and 1 samples; groups 5, 5, 8 | 8 (a group may straddle chunks)
     rollouts = SimpleNamespace(
         chunks=[

@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
         "(run_dir=DIR | run_dirs=[...] | checkpoint=DIR | model.path=DIR).",
         "export": "Write a run's weights as a peft adapter (LoRA runs) or a diffusers folder "
         "(full fine-tuning), plus the VSA2 parameters and their attention settings "
-        "(run_dir=DIR | checkpoint=DIR, out_dir=DIR).",
+        "(run_dir=DIR | checkpoint=DIR, and out_dir=DIR: required, a new or empty folder; the "
+        "config's out_dir is a training run's folder, never an export's).",
     }
     for name, description in descriptions.items():
         command = commands.add_parser(
@@ -76,6 +77,16 @@ def _serve_reward(args) -> None:
     serve(reward, args.host, args.port, args.max_request_mb)
 
 
+def _refuse_export_without_out_dir(overrides: list[str]) -> None:
+    """An export goes where ``out_dir=`` on the command line says, as ``save_pretrained`` writes
+    where it is told: the config's own ``out_dir`` (``runs/default``) is a training run's."""
+    if not any(item.split("=", 1)[0].strip() == "out_dir" for item in overrides):
+        raise ConfigError(
+            "out_dir: export needs out_dir=DIR on the command line, a new or empty folder for "
+            "the export (e.g. out_dir=exports/my_run)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve-reward":
@@ -89,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if bad:
             raise ConfigError(f"{bad[0]}: overrides must be KEY=VALUE (e.g. train.num_steps=2)")
+        if args.command == "export":
+            _refuse_export_without_out_dir(args.overrides)
         config = load_config(args.config, args.overrides)
         if args.command == "train":
             from vsa2_rl.rl.trainer import train

@@ -901,7 +901,7 @@ class RunConfig:
         _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         _check(bool(self.out_dir), "out_dir", "must not be empty")
         _check(
-            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
             "device",
             f"got {self.device!r}, expected auto, cpu or cuda[:N]",
         )

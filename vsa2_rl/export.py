@@ -13,7 +13,7 @@ run kept an EMA, into ``out_dir``:
   they were trained with and where they came from.
 
 Nothing is written unless every file is: the folder is assembled next to ``out_dir`` and renamed
-into place.
+into place, with the permissions the umask gives (0755 folders, 0644 files under umask 022).
 """
 
 from __future__ import annotations
@@ -60,6 +60,29 @@ def _write_transformer(transformer: torch.nn.Module, folder: str) -> None:
     plain.save_pretrained(os.path.join(folder, "transformer"))
 
 
+def _give_usual_permissions(folder: str) -> None:
+    """The modes the umask gives a folder made by hand (0755 folders, 0644 files under umask
+    022), so that other users of a shared server can read the export: ``mkdtemp`` makes the
+    staging folder owner-only, and safetensors writes its files owner-only."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """A new or empty folder that can be made, and a parent to assemble it in and rename it
+    from (checked before the model loads)."""
+    from vsa2_rl.runtime import check_output_dir
+
+    check_output_dir(out_dir)
+    check_output_dir(os.path.dirname(os.path.abspath(out_dir)))
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"out_dir: {out_dir} is not empty; export into a new folder")
+
+
 def export(config: RunConfig) -> str:
     """Writes the export of ``config``'s run (see the module docstring); returns the folder."""
     from vsa2_rl.eval.sweep import resolve_targets
@@ -67,9 +90,8 @@ def export(config: RunConfig) -> str:
 
     if not (config.run_dir or config.checkpoint) or config.run_dirs:
         raise ConfigError("run_dir: export takes one run (run_dir=DIR or checkpoint=DIR)")
+    _check_out_dir(config.out_dir)
     (target,) = resolve_targets(config)
-    if os.path.exists(config.out_dir) and os.listdir(config.out_dir):
-        raise ConfigError(f"out_dir: {config.out_dir} is not empty; export into a new folder")
     trained = target.config
     bundle = load_model(trained, torch.device("cpu"), torch.float32, checkpoint=target.checkpoint)
     parent = os.path.dirname(os.path.abspath(config.out_dir))
@@ -89,6 +111,7 @@ def export(config: RunConfig) -> str:
         }
         with open(os.path.join(staging, VSA2_SETTINGS), "w", encoding="utf-8") as handle:
             json.dump(settings, handle, indent=2)
+        _give_usual_permissions(staging)
         if os.path.isdir(config.out_dir):
             os.rmdir(config.out_dir)  # empty (checked above)
         os.rename(staging, config.out_dir)

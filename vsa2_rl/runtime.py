@@ -11,12 +11,45 @@ from vsa2_rl.config import ConfigError, ModelConfig, RunConfig
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; an unavailable CUDA request is a config error."""
+    """``auto`` picks CUDA when present; a CUDA device this process does not see (no CUDA, or
+    ``cuda:N`` with N >= the device count) is a config error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: {name!r} requested but CUDA is not available (use device=cpu)")
-    return torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device: {name!r} requested but this process sees {torch.cuda.device_count()} CUDA "
+            "device(s); name one of them (cuda:0 ...), cuda, or cpu"
+        )
+    return device
+
+
+def check_output_dir(path: str, key: str = "out_dir") -> None:
+    """Refuses, before any work, an output folder that cannot be made or written into: a file,
+    a dangling symbolic link, a path under a file, or one whose nearest existing folder (where
+    the rest would be made) this user cannot write into."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        what = "a file" if os.path.exists(path) else "a symbolic link to a missing target"
+        raise ConfigError(f"{key}: {path} is {what}, not a folder; give a new or existing folder")
+    existing = _nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ConfigError(
+            f"{key}: {path} cannot be made: {existing} is not a folder; give a path outside it"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}: {path} cannot be written: no write permission on {existing}; give a "
+            "folder you can write into"
+        )
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def resolve_reward_device(config: RunConfig, run_device: torch.device) -> torch.device:

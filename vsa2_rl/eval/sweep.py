@@ -7,9 +7,10 @@ the deterministic ODE from the same seeded noise, decoded and scored by every co
 Nothing is written until every cell succeeded, so a failing reward never leaves a partial table
 that looks complete. Outputs in ``out_dir``: ``eval.json`` (one row per run and sparsity, in the
 given order), ``eval.md`` (the same as a table), ``eval.png`` (each reward and the latency against
-sparsity, a line per run) and ``samples/<run>/sparsity_<s>.png|.gif``. The latency is the
-sampling time per video after one untimed warm-up call at each sparsity (compilation and kernel
-autotuning at a new setting are not latency).
+sparsity, a line per run) and ``samples/<run>/sparsity_<s>.png|.gif``, where ``<run>`` is the
+run's folder name, with as many parent folders as it takes to tell the runs apart (``A/run``,
+``B/run``). The latency is the sampling time per video after one untimed warm-up call at each
+sparsity (compilation and kernel autotuning at a new setting are not latency).
 
 The hard-to-easy claim of VSA2 (train at high sparsity, evaluate lower) is checked by running a
 sparse-trained and a dense-trained run through the same sweep (README, "Hard-to-easy").
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import ConfigError, RunConfig, config_from_tree, load_config
 from vsa2_rl.eval.media import save_video_grid
 from vsa2_rl.runtime import (
+    check_output_dir,
     load_model,
     load_prompts,
     resolve_device,
@@ -75,11 +77,37 @@ def _checkpoint_config(checkpoint: str, command_line: RunConfig) -> RunConfig:
     return command_line
 
 
+def run_labels(paths: list[str]) -> list[str]:
+    """Per path, its shortest trailing run of folder names that no other path ends with: the
+    folder name where that is unique, else as many parents as it takes (``A/run``, ``B/run``)."""
+    parts = [os.path.abspath(path).strip(os.sep).split(os.sep) for path in paths]
+    labels = []
+    for index, mine in enumerate(parts):
+        others = parts[:index] + parts[index + 1 :]
+        size = next(
+            (n for n in range(1, len(mine)) if all(o[-n:] != mine[-n:] for o in others)),
+            len(mine),
+        )
+        labels.append("/".join(mine[-size:]))
+    return labels
+
+
+def _refuse_repeated_runs(run_dirs: list[str]) -> None:
+    seen = set()
+    for run_dir in run_dirs:
+        if os.path.abspath(run_dir) in seen:
+            raise ConfigError(f"run_dirs: {run_dir} is given twice; list each run once")
+        seen.add(os.path.abspath(run_dir))
+
+
 def resolve_targets(config: RunConfig) -> list[EvalTarget]:
+    """The models to evaluate, each labelled (table rows, sample folders) by the shortest end of
+    its path that tells it apart from the others (:func:`run_labels`)."""
     from vsa2_rl.rl.checkpoint import find_latest
 
     run_dirs = list(config.run_dirs) + ([config.run_dir] if config.run_dir else [])
-    targets = []
+    _refuse_repeated_runs(run_dirs)
+    found = []  # (path, the config it was trained with, checkpoint)
     for run_dir in run_dirs:
         saved = os.path.join(run_dir, "config.yaml")
         if not os.path.isfile(saved):
@@ -93,21 +121,19 @@ def resolve_targets(config: RunConfig) -> list[EvalTarget]:
                 f"run_dir: no complete checkpoint under {os.path.join(run_dir, 'checkpoints')} "
                 "(train longer or point checkpoint= at a checkpoint folder)"
             )
-        targets.append(
-            EvalTarget(os.path.basename(os.path.normpath(run_dir)), load_config(saved), str(latest))
-        )
+        found.append((run_dir, load_config(saved), str(latest)))
     if config.checkpoint:
         if not os.path.isdir(config.checkpoint):
             raise ConfigError(f"checkpoint: folder not found: {config.checkpoint}")
         trained = _checkpoint_config(config.checkpoint, config)
-        targets.append(
-            EvalTarget(
-                os.path.basename(os.path.normpath(config.checkpoint)), trained, config.checkpoint
-            )
-        )
-    if not targets:  # the plain model of config.model (model.path= or the shipped toy)
-        targets.append(EvalTarget(os.path.basename(config.model.path or "toy"), config, None))
-    return targets
+        found.append((config.checkpoint, trained, config.checkpoint))
+    if not found:  # the plain model of config.model (model.path= or the shipped toy)
+        return [EvalTarget(os.path.basename(config.model.path or "toy"), config, None)]
+    labels = run_labels([path for path, _, _ in found])
+    return [
+        EvalTarget(label, trained, checkpoint)
+        for label, (_, trained, checkpoint) in zip(labels, found, strict=True)
+    ]
 
 
 GUARD_PREFIX = "guard/"
@@ -270,6 +296,7 @@ def plot_sweep(rows: list[dict], path: str) -> None:
 
 def evaluate(config: RunConfig) -> list[dict]:
     """Runs the sweep of ``config.eval`` over every target; writes and returns the table rows."""
+    check_output_dir(config.out_dir)  # before the sweep, whose results would be lost
     targets = resolve_targets(config)
     rewards = _reward_fns(config)
     prompts = config.eval.select_prompts(load_prompts(config, "eval"))

@@ -54,9 +54,11 @@ from vsa2_rl.rl.grpo import (
     grpo_loss,
 )
 from vsa2_rl.rl.nft import NFTUpdate
+from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.runtime import (
     build_bundle,
+    check_output_dir,
     load_prompts,
     load_trained_state,
     resolve_device,
@@ -231,15 +233,18 @@ def _refuse_abandoned_run(config: RunConfig) -> None:
 
 
 class _Setup:
-    """Everything the loop needs, built before any file is written."""
+    """Everything the loop needs, built before any file of the run is written (``folder`` is
+    locked first, so that no other run writes there meanwhile)."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, folder: RunFolder):
         from accelerate import Accelerator
 
-        _refuse_abandoned_run(config)
+        check_output_dir(config.out_dir)
         self.config = config
         self.accelerator = Accelerator(cpu=resolve_device(config.device).type == "cpu")
         engines.check_options(self.accelerator, config)
+        folder.claim(self.accelerator)
+        _refuse_abandoned_run(config)  # under the lock: no other run adds to the folder
         self.device = self.accelerator.device
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.prompts = load_prompts(config, "train")
@@ -402,13 +407,13 @@ class _Run:
     iteration (:meth:`rollout`, :meth:`score`, :meth:`update`, :meth:`checkpoint_if_due`) that
     :func:`train` strings together."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, folder: RunFolder):
         from vsa2_rl.models.wan import compile_blocks
         from vsa2_rl.rl.ema import EMA
         from vsa2_rl.rl.schedule import SparsitySchedule
 
         self.config = config
-        self.setup = setup = _Setup(config)  # all validation and loading, nothing written
+        self.setup = setup = _Setup(config, folder)  # all validation and loading
         self.acc, self.bundle, self.device = setup.accelerator, setup.bundle, setup.device
         self.is_main = self.acc.is_main_process
         transformer = self.bundle.transformer
@@ -888,34 +893,36 @@ class _Run:
 
 def train(config: RunConfig) -> dict:
     """Runs RL fine-tuning (``grpo.algorithm``); returns a summary (start/end rewards, out_dir)."""
-    run = _Run(config)  # every check and all loading happen before anything is written
-    start_step = run.resume()
-    if start_step == 0 and run.evaluation_due(0):
-        run.logger.log(0, run.evaluate(0, run.schedule(0).eval))
-    run.acc.wait_for_everyone()
-    steps = range(start_step + 1, config.train.num_steps + 1)
-    bar = tqdm(steps, desc="GRPO", disable=not (run.is_main and config.logging.progress))
-    for step in bar:
-        sparsities = run.schedule(step)
-        metrics: dict = {
-            "sparsity/rollout": sparsities.rollout,
-            "sparsity/train": sparsities.train,
-            "sparsity/eval": sparsities.eval,
-        }
-        with run.sampling_policy():
-            rollouts = run.rollout(step, sparsities.rollout, metrics)
-        if not run.score(step, rollouts, metrics):  # a reward asked to skip the step
-            run.logger.log(step, {**metrics, "train/skipped_reward": 1})
-            run.checkpoint_if_due(step)  # the weights are unchanged, the step still counts
-            continue
-        run.update(step, rollouts, sparsities.train, metrics)
-        if run.evaluation_due(step):
-            metrics.update(run.evaluate(step, sparsities.eval))
+    with RunFolder(config.out_dir) as folder:  # one run per out_dir; a failed start leaves none
+        run = _Run(config, folder)  # every check and all loading happen before the run writes
+        start_step = run.resume()
+        folder.keep()  # under way: from here on a failure leaves the folder to train.resume=auto
+        if start_step == 0 and run.evaluation_due(0):
+            run.logger.log(0, run.evaluate(0, run.schedule(0).eval))
         run.acc.wait_for_everyone()
-        run.logger.log(step, metrics)
-        bar.set_postfix(
-            reward=f"{metrics['reward/mean']:.3f}", density=f"{metrics['attn/density']:.2f}"
-        )
-        run.save_samples(step, rollouts)
-        run.checkpoint_if_due(step)
-    return run.summary()
+        steps = range(start_step + 1, config.train.num_steps + 1)
+        bar = tqdm(steps, desc="GRPO", disable=not (run.is_main and config.logging.progress))
+        for step in bar:
+            sparsities = run.schedule(step)
+            metrics: dict = {
+                "sparsity/rollout": sparsities.rollout,
+                "sparsity/train": sparsities.train,
+                "sparsity/eval": sparsities.eval,
+            }
+            with run.sampling_policy():
+                rollouts = run.rollout(step, sparsities.rollout, metrics)
+            if not run.score(step, rollouts, metrics):  # a reward asked to skip the step
+                run.logger.log(step, {**metrics, "train/skipped_reward": 1})
+                run.checkpoint_if_due(step)  # the weights are unchanged, the step still counts
+                continue
+            run.update(step, rollouts, sparsities.train, metrics)
+            if run.evaluation_due(step):
+                metrics.update(run.evaluate(step, sparsities.eval))
+            run.acc.wait_for_everyone()
+            run.logger.log(step, metrics)
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}", density=f"{metrics['attn/density']:.2f}"
+            )
+            run.save_samples(step, rollouts)
+            run.checkpoint_if_due(step)
+        return run.summary()
