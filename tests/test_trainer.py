@@ -260,6 +260,24 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
         assert torch.equal(before[key], after[key]), key
 
 
+def test_videos_that_turn_nan_stop_the_run_by_name(tmp_path, monkeypatch, capsys):
+    from vsa2_rl.cli import main
+    from vsa2_rl.models.toy import ToyBundle
+
+    real_decode = ToyBundle.decode
+
+    def decode(self, latents):
+        videos = real_decode(self, latents)
+        videos[1] = float("nan")  # the second video of every chunk
+        return videos
+
+    monkeypatch.setattr(ToyBundle, "decode", decode)
+    argv = ["train", *TINY, "train.num_steps=1", f"out_dir={tmp_path / 'run'}"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: step 1: 1 rollout video(s) hold NaN or inf (samples [1])")
+
+
 def test_lora_with_kl_to_the_reference(tmp_path):
     config = _config(tmp_path, "train.num_steps=2", "model.lora.enabled=true", "grpo.kl_beta=0.1")
     train(config)

@@ -121,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     except RewardError as error:  # a reward failed (rewards.on_error=stop, or during eval)
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except RuntimeError as error:
+        from vsa2_rl.rl.trainer import RolloutDiverged
+
+        if not isinstance(error, RolloutDiverged):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

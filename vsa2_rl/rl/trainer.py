@@ -69,6 +69,10 @@ from vsa2_rl.runtime import (
 from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule, step_log_prob
 
 
+class RolloutDiverged(RuntimeError):
+    """The rollouts' videos hold NaN or inf: the model (or the sampler) diverged."""
+
+
 @dataclass
 class Rollout:
     """One chunk of rollouts on this rank (all tensors on the training device)."""
@@ -596,6 +600,7 @@ class _Run:
         if self.kl_in_reward:
             for chunk in chunks:
                 chunk.kl_penalty = self._kl_penalty(chunk, stochastic)
+        self._refuse_nonfinite_videos(step, videos, global_index)
         total = self.acc.reduce(torch.tensor([float(evaluations)], device=device), reduction="sum")
         metrics["perf/rollout_evals"] = float(total.item())
         density = state.pop_density()
@@ -605,6 +610,19 @@ class _Run:
             batch.prompt_indices, batch.group_ids, prompts, global_index, chunks,
             torch.cat(videos).float(), stochastic, pending,
         )  # fmt: skip
+
+    def _refuse_nonfinite_videos(self, step: int, videos: list, global_index: list) -> None:
+        """Stops every rank, naming the samples, when any rank's videos hold NaN or inf (before
+        a reward would fail on them with a message about its input)."""
+        finite = torch.cat([torch.isfinite(v.flatten(1)).all(dim=1) for v in videos])
+        bad = [global_index[i] for i in (~finite).nonzero().flatten().tolist()]
+        count = self.acc.gather(torch.tensor([float(len(bad))], device=self.device)).sum()
+        if count > 0:
+            raise RolloutDiverged(
+                f"step {step}: {int(count.item())} rollout video(s) hold NaN or inf (samples "
+                f"{bad or 'on other ranks'}): the model or the sampler diverged; resume from the "
+                "last checkpoint with a lower train.learning_rate or sampler.noise_level"
+            )
 
     # ---- rewards and advantages ------------------------------------------------------------
 
