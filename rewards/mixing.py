@@ -1,7 +1,7 @@
 """Computing several rewards at once and combining them with weights.
 
 ``RewardMixer`` builds every reward of a list of ``(spec, weight, kwargs)`` entries and computes
-them concurrently in a thread pool, so CPU rewards (OpenCV flow, image statistics) overlap with
+them concurrently in threads, so CPU rewards (OpenCV flow, image statistics) overlap with
 GPU rewards (CLIP, RAFT); OpenCV and torch release the GIL in their kernels.
 
 Two aggregation levels (``aggregation``), as in multi-reward Flow-GRPO / DanceGRPO recipes:
@@ -13,7 +13,7 @@ Two aggregation levels (``aggregation``), as in multi-reward Flow-GRPO / DanceGR
   ``adv = mixer.combine_advantages({n: advantage_fn(r) for n, r in output.rewards.items()})``.
 
 Failure policy (``on_error``): a reward that raises, returns the wrong shape/dtype or non-finite
-values is reported by name through :class:`RewardError`.
+values, or runs longer than ``timeout_s``, is reported by name through :class:`RewardError`.
 
 - ``"stop"``: the first failing reward's ``RewardError`` propagates (the run stops).
 - ``"skip"``: a :class:`RewardSkip` (a ``RewardError``) is raised; the trainer catches it and
@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,14 @@ def _parse_entry(index: int, entry: Any) -> tuple[Any, float, dict]:
     return spec, float(weight), dict(kwargs)
 
 
+def _call_into(run: Callable[[Reward], torch.Tensor], reward: Reward, box: list) -> None:
+    """``box.append`` of ``run(reward)``, or of what it raised (a reward thread's target)."""
+    try:
+        box.append(run(reward))
+    except BaseException as error:  # handed to the caller, which raises it
+        box.append(error)
+
+
 class RewardMixer:
     """Computes weighted rewards concurrently; see the module docstring for the policies."""
 
@@ -148,6 +157,7 @@ class RewardMixer:
         aggregation: str = "reward",
         on_error: str = "stop",
         num_workers: int = 2,
+        timeout_s: float | None = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(
@@ -157,6 +167,9 @@ class RewardMixer:
             raise ValueError(f"rewards.on_error: got {on_error!r}, expected one of {ON_ERROR}")
         if num_workers < 1:
             raise ValueError(f"rewards.num_workers: must be >= 1, got {num_workers}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"rewards.timeout_s: must be > 0 or empty, got {timeout_s}")
+        self.timeout_s = timeout_s
         self.aggregation = aggregation
         self.on_error = on_error
         self.num_workers = num_workers
@@ -178,12 +191,13 @@ class RewardMixer:
 
     @classmethod
     def from_config(cls, config: Any) -> RewardMixer:
-        """From a ``RewardsConfig`` (fields functions, aggregation, on_error, num_workers)."""
+        """From a ``RewardsConfig`` (functions, aggregation, on_error, num_workers, timeout_s)."""
         return cls(
             config.functions,
             aggregation=config.aggregation,
             on_error=config.on_error,
             num_workers=config.num_workers,
+            timeout_s=config.timeout_s,
         )
 
     @property
@@ -197,17 +211,35 @@ class RewardMixer:
     def _run_all(
         self, run: Callable[[Reward], torch.Tensor]
     ) -> dict[str, torch.Tensor | RewardError]:
-        def guarded(reward: Reward) -> torch.Tensor | RewardError:
-            try:
-                return run(reward)
-            except RewardError as exc:
-                return exc
+        """Every reward's value or RewardError, ``num_workers`` at a time, each in a daemon
+        thread: one still running ``timeout_s`` after its start becomes a RewardError and is left
+        behind (a thread cannot be stopped, but it holds up neither the run nor its exit, and
+        Ctrl-C interrupts the wait)."""
+        names, results = list(self.rewards), {}
+        for start in range(0, len(names), self.num_workers):
+            boxes = {name: [] for name in names[start : start + self.num_workers]}
+            threads = [
+                threading.Thread(
+                    target=_call_into, args=(run, self.rewards[name], boxes[name]),
+                    name=f"reward-{name}", daemon=True,
+                )
+                for name in boxes
+            ]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+            for thread, (name, box) in zip(threads, boxes.items(), strict=True):
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                results[name] = box[0] if box else self._timed_out(name)
+        for result in results.values():
+            if isinstance(result, BaseException) and not isinstance(result, RewardError):
+                raise result
+        return results
 
-        if self.num_workers == 1 or len(self.rewards) == 1:
-            return {name: guarded(reward) for name, reward in self.rewards.items()}
-        with ThreadPoolExecutor(min(self.num_workers, len(self.rewards))) as pool:
-            futures = {name: pool.submit(guarded, reward) for name, reward in self.rewards.items()}
-            return {name: future.result() for name, future in futures.items()}
+    def _timed_out(self, name: str) -> RewardError:
+        return RewardError(
+            name, f"did not finish within rewards.timeout_s={self.timeout_s:g} s (left running)"
+        )
 
     def __call__(
         self,

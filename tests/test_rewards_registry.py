@@ -326,6 +326,39 @@ def test_an_overflowing_weighted_sum_follows_on_error():
     assert out.total[1].item() == 2.0
 
 
+def test_a_reward_past_its_timeout_fails_by_name_and_is_left_behind():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def hangs(videos, prompts, metadata):
+        release.wait(30)  # bounded: the test releases it at its end
+        return torch.zeros(len(videos))
+
+    entries = [(hangs, 1.0), ("image_quality", 1.0)]
+    try:
+        for on_error, error in (("stop", RewardError), ("skip", RewardSkip)):
+            start = time.monotonic()
+            with pytest.raises(error, match=r"'hangs': .*did not finish within rewards.timeout_s"):
+                RewardMixer(entries, on_error=on_error, timeout_s=0.3)(_videos(), ["p"] * 3)
+            assert time.monotonic() - start < 5
+        fast = RewardMixer([("image_quality", 1.0)], timeout_s=30)(_videos(), ["p"] * 3)
+        assert fast.valid.all()
+    finally:
+        release.set()
+    with pytest.raises(ValueError, match=r"rewards.timeout_s: must be > 0"):
+        RewardMixer(entries, timeout_s=0)
+
+
+def test_an_error_that_is_not_a_reward_failure_still_propagates():
+    def broken_contract(videos, prompts, metadata):
+        raise KeyboardInterrupt  # not wrapped by the reward: the run must see it
+
+    with pytest.raises(KeyboardInterrupt):
+        RewardMixer([(broken_contract, 1.0), ("image_quality", 1.0)])(_videos(), ["p"] * 3)
+
+
 def test_drop_sample_still_stops_on_batch_level_failures():
     def wrong_shape(videos, prompts, metadata):
         return torch.zeros(len(videos), 2)
@@ -374,3 +407,38 @@ def test_system_exit_and_in_place_edits_are_reward_failures():
     )
     with pytest.raises(RewardSkip, match=r"reward 'exits'"):
         mixer(_videos(batch=2), ["a", "b"])
+
+
+def test_one_ctrl_c_stops_a_mixer_waiting_on_a_hung_reward(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import threading, torch
+            from vsa2_rl.rewards import RewardMixer
+
+            def hangs(videos, prompts, metadata):
+                threading.Event().wait()
+                return torch.zeros(len(videos))
+
+            mixer = RewardMixer([(hangs, 1.0), ("image_quality", 1.0)], num_workers=2)
+            print("scoring", flush=True)
+            mixer(torch.rand(2, 3, 3, 8, 8), ["a", "b"])
+            """
+        )
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout.readline().strip() == "scoring"
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    assert "KeyboardInterrupt" in err

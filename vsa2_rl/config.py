@@ -650,6 +650,11 @@ class RewardsConfig:
         default="skip",
     )
     num_workers: int = _doc("Threads computing rewards concurrently.", default=2)
+    timeout_s: float | None = _doc(
+        "Seconds a reward may take on one batch; one that takes longer fails as if it had "
+        "raised (rewards.on_error) and its thread is left running. Empty = no limit.",
+        default=None,
+    )
     device: str | None = _doc(
         "Device the rewards score on, e.g. 'cuda:1' or 'cpu': the decoded videos move there "
         "and learned scorers load there on first use (once per process); empty = the run's "
@@ -688,6 +693,11 @@ class RewardsConfig:
         _check_choice(self.on_error, "rewards.on_error", ("skip", "stop", "drop_sample"))
         _check(
             self.num_workers >= 1, "rewards.num_workers", f"must be >= 1, got {self.num_workers}"
+        )
+        _check(
+            self.timeout_s is None or self.timeout_s > 0,
+            "rewards.timeout_s",
+            f"must be > 0 (or empty for no limit), got {self.timeout_s}",
         )
 
 
@@ -1141,6 +1151,7 @@ RESUMABLE_KEYS = (
     "train.sample_every",
     "rewards.num_workers",
     "rewards.on_error",
+    "rewards.timeout_s",
     "rewards.device",
     "rewards.async_scoring",
     "prompts.eval_file",
