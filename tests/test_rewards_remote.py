@@ -2,10 +2,14 @@
 as the reward does locally (on the 8-bit videos it receives), bounds request sizes, and when it
 is killed the client's error names the address and the mixer's on_error policy applies."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,18 +22,58 @@ from vsa2_rl.rewards.remote import encode_request
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def server():
-    """A served ``test_trainer:brightness`` on a free port; yields its URL, kills it after."""
-    command = [sys.executable, "-m", "vsa2_rl.cli", "serve-reward", "--port", "0",
-               "--reward", "test_trainer:brightness", "--max-request-mb", "1"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+SERVE = [sys.executable, "-m", "vsa2_rl.cli", "serve-reward"]
+ENV = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
+
+
+def _start(*options):
+    """A served ``test_trainer:brightness`` on a free port: (process, its URL)."""
+    command = [*SERVE, "--port", "0", "--reward", "test_trainer:brightness", *options]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
     line = process.stdout.readline()  # "serving reward NAME on http://127.0.0.1:PORT"
     assert "serving reward brightness on http://127.0.0.1:" in line, line
-    yield process, line.split(" on ")[1].strip()
+    return process, line.split(" on ")[1].strip()
+
+
+@pytest.fixture
+def server():
+    """A served ``test_trainer:brightness`` (1 MiB requests); yields its URL, kills it after."""
+    process, url = _start(
+        "--max-request-mb", "1", "--client-timeout-s", "1", "--max-connections", "2"
+    )
+    yield process, url
     process.kill()
     process.wait()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _exchange(url: str, request: bytes) -> bytes:
+    """Sends raw bytes on a new connection; everything the server says until it closes."""
+    with _connect(url) as connection:
+        connection.sendall(request)
+        reply = b""
+        while chunk := connection.recv(65536):
+            reply += chunk
+    return reply
+
+
+def _status(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/") else 0
+
+
+def _post(body: bytes, length: str | None = None) -> bytes:
+    length = str(len(body)) if length is None else length
+    return b"POST /score HTTP/1.1\r\nContent-Length: " + length.encode() + b"\r\n\r\n" + body
+
+
+def _body(videos: torch.Tensor, prompts: str = '["a", "b"]', metadata: str = "[{}, {}]") -> bytes:
+    """A request body as the wire format lays it out, with any tensor and any JSON text."""
+    header = {"prompts": prompts, "metadata": metadata}
+    return zlib.compress(save_tensors({"videos": videos.contiguous()}, metadata=header))
 
 
 def test_a_served_reward_scores_as_the_local_one(server):
@@ -110,3 +154,69 @@ def test_a_server_answering_garbage_or_the_wrong_batch_is_a_reward_error(imposto
     replies["/health"] = b"<html>not here</html>"
     with pytest.raises(ValueError, match=rf"{url}/health: not a vsa2-rl reward server"):
         get_reward(f"remote:{url}", retries=0)
+
+
+# ---- bounded connections ----------------------------------------------------------------------
+
+
+def test_idle_and_half_sent_connections_are_dropped_after_the_client_timeout(server):
+    _, url = server
+    idle, partial = _connect(url), _connect(url)
+    partial.sendall(_post(b"only the start of the body", length="1000"))
+    start = time.monotonic()
+    for connection in (idle, partial):
+        with connection:
+            assert connection.recv(65536) == b""  # closed by the server (10 s socket timeout)
+    assert time.monotonic() - start < 8  # --client-timeout-s 1, not the socket's 10 s
+    assert _status(_exchange(url, b"GET /health HTTP/1.1\r\n\r\n")) == 200
+
+
+def test_connections_beyond_max_connections_get_503_until_one_frees(server):
+    _, url = server
+    held = [_connect(url), _connect(url)]  # --max-connections 2, both taken
+    time.sleep(0.3)  # let the server accept both
+    reply = _exchange(url, b"GET /health HTTP/1.1\r\n\r\n")
+    assert _status(reply) == 503 and b"too many connections" in reply
+    for connection in held:
+        connection.close()
+    deadline = time.monotonic() + 5
+    while _status(_exchange(url, b"GET /health HTTP/1.1\r\n\r\n")) != 200:
+        assert time.monotonic() < deadline, "slots not freed after the clients closed"
+        time.sleep(0.1)
+
+
+# ---- client mistakes: 400, never retried ------------------------------------------------------
+
+PIXELS = torch.randint(0, 256, (2, 3, 3, 8, 8), dtype=torch.uint8)
+BAD_REQUESTS = {
+    "nan_floats": (_post(_body(torch.full((2, 3, 3, 8, 8), float("nan")))), "expected uint8"),
+    "floats_in_0_1": (_post(_body(torch.rand(2, 3, 3, 8, 8))), "expected uint8"),
+    "rank_4": (_post(_body(PIXELS[0], '["a", "b", "c"]', "[{}, {}, {}]")), "expected rank 5"),
+    "one_frame": (_post(_body(PIXELS[:, :1])), "at least 2 frames"),
+    "prompt_count": (_post(_body(PIXELS, '["a"]')), "prompts: expected 2 prompts"),
+    "empty_batch": (_post(_body(PIXELS[:0], "[]", "[]")), "need B >= 1"),
+    "prompts_a_string": (_post(_body(PIXELS, '"ab"')), "prompts: expected a JSON list"),
+    "content_length_abc": (_post(b"", length="abc"), "Content-Length: expected a byte count"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_client_mistakes_get_400_with_a_one_line_reason(server, case):
+    _, url = server
+    request, reason = BAD_REQUESTS[case]
+    reply = _exchange(url, request)
+    assert _status(reply) == 400, reply[:300]
+    message = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+    assert reason in message and "\n" not in message, message
+    assert _status(_exchange(url, b"GET /health HTTP/1.1\r\n\r\n")) == 200  # still serving
+
+
+def test_the_client_does_not_retry_a_400_and_names_the_reason(server):
+    _, url = server
+    reward = get_reward(f"remote:{url}", timeout=30, retries=2)
+    videos = torch.rand(2, 3, 3, 8, 8)
+    with pytest.raises(RewardError) as failure:  # the mixer's path: its input check already ran
+        reward.evaluate(videos, ["only one prompt"], checked_input=True)
+    message = str(failure.value)
+    assert "remote_brightness" in message and f"{url}/score: HTTP 400 (not retried)" in message
+    assert "prompts: expected 2 prompts" in message and "attempts" not in message

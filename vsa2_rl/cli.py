@@ -53,10 +53,32 @@ def _parser() -> argparse.ArgumentParser:
         "(safetensors bodies, never pickle; binds 127.0.0.1 unless --host says otherwise).",
     )
     serve.add_argument("--reward", required=True, help="registered name or module:callable")
-    serve.add_argument("--kwargs", default="{}", help="the reward's keyword arguments, JSON")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
-    serve.add_argument("--max-request-mb", type=int, default=512)
+    serve.add_argument(
+        "--kwargs", default="{}", help="the reward's keyword arguments, a JSON object"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="1..65535, or 0 = any free port (printed)"
+    )
+    serve.add_argument(
+        "--max-request-mb",
+        type=int,
+        default=512,
+        help="largest request body, compressed or not, in MiB (default: 512; larger: HTTP 413)",
+    )
+    serve.add_argument(
+        "--client-timeout-s",
+        type=float,
+        default=60.0,
+        help="drop a connection that sends nothing, or stops mid-request, this long (default: 60)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=32,
+        help="connections handled at once, one thread each; one more gets HTTP 503, which "
+        "clients retry (default: 32)",
+    )
     return parser
 
 
@@ -64,7 +86,7 @@ def _serve_reward(args) -> None:
     import json
 
     from vsa2_rl.rewards import get_reward
-    from vsa2_rl.rewards.remote import serve
+    from vsa2_rl.rewards.remote import RewardServer
 
     try:
         kwargs = json.loads(args.kwargs)
@@ -74,7 +96,14 @@ def _serve_reward(args) -> None:
         reward = get_reward(args.reward, **kwargs)
     except ValueError as error:
         raise ConfigError(f"--reward: {error}") from None
-    serve(reward, args.host, args.port, args.max_request_mb)
+    server = RewardServer(
+        args.host,
+        args.port,
+        max_request_mb=args.max_request_mb,
+        client_timeout_s=args.client_timeout_s,
+        max_connections=args.max_connections,
+    )
+    server.serve(reward)
 
 
 def _refuse_export_without_out_dir(overrides: list[str]) -> None:
