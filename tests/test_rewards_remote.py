@@ -26,6 +26,12 @@ SERVE = [sys.executable, "-m", "vsa2_rl.cli", "serve-reward"]
 ENV = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
 
 
+def scaled_brightness(scale=1.0):
+    """Served factory: brightness times ``scale``, a number (a string is a TypeError here)."""
+    factor = scale + 0.0
+    return lambda videos, prompts, metadata: videos.mean(dim=(1, 2, 3, 4)).float() * factor
+
+
 def _start(*options):
     """A served ``test_trainer:brightness`` on a free port: (process, its URL)."""
     command = [*SERVE, "--port", "0", "--reward", "test_trainer:brightness", *options]
@@ -220,3 +226,45 @@ def test_the_client_does_not_retry_a_400_and_names_the_reason(server):
     message = str(failure.value)
     assert "remote_brightness" in message and f"{url}/score: HTTP 400 (not retried)" in message
     assert "prompts: expected 2 prompts" in message and "attempts" not in message
+
+
+# ---- serve-reward's arguments: one error line, exit 2 -----------------------------------------
+
+BAD_ARGUMENTS = {
+    "max_request_mb_0": (["--max-request-mb", "0"], "--max-request-mb: must be > 0"),
+    "client_timeout_0": (["--client-timeout-s", "0"], "--client-timeout-s: must be > 0"),
+    "max_connections_0": (["--max-connections", "0"], "--max-connections: must be >= 1"),
+    "kwargs_a_list": (["--kwargs", "[1, 2]"], "--kwargs: expected a JSON object"),
+    "port_out_of_range": (["--port", "70000"], "--port: 70000 is not a port"),
+    "host_unresolvable": (["--host", "no-such-host.invalid"], "--host: cannot resolve"),
+    "kwarg_wrong_type": (
+        ["--reward", "test_rewards_remote:scaled_brightness", "--kwargs", '{"scale": "2"}'],
+        "--kwargs: the reward 'test_rewards_remote:scaled_brightness' refused them",
+    ),
+}
+
+
+def _serve_reward_error(*options) -> str:
+    """The one stderr line of a ``serve-reward`` that must refuse its arguments with exit 2."""
+    command = [*SERVE, "--reward", "test_trainer:brightness", "--port", "0", *options]
+    done = subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_serve_reward_arguments_are_one_error_line_and_exit_2(case):
+    options, reason = BAD_ARGUMENTS[case]
+    assert reason in _serve_reward_error(*options)
+
+
+def test_a_port_in_use_is_refused_before_the_reward_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a reward that cannot load: the port's error shows it was checked first
+        line = _serve_reward_error("--port", str(port), "--reward", "no_such_module:reward")
+    assert f"--port: {port} is in use on 127.0.0.1" in line

@@ -82,27 +82,83 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve_reward(args) -> None:
+def _serve_kwargs(text: str) -> dict:
     import json
 
-    from vsa2_rl.rewards import get_reward
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--kwargs: not JSON ({error})") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(
+            f"--kwargs: expected a JSON object of keyword arguments, e.g. "
+            f"'{{\"threshold\": 0.5}}', got {text}"
+        )
+    return kwargs
+
+
+def _check_serve_limits(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: {args.port} is not a port; use 1..65535, or 0 for any free one")
+    if args.max_request_mb <= 0:
+        raise ConfigError(f"--max-request-mb: must be > 0, got {args.max_request_mb} (e.g. 512)")
+    if not args.client_timeout_s > 0:
+        raise ConfigError(f"--client-timeout-s: must be > 0, got {args.client_timeout_s} (e.g. 60)")
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections: must be >= 1, got {args.max_connections} (e.g. 32)")
+
+
+def _bind_reward_server(args):
+    """The bound server, before any reward loads: a bad address fails in a second."""
+    import errno
+    import socket
+
     from vsa2_rl.rewards.remote import RewardServer
 
     try:
-        kwargs = json.loads(args.kwargs)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"--kwargs: not JSON ({error})") from None
+        return RewardServer(
+            args.host,
+            args.port,
+            max_request_mb=args.max_request_mb,
+            client_timeout_s=args.client_timeout_s,
+            max_connections=args.max_connections,
+        )
+    except socket.gaierror as error:
+        raise ConfigError(
+            f"--host: cannot resolve {args.host!r} ({error.strerror}); use an address or a "
+            f"name this machine resolves, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"--port: {args.port} is in use on {args.host}; pick another, or 0 for any free one"
+            ) from None
+        raise ConfigError(
+            f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror}); use "
+            f"an address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
+
+
+def _load_served_reward(args, kwargs: dict):
+    from vsa2_rl.rewards import get_reward
+
     try:
-        reward = get_reward(args.reward, **kwargs)
+        return get_reward(args.reward, **kwargs)
+    except TypeError as error:  # a factory refusing a kwarg's type, e.g. a string for a number
+        raise ConfigError(f"--kwargs: the reward {args.reward!r} refused them: {error}") from None
     except ValueError as error:
         raise ConfigError(f"--reward: {error}") from None
-    server = RewardServer(
-        args.host,
-        args.port,
-        max_request_mb=args.max_request_mb,
-        client_timeout_s=args.client_timeout_s,
-        max_connections=args.max_connections,
-    )
+
+
+def _serve_reward(args) -> None:
+    kwargs = _serve_kwargs(args.kwargs)
+    _check_serve_limits(args)
+    server = _bind_reward_server(args)
+    try:
+        reward = _load_served_reward(args, kwargs)
+    except BaseException:
+        server.server_close()
+        raise
     server.serve(reward)
 
 
