@@ -214,8 +214,15 @@ class RewardMixer:
         """Every reward's value or RewardError, ``num_workers`` at a time, each in a daemon
         thread: one still running ``timeout_s`` after its start becomes a RewardError and is left
         behind (a thread cannot be stopped, but it holds up neither the run nor its exit, and
-        Ctrl-C interrupts the wait)."""
+        Ctrl-C interrupts the wait). One at a time and without a timeout they run in the
+        calling thread."""
         names, results = list(self.rewards), {}
+        if self.timeout_s is None and (self.num_workers == 1 or len(names) == 1):
+            for name in names:
+                box = []
+                _call_into(run, self.rewards[name], box)
+                results[name] = box[0]
+            return self._raise_foreign_errors(results)
         for start in range(0, len(names), self.num_workers):
             boxes = {name: [] for name in names[start : start + self.num_workers]}
             threads = [
@@ -231,6 +238,11 @@ class RewardMixer:
             for thread, (name, box) in zip(threads, boxes.items(), strict=True):
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 results[name] = box[0] if box else self._timed_out(name)
+        return self._raise_foreign_errors(results)
+
+    @staticmethod
+    def _raise_foreign_errors(results: dict) -> dict:
+        """``results``, after raising any exception in it that is not a reward's failure."""
         for result in results.values():
             if isinstance(result, BaseException) and not isinstance(result, RewardError):
                 raise result
