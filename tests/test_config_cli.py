@@ -281,3 +281,14 @@ def test_a_cuda_index_this_process_does_not_see_is_one_error_line(monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert err[0].startswith("error: device: 'cuda:2' requested but this process sees 2 CUDA")
+
+
+def test_overrides_may_stand_on_both_sides_of_the_config_flag(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  num_steps: 7\n")
+    argv = ["train", "grpo.group_size=1", "--config", str(path), f"out_dir={tmp_path / 'r'}"]
+    assert main(argv) == 2  # both overrides were read: group_size's error, out_dir untouched
+    assert capsys.readouterr().err.startswith("error: grpo.group_size: must be >= 2")
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(path), "--no-such-flag"])

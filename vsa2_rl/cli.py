@@ -172,8 +172,20 @@ def _refuse_export_without_out_dir(overrides: list[str]) -> None:
         )
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; overrides may stand on both sides of ``--config FILE`` (argparse
+    alone would call those after it unrecognized)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    flags = [item for item in extra if item.startswith("-")]
+    if args.command == "serve-reward" or flags:
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    args.overrides += extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     if args.command == "serve-reward":
         try:
             _serve_reward(args)
