@@ -278,6 +278,25 @@ def test_videos_that_turn_nan_stop_the_run_by_name(tmp_path, monkeypatch, capsys
     assert err[-1].startswith("error: step 1: 1 rollout video(s) hold NaN or inf (samples [1])")
 
 
+def constant(videos, prompts, metadata):
+    return torch.ones(len(videos))
+
+
+@pytest.mark.parametrize("algorithm", [[], ["grpo.algorithm=nft", "sampler.kind=ode"]])
+def test_a_step_without_reward_variance_raises_no_scheduler_warning(tmp_path, algorithm):
+    import warnings
+
+    config = _config(
+        tmp_path, "train.num_steps=1", "rewards.functions=[{name: 'test_trainer:constant'}]",
+        *algorithm,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(config)
+    assert _rows(config.out_dir)[0]["train/zero_var_frac"] == 1.0
+    assert not [(w.filename, w.lineno) for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
 def test_lora_with_kl_to_the_reference(tmp_path):
     config = _config(tmp_path, "train.num_steps=2", "model.lora.enabled=true", "grpo.kl_beta=0.1")
     train(config)

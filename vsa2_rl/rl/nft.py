@@ -252,7 +252,7 @@ class NFTUpdate:
                 run.ema.update()
             skipped += not stepped  # a NaN/inf never reaches the weights
             grad_norms.append(grad_norm)
-        run.lr_schedule.step()
+        run.advance_lr_schedule()
         eta = self.settings.eta(step)
         self.old.soft_update(eta)
         state.pop_density()

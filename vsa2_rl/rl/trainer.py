@@ -35,6 +35,7 @@ import contextlib
 import copy
 import os
 import time
+import warnings
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -697,6 +698,14 @@ class _Run:
 
     # ---- policy update ---------------------------------------------------------------------
 
+    def advance_lr_schedule(self) -> None:
+        """One RL step of the learning-rate schedule. It counts RL steps, including those that
+        updated nothing (every group without reward variance, or a skipped update), so PyTorch's
+        warning about a scheduler step before any optimizer step does not apply."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`")
+            self.lr_schedule.step()
+
     def update(self, step: int, rollouts: StepRollouts, sparsity: float, metrics: dict) -> None:
         """``grpo.num_inner_epochs`` optimizer steps over a random ``grpo.timestep_fraction``
         of the stochastic steps; a non-finite loss or gradient skips the step (weights
@@ -747,7 +756,7 @@ class _Run:
                 skipped += 1  # a NaN/inf never reaches the weights
             self.optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-        self.lr_schedule.step()
+        self.advance_lr_schedule()
         state.pop_density()
         metrics["perf/train_s"] = time.perf_counter() - t0
         self._log_update(metrics, rollouts, sums, count, first_ratio_dev, grad_norms, skipped)
