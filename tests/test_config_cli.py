@@ -83,6 +83,10 @@ def test_default_config_is_valid_and_embedded():
         (["sampler.kind=cps", "sampler.noise_level=1.5"], "sampler.noise_level: must be in [0, 1]"),
         (["model.num_frames=1"], "model.num_frames: must be >= 2 (the rewards score motion"),
         (["eval.sparsities=[0.5,0.0,0.5]"], "eval.sparsities: [0.5] given more than once"),
+        (
+            ["rewards.functions=[{name:image_quality}]"],
+            "no space follows the colon; write {name: image_quality}",
+        ),
     ],
 )
 def test_bad_config_names_the_key(overrides, expected):

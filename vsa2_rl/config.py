@@ -1015,6 +1015,11 @@ def _friendly(error: OmegaConfBaseException) -> ConfigError:
     message = str(error).splitlines()[0]
     if "is not a ListConfig" in message:
         return ConfigError(f"{key}: expects a list, e.g. {key}=[0.0,0.5] (brackets, no spaces)")
+    if ("not in struct" in message or "Key '" in message) and ":" in key.split(".")[-1]:
+        return ConfigError(
+            f"{key}: YAML reads this as one key because no space follows the colon; write "
+            f"{{{key.split('.')[-1].replace(':', ': ', 1)}}}"
+        )
     if "not in struct" in message or ("Key '" in message and "not" in message):
         close = difflib.get_close_matches(key, _all_keys(RunConfig), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
