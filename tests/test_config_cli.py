@@ -296,3 +296,11 @@ def test_overrides_may_stand_on_both_sides_of_the_config_flag(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     with pytest.raises(SystemExit):
         main(["train", "--config", str(path), "--no-such-flag"])
+
+
+def test_more_eval_prompts_than_the_set_holds_warns_and_takes_them_all():
+    config = load_config(None, ["eval.num_prompts=30", "eval.samples_per_prompt=2"])
+    prompts = [f"prompt {i}" for i in range(3)]
+    with pytest.warns(UserWarning, match=r"eval.num_prompts=30 but the evaluation prompt set hol"):
+        selected = config.eval.select_prompts(prompts)
+    assert selected == [p for p in prompts for _ in range(2)]

@@ -16,6 +16,7 @@ import math
 import os
 import random
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -806,7 +807,14 @@ class EvalConfig:
     )
 
     def select_prompts(self, prompts: list[str]) -> list[str]:
-        """The evaluated prompts: the first ``num_prompts``, each ``samples_per_prompt`` times."""
+        """The evaluated prompts: the first ``num_prompts``, each ``samples_per_prompt`` times
+        (with a warning when the set holds fewer: then all of them)."""
+        if self.num_prompts > len(prompts):
+            warnings.warn(
+                f"eval.num_prompts={self.num_prompts} but the evaluation prompt set holds "
+                f"{len(prompts)}; evaluating all {len(prompts)}",
+                stacklevel=2,
+            )
         return [p for p in prompts[: self.num_prompts] for _ in range(self.samples_per_prompt)]
 
     def __post_init__(self) -> None:
