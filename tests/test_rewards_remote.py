@@ -32,6 +32,12 @@ def scaled_brightness(scale=1.0):
     return lambda videos, prompts, metadata: videos.mean(dim=(1, 2, 3, 4)).float() * factor
 
 
+def weights_from(path):
+    """Served factory that loads a file first (a missing one is an OSError here)."""
+    with open(path, "rb"):
+        return scaled_brightness()
+
+
 def _start(*options):
     """A served ``test_trainer:brightness`` on a free port: (process, its URL)."""
     command = [*SERVE, "--port", "0", "--reward", "test_trainer:brightness", *options]
@@ -240,6 +246,10 @@ BAD_ARGUMENTS = {
     "kwarg_wrong_type": (
         ["--reward", "test_rewards_remote:scaled_brightness", "--kwargs", '{"scale": "2"}'],
         "--kwargs: the reward 'test_rewards_remote:scaled_brightness' refused them",
+    ),
+    "kwarg_missing_file": (
+        ["--reward", "test_rewards_remote:weights_from", "--kwargs", '{"path": "/no/such.pt"}'],
+        "--kwargs: the reward 'test_rewards_remote:weights_from' could not load: ",
     ),
 }
 

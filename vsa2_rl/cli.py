@@ -148,6 +148,8 @@ def _load_served_reward(args, kwargs: dict):
         raise ConfigError(f"--kwargs: the reward {args.reward!r} refused them: {error}") from None
     except ValueError as error:
         raise ConfigError(f"--reward: {error}") from None
+    except OSError as error:  # a weights file or folder named in the kwargs is missing
+        raise ConfigError(f"--kwargs: the reward {args.reward!r} could not load: {error}") from None
 
 
 def _serve_reward(args) -> None:
@@ -177,6 +179,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     alone would call those after it unrecognized)."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
     flags = [item for item in extra if item.startswith("-")]
     if args.command == "serve-reward" or flags:
         parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
