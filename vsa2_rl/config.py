@@ -707,9 +707,16 @@ class PromptsConfig:
     """Prompt set for training and evaluation."""
 
     file: str | None = _doc(
-        "Text file with one prompt per line; empty = the built-in toy motion prompts.", default=None
+        "Text file with one prompt per line, or a .jsonl file with one "
+        '{"prompt": ..., "image": ...} per line (image-to-video models; relative image paths '
+        "are resolved against the file's folder); empty = the built-in toy motion prompts.",
+        default=None,
     )
-    eval_file: str | None = _doc("Prompt file for evaluation; empty = prompts.file.", default=None)
+    eval_file: str | None = _doc(
+        "Prompt file for evaluation, text or .jsonl with one "
+        '{"prompt": ..., "image": ...} per line (image-to-video models); empty = prompts.file.',
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         for key in ("file", "eval_file"):

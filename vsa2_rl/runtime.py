@@ -8,6 +8,7 @@ import os
 import torch
 
 from vsa2_rl.config import ConfigError, ModelConfig, RunConfig
+from vsa2_rl.data.prompts import PromptRecord, read_prompt_records, toy_prompts
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,29 +97,25 @@ def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
 
 
 def read_prompt_file(path: str, key: str) -> list[str]:
-    """Non-empty lines of a prompt file; an empty file is rejected naming ``key``."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            prompts = [line.strip() for line in handle if line.strip()]
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"{key}: {path} is not UTF-8 text ({error.reason} at byte {error.start}); save it "
-            "as UTF-8"
-        ) from None
-    if not prompts:
-        raise ConfigError(f"{key}: prompt file {path} has no prompts (one prompt per line)")
-    return prompts
+    """The prompt texts of a prompt file (:func:`vsa2_rl.data.prompts.read_prompt_records`); an
+    empty file is rejected naming ``key``."""
+    return [record.text for record in read_prompt_records(path, key)]
 
 
 def load_prompts(config: RunConfig, split: str = "train") -> list[str]:
     """Training prompts (``prompts.file``) or evaluation prompts (``prompts.eval_file``)."""
-    if split == "eval" and config.prompts.eval_file:
-        return read_prompt_file(config.prompts.eval_file, "prompts.eval_file")
-    if config.prompts.file:
-        return read_prompt_file(config.prompts.file, "prompts.file")
-    from vsa2_rl.data.prompts import toy_prompts
+    return [record.text for record in load_prompt_records(config, split)]
 
-    return toy_prompts(split)
+
+def load_prompt_records(config: RunConfig, split: str = "train") -> list[PromptRecord]:
+    """Training or evaluation prompts with their condition images where a ``.jsonl`` prompt file
+    gives them: the evaluation split reads ``prompts.eval_file`` where set, else ``prompts.file``;
+    without a file, the built-in toy prompts (no images)."""
+    if split == "eval" and config.prompts.eval_file:
+        return read_prompt_records(config.prompts.eval_file, "prompts.eval_file")
+    if config.prompts.file:
+        return read_prompt_records(config.prompts.file, "prompts.file")
+    return [PromptRecord(text) for text in toy_prompts(split)]
 
 
 def trainable_parameters(transformer: torch.nn.Module, config: RunConfig) -> list:

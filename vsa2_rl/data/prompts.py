@@ -1,18 +1,32 @@
-"""Built-in prompt sets of the embedded default: captions of the synthetic moving-shape videos.
+"""Prompt sets: prompt files (plain text, or JSON Lines with image-to-video condition images),
+their condition images, and the built-in prompts of the embedded default.
 
-The 144 captions "a <color> <shape> moving <direction> <speed>" (:mod:`vsa2_rl.data.synthetic`)
-split into disjoint sets, so that evaluation measures generalisation to unseen combinations,
-not memorisation: ``toy_prompts("eval")`` holds the 24 combinations whose index sum
-``color + shape + direction + 3 * speed`` is a multiple of 6 (every colour occurs 4 times, every
-shape 8, every direction 6 and each speed 12, in other company than in training),
-``toy_prompts("train")`` the other 120. The eval prompts come in a fixed shuffled order, so
-that the first N (``eval.num_prompts``) mix all attribute values.
+A prompt file whose name ends in ``.jsonl`` holds one JSON object per non-empty line,
+``{"prompt": "<text>", "image": "<path>"}`` ("image" optional, relative paths resolved against
+the file's folder; every record carries one or none does); any other file holds one prompt per
+non-empty line. :func:`load_condition_image` reads a condition image at the video size: RGB,
+resized (bicubic, no crop).
+
+The built-in prompts are the 144 captions "a <color> <shape> moving <direction> <speed>" of the
+synthetic moving-shape videos (:mod:`vsa2_rl.data.synthetic`), split into disjoint sets, so that
+evaluation measures generalisation to unseen combinations, not memorisation: ``toy_prompts("eval")``
+holds the 24 combinations whose index sum ``color + shape + direction + 3 * speed`` is a multiple of
+6 (every colour occurs 4 times, every shape 8, every direction 6 and each speed 12, in other company
+than in training), ``toy_prompts("train")`` the other 120. The eval prompts come in a fixed shuffled
+order, so that the first N (``eval.num_prompts``) mix all attribute values.
 """
 
 from __future__ import annotations
 
-import torch
+import json
+import os
+from dataclasses import dataclass
 
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from vsa2_rl.config import ConfigError
 from vsa2_rl.data.synthetic import COLORS, DIRECTIONS, SHAPES, TRAVEL, ShapeSpec, all_specs
 
 SPLITS = ("train", "eval")
@@ -42,3 +56,137 @@ def toy_prompts(split: str = "train") -> list[str]:
         order = torch.randperm(len(specs), generator=generator)
         specs = [specs[i] for i in order.tolist()]
     return [spec.prompt for spec in specs]
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt; ``image`` is the absolute path of its condition image (image-to-video)."""
+
+    text: str
+    image: str | None = None
+
+
+JSONL_KEYS = ("prompt", "image")
+# The filter condition images are resized with. diffusers' VideoProcessor.preprocess resizes
+# the same way (straight to the size, no crop) but with Lanczos by default.
+CONDITION_RESAMPLE = Image.Resampling.BICUBIC
+_JSON_TYPE_NAMES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "true/false",
+    type(None): "null",
+}
+
+
+def read_prompt_records(path: str, key: str) -> list[PromptRecord]:
+    """The prompts of the prompt file ``path`` (config key ``key``): JSON Lines with condition
+    images where the name ends in ``.jsonl``, otherwise one prompt per non-empty line."""
+    lines = _read_lines(path, key)
+    if path.lower().endswith(".jsonl"):
+        records = _parse_jsonl(lines, path, key)
+        layout = 'one JSON object per line: {"prompt": ..., "image": ...}'
+    else:
+        records = [PromptRecord(line.strip()) for line in lines if line.strip()]
+        layout = "one prompt per line"
+    if not records:
+        raise ConfigError(f"{key}: prompt file {path} has no prompts ({layout})")
+    return records
+
+
+def _read_lines(path: str, key: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return list(handle)
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{key}: {path} is not UTF-8 text ({error.reason} at byte {error.start}); save it "
+            "as UTF-8"
+        ) from None
+
+
+def _parse_jsonl(lines: list[str], path: str, key: str) -> list[PromptRecord]:
+    folder = os.path.dirname(os.path.abspath(path))
+    records: list[PromptRecord] = []
+    first_line = 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{key}: {path} line {number}"
+        record = _parse_record(line, folder, where)
+        if not records:
+            first_line = number
+        elif (record.image is None) != (records[0].image is None):
+            first = "carries" if records[0].image is not None else "does not carry"
+            this = "does" if record.image is not None else "does not"
+            raise ConfigError(
+                f"{where}: every record or none carries an image; line {first_line} {first} "
+                f"an image and this one {this}"
+            )
+        records.append(record)
+    return records
+
+
+def _parse_record(line: str, folder: str, where: str) -> PromptRecord:
+    try:
+        entry = json.loads(line.rstrip())
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"{where}: not valid JSON ({error.msg} at column {error.colno}); write one object "
+            'per line, e.g. {"prompt": "a red ball", "image": "ball.png"}'
+        ) from None
+    if not isinstance(entry, dict):
+        raise ConfigError(
+            f'{where}: expected a JSON object {{"prompt": ..., "image": ...}}, got '
+            f"{_JSON_TYPE_NAMES.get(type(entry), type(entry).__name__)}"
+        )
+    unknown = [name for name in entry if name not in JSONL_KEYS]
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(map(json.dumps, unknown))}; allowed: "
+            f"{', '.join(map(json.dumps, JSONL_KEYS))}"
+        )
+    text = entry.get("prompt")
+    if not isinstance(text, str) or not text.strip():
+        got = "it is missing" if "prompt" not in entry else f"got {json.dumps(text)}"
+        raise ConfigError(f'{where}: "prompt" must be a non-empty string; {got}')
+    if "image" not in entry:
+        return PromptRecord(text.strip())
+    return PromptRecord(text.strip(), _check_image(entry["image"], folder, where))
+
+
+def _check_image(image: object, folder: str, where: str) -> str:
+    """The absolute path of a record's readable condition image."""
+    if not isinstance(image, str) or not image:
+        raise ConfigError(
+            f'{where}: "image" must be a non-empty string (the condition image\'s path), got '
+            f"{json.dumps(image)}; leave the key out for a prompt without an image"
+        )
+    resolved = os.path.abspath(os.path.join(folder, image))
+    if not os.path.isfile(resolved):
+        relative = "" if os.path.isabs(image) else f" ({image} read from the prompt file's folder)"
+        raise ConfigError(f"{where}: image file not found: {resolved}{relative}")
+    try:
+        with Image.open(resolved) as handle:
+            handle.verify()
+    except Exception as error:  # PIL signals a bad image with many exception types
+        raise ConfigError(
+            f"{where}: image {resolved} cannot be read as an image ({error}); save it as PNG "
+            "or JPEG"
+        ) from None
+    return resolved
+
+
+def load_condition_image(path: str, height: int, width: int) -> torch.Tensor:
+    """The image at ``path`` as RGB float32 [3, height, width] in [0, 1]: EXIF orientation
+    applied, resized with PIL's ``CONDITION_RESAMPLE`` (bicubic) filter straight to
+    (width, height), no crop."""
+    try:
+        with Image.open(path) as handle:
+            image = ImageOps.exif_transpose(handle).convert("RGB")
+    except Exception as error:  # PIL signals a bad image with many exception types
+        raise ValueError(f"condition image {path}: cannot be opened ({error})") from None
+    resized = image.resize((width, height), CONDITION_RESAMPLE)
+    pixels = np.asarray(resized, dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
