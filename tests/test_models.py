@@ -10,13 +10,8 @@ from diffusers import WanTransformer3DModel
 from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.data.synthetic import ShapeSpec, all_specs, render_video, start_position
-from vsa2_rl.models.wan import (
-    VideoDiTBundle,
-    WanVSA2AttnProcessor,
-    enable_vsa2,
-    load_wan_bundle,
-    vsa2_parameters,
-)
+from vsa2_rl.models.wan import WanVSA2AttnProcessor, enable_vsa2, vsa2_parameters
+from vsa2_rl.models.wan_bundle import VideoDiTBundle, load_wan_bundle
 
 TINY_WAN = {
     "patch_size": (1, 2, 2),

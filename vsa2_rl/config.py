@@ -88,6 +88,12 @@ def _check_int_fields(section, prefix: str) -> None:
                 _check_int(item, key)
 
 
+def _is_adapter_folder(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "adapter_config.json")) and os.path.isfile(
+        os.path.join(folder, "adapter_model.safetensors")
+    )
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters on the transformer (peft). Disabled = full fine-tuning."""
@@ -101,7 +107,8 @@ class LoraConfig:
     )
     init_from: str | None = _doc(
         "A peft adapter folder (adapter_config.json + adapter_model.safetensors, e.g. from "
-        "vsa2-rl export) to start the adapters from; its rank, alpha and target modules must "
+        "vsa2-rl export; for Wan2.2 A14B an export with transformer/ and transformer_2/ "
+        "adapter folders) to start the adapters from; its rank, alpha and target modules must "
         "equal these. Empty = fresh adapters.",
         default=None,
     )
@@ -111,9 +118,11 @@ class LoraConfig:
         _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _check(bool(self.target_modules), "model.lora.target_modules", "must not be empty")
         if self.init_from:
+            folders = [self.init_from] + [
+                os.path.join(self.init_from, expert) for expert in ("transformer", "transformer_2")
+            ]
             _check(
-                os.path.isfile(os.path.join(self.init_from, "adapter_config.json"))
-                and os.path.isfile(os.path.join(self.init_from, "adapter_model.safetensors")),
+                any(_is_adapter_folder(folder) for folder in folders),
                 "model.lora.init_from",
                 f"{self.init_from} is not a peft adapter folder (adapter_config.json + "
                 "adapter_model.safetensors, as vsa2-rl export writes)",
@@ -126,14 +135,22 @@ class ModelConfig:
 
     kind: str = _doc(
         "'toy' = the library's small Wan-architecture model (pixel latents, built-in text "
-        "encoder; no download), 'wan' = a local diffusers Wan2.1 directory at model.path.",
+        "encoder; no download), 'wan' = a local diffusers Wan2.1 or Wan2.2 directory at "
+        "model.path (T2V, I2V, TI2V-5B, A14B; what it is comes from its model_index.json).",
         default="toy",
     )
     path: str | None = _doc(
-        "Local directory of the model. kind=wan: a diffusers Wan2.1 folder such as "
-        "/data/Wan2.1-T2V-1.3B-Diffusers (transformer/, text_encoder/, tokenizer/, vae/). "
+        "Local directory of the model. kind=wan: a diffusers Wan folder such as "
+        "/data/Wan2.1-T2V-1.3B-Diffusers (transformer/, text_encoder/, tokenizer/, vae/; "
+        "Wan2.2 A14B adds transformer_2/, Wan2.1 I2V image_encoder/ and image_processor/). "
         "kind=toy: optional checkpoint folder; empty = the shipped toy model.",
         default=None,
+    )
+    train_experts: list[str] = _doc(
+        "Wan2.2 A14B: the experts RL trains, of high_noise (the folder's transformer/) and "
+        "low_noise (transformer_2/); the other stays frozen and holds no optimizer state. "
+        "Empty = every expert (and the only choice for one-transformer models).",
+        default_factory=list,
     )
     dtype: str = _doc(
         "Weights/compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.",
@@ -159,6 +176,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice(self.kind, "model.kind", ("toy", "wan"))
+        for expert in self.train_experts:
+            _check_choice(expert, "model.train_experts", ("high_noise", "low_noise"))
+        _check(
+            len(set(self.train_experts)) == len(self.train_experts),
+            "model.train_experts",
+            f"names an expert twice: {list(self.train_experts)}",
+        )
         _check_choice(self.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
         if self.path and os.path.isdir(self.path):
             _check(
@@ -178,9 +202,14 @@ class ModelConfig:
             _check(
                 bool(self.path),
                 "model.path",
-                "model.kind=wan needs a local diffusers Wan2.1 directory, "
+                "model.kind=wan needs a local diffusers Wan directory, "
                 "e.g. model.path=/data/Wan2.1-T2V-1.3B-Diffusers",
             )
+        _check(
+            self.kind == "wan" or not self.train_experts,
+            "model.train_experts",
+            "the toy model has one transformer; leave it empty",
+        )
 
 
 @dataclass

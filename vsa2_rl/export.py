@@ -12,6 +12,10 @@ run kept an EMA, into ``out_dir``:
   loaded after ``enable_vsa2``), and ``vsa2_attention.json``, the attention and sparsity settings
   they were trained with and where they came from.
 
+A Wan2.2 A14B run exports each trained expert into the folder the diffusers pipeline names it
+by (``transformer/`` for high noise, ``transformer_2/`` for low noise): its adapter files or its
+diffusers files, and its ``vsa2.safetensors``; ``vsa2_attention.json`` lists the experts.
+
 Nothing is written unless every file is: the folder is assembled next to ``out_dir`` and renamed
 into place, with the permissions the umask gives (0755 folders, 0644 files under umask 022).
 """
@@ -57,7 +61,30 @@ def _write_transformer(transformer: torch.nn.Module, folder: str) -> None:
     plain = type(transformer).from_config(transformer.config)
     base = {k: v for k, v in transformer.state_dict().items() if ".vsa2." not in f".{k}"}
     plain.load_state_dict(base)
-    plain.save_pretrained(os.path.join(folder, "transformer"))
+    plain.save_pretrained(folder)
+
+
+def _write_model(transformer: torch.nn.Module, folder: str, lora: bool) -> list[str]:
+    """The trained weights of ``transformer`` into ``folder`` (see the module docstring);
+    returns the experts written."""
+    from vsa2_rl.models.experts import EXPERT_FOLDERS, WanExperts
+
+    if not isinstance(transformer, WanExperts):
+        if lora:
+            _write_adapter(transformer, folder)
+        else:
+            _write_transformer(transformer, os.path.join(folder, "transformer"))
+        save_file(_vsa2_state(transformer), os.path.join(folder, VSA2_WEIGHTS))
+        return []
+    for name in transformer.train_experts:
+        expert, place = getattr(transformer, name), os.path.join(folder, EXPERT_FOLDERS[name])
+        os.makedirs(place)
+        if lora:
+            _write_adapter(expert, place)
+        else:
+            _write_transformer(expert, place)
+        save_file(_vsa2_state(expert), os.path.join(place, VSA2_WEIGHTS))
+    return list(transformer.train_experts)
 
 
 def _give_usual_permissions(folder: str) -> None:
@@ -98,16 +125,13 @@ def export(config: RunConfig) -> str:
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        if trained.model.lora.enabled:
-            _write_adapter(bundle.transformer, staging)
-        else:
-            _write_transformer(bundle.transformer, staging)
-        save_file(_vsa2_state(bundle.transformer), os.path.join(staging, VSA2_WEIGHTS))
+        experts = _write_model(bundle.transformer, staging, trained.model.lora.enabled)
         settings = {
             "attention": dataclasses.asdict(trained.attention),
             "sparsity": dataclasses.asdict(trained.sparsity),
             "checkpoint": os.path.abspath(target.checkpoint),
             "lora": trained.model.lora.enabled,
+            **({"experts": experts} if experts else {}),
         }
         with open(os.path.join(staging, VSA2_SETTINGS), "w", encoding="utf-8") as handle:
             json.dump(settings, handle, indent=2)

@@ -67,11 +67,19 @@ def resolve_reward_device(config: RunConfig, run_device: torch.device) -> torch.
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bf16 on CUDA (the trained precision of Wan), fp32 on CPU."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` = bf16 on CUDA (the trained precision of Wan), fp32 on CPU; a dtype or one of
+    ``DTYPES``' names as it says."""
+    if isinstance(name, torch.dtype):
+        return name
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
@@ -83,12 +91,13 @@ def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
 
         bundle = load_toy_bundle(config.attention, device=device, dtype=dtype, path=model.path)
     else:
-        from vsa2_rl.models.wan import load_wan_bundle
+        from vsa2_rl.models.wan_bundle import load_wan_bundle
 
         cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
         bundle = load_wan_bundle(
-            model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache
-        )
+            model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache,
+            train_experts=tuple(model.train_experts),
+        )  # fmt: skip
     try:
         bundle.latent_shape(model.num_frames, model.height, model.width)
     except ValueError as error:
@@ -118,44 +127,90 @@ def load_prompt_records(config: RunConfig, split: str = "train") -> list[PromptR
     return [PromptRecord(text) for text in toy_prompts(split)]
 
 
+def prompt_file_key(config: RunConfig, split: str) -> str:
+    """The config key of the file ``split``'s prompts come from (for error messages)."""
+    return "prompts.eval_file" if split == "eval" and config.prompts.eval_file else "prompts.file"
+
+
+def check_condition_images(bundle, images: list[str | None], key: str) -> None:
+    """Refuses prompts whose condition images the model cannot take, or lacks: an image for a
+    text-to-video model, none for a model that needs one (``key`` names the prompt file)."""
+    given = any(image is not None for image in images)
+    if given and getattr(bundle, "image_scheme", None) is None:
+        raise ConfigError(
+            f"{key}: its prompts carry condition images but the model (model.path) is "
+            "text-to-video; give a plain prompt file or an image-to-video model"
+        )
+    if not given and getattr(bundle, "requires_image", False):
+        raise ConfigError(
+            f"{key}: the model (model.path) is image-to-video and needs an image per prompt: "
+            'give a .jsonl prompt file with {"prompt": ..., "image": ...} lines'
+        )
+
+
 def trainable_parameters(transformer: torch.nn.Module, config: RunConfig) -> list:
     """Marks what RL trains and returns it: with ``model.lora.enabled`` LoRA adapters (peft,
-    added here) plus the VSA2 router/gate parameters; otherwise every weight."""
-    if config.model.lora.enabled:
-        from peft import LoraConfig
+    added here) plus the VSA2 router/gate parameters; otherwise every weight. Only the experts
+    ``model.train_experts`` names train in a two-expert model."""
+    from vsa2_rl.models.experts import trained_modules
 
-        transformer.requires_grad_(False)
-        # the adapters' random start, a function of the run's seed: the same on every rank (FSDP2
-        # shards it as it is, where DDP would broadcast rank 0's) and in every run
-        device = next(transformer.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(config.seed)  # the generator of the device the adapters are made on
-            transformer.add_adapter(
+    transformer.requires_grad_(False)
+    if not config.model.lora.enabled:
+        for module in trained_modules(transformer):
+            module.requires_grad_(True)
+        return [p for p in transformer.parameters() if p.requires_grad]
+    from peft import LoraConfig
+
+    # the adapters' random start, a function of the run's seed: the same on every rank (FSDP2
+    # shards it as it is, where DDP would broadcast rank 0's) and in every run
+    device = next(transformer.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(config.seed)  # the generator of the device the adapters are made on
+        for module in trained_modules(transformer):
+            module.add_adapter(
                 LoraConfig(
                     r=config.model.lora.rank,
                     lora_alpha=config.model.lora.alpha,
                     target_modules=list(config.model.lora.target_modules),
                 )
             )
-        if config.model.lora.init_from:
-            _load_adapter(transformer, config)
-        for name, parameter in transformer.named_parameters():
+    if config.model.lora.init_from:
+        _load_adapters(transformer, config)
+    for module in trained_modules(transformer):
+        for name, parameter in module.named_parameters():
             if "lora_" in name or ".vsa2." in name:
                 parameter.requires_grad_(True)
-    else:
-        transformer.requires_grad_(True)
     return [p for p in transformer.parameters() if p.requires_grad]
 
 
-def _load_adapter(transformer: torch.nn.Module, config: RunConfig) -> None:
-    """Starts the run's adapters from ``model.lora.init_from`` (a peft adapter folder whose
-    shape must be the run's)."""
+def _load_adapters(transformer: torch.nn.Module, config: RunConfig) -> None:
+    """Starts the run's adapters from ``model.lora.init_from``: a peft adapter folder, or for
+    two experts one per expert (``transformer/``, ``transformer_2/``, as exported)."""
+    from vsa2_rl.models.experts import EXPERT_FOLDERS, WanExperts
+
+    model = getattr(transformer, "module", transformer)
+    if not isinstance(model, WanExperts):
+        _load_adapter(model, config.model.lora.init_from, config)
+        return
+    for name in model.train_experts:
+        folder = os.path.join(config.model.lora.init_from, EXPERT_FOLDERS[name])
+        if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            raise ConfigError(
+                f"model.lora.init_from: {folder} holds no adapter for the {name} expert; give "
+                "a two-expert export (transformer/ and transformer_2/ adapter folders)"
+            )
+        _load_adapter(getattr(model, name), folder, config)
+
+
+def _load_adapter(transformer: torch.nn.Module, folder: str, config: RunConfig) -> None:
+    """Loads the peft adapter in ``folder`` (whose shape must be the run's) into
+    ``transformer``'s adapters."""
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     lora = config.model.lora
-    saved = LoraConfig.from_pretrained(lora.init_from)
+    saved = LoraConfig.from_pretrained(folder)
     ours = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": sorted(lora.target_modules)}
     theirs = {
         "rank": saved.r,
@@ -168,20 +223,24 @@ def _load_adapter(transformer: torch.nn.Module, config: RunConfig) -> None:
                 f"model.lora.{key}: {value!r} differs from the adapter in "
                 f"model.lora.init_from ({theirs[key]!r}); set it to the adapter's"
             )
-    weights = load_file(os.path.join(lora.init_from, "adapter_model.safetensors"))
+    weights = load_file(os.path.join(folder, "adapter_model.safetensors"))
     result = set_peft_model_state_dict(transformer, weights)
     if result.unexpected_keys:
         raise ConfigError(
-            f"model.lora.init_from: {lora.init_from} holds weights this model has no place for "
+            f"model.lora.init_from: {folder} holds weights this model has no place for "
             f"({result.unexpected_keys[:3]}); was it trained on another model?"
         )
 
 
 def trained_state(transformer: torch.nn.Module, config: RunConfig) -> dict:
-    """Weights a checkpoint holds: the trainable ones (LoRA runs) or all (full fine-tuning)."""
+    """Weights a checkpoint holds: the trainable ones (LoRA runs) or all those of the trained
+    experts (full fine-tuning; a frozen expert is the base model's and is not saved)."""
+    from vsa2_rl.models.experts import trained_prefixes
+
     state = transformer.state_dict()
     if not config.model.lora.enabled:
-        return state
+        prefixes = trained_prefixes(transformer)
+        return {k: v for k, v in state.items() if k.startswith(prefixes)}
     names = {n for n, p in transformer.named_parameters() if p.requires_grad}
     return {k: v for k, v in state.items() if k in names}
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -334,7 +334,7 @@ def sample(
 
 def cfg_velocity(
     model_fn: Callable[[Tensor, Tensor, Tensor], Tensor],
-    cond: Tensor,
+    cond: Tensor | Any,
     uncond: Tensor | None,
     guidance_scale: float,
 ) -> VelocityFn:
@@ -343,7 +343,9 @@ def cfg_velocity(
     ``model_fn(x, sigma, cond)`` is the conditional velocity (e.g. ``bundle.velocity``). With
     ``guidance_scale != 1`` the conditional and unconditional passes run as one batch of 2B and
     combine as ``v_u + w * (v_c - v_u)``. ``uncond`` may have batch 1 (one negative prompt for
-    all samples); with ``guidance_scale == 1`` it is not used and may be None.
+    all samples); with ``guidance_scale == 1`` it is not used and may be None. ``cond`` is a
+    text embedding [B, L, D] or a condition object with more than text (an image) that makes
+    its own batch of 2B with ``cond.classifier_free_pair(uncond)``.
     """
     if guidance_scale == 1.0:
         return lambda x, sigma: model_fn(x, sigma, cond)
@@ -352,12 +354,16 @@ def cfg_velocity(
             f"uncond is required when guidance_scale != 1 (got {guidance_scale!r}); "
             "pass the empty/negative prompt embedding"
         )
-    if uncond.shape[1:] != cond.shape[1:] or uncond.shape[0] not in (1, cond.shape[0]):
+    text = cond if torch.is_tensor(cond) else cond.text
+    if uncond.shape[1:] != text.shape[1:] or uncond.shape[0] not in (1, text.shape[0]):
         raise ValueError(
-            f"uncond shape {tuple(uncond.shape)} must match cond shape {tuple(cond.shape)} "
+            f"uncond shape {tuple(uncond.shape)} must match cond shape {tuple(text.shape)} "
             "(batch 1 is broadcast)"
         )
-    both = torch.cat([cond, uncond.expand_as(cond)], dim=0)
+    if torch.is_tensor(cond):
+        both = torch.cat([cond, uncond.expand_as(cond)], dim=0)
+    else:
+        both = cond.classifier_free_pair(uncond)
 
     def velocity(x: Tensor, sigma: Tensor) -> Tensor:
         v_c, v_u = model_fn(torch.cat([x, x]), torch.cat([sigma, sigma]), both).float().chunk(2)

@@ -30,10 +30,13 @@ from tqdm.auto import tqdm
 
 from vsa2_rl.config import ConfigError, RunConfig, config_from_tree, load_config
 from vsa2_rl.eval.media import save_video_grid
+from vsa2_rl.models.conditioning import encode_condition, final_latents
 from vsa2_rl.runtime import (
+    check_condition_images,
     check_output_dir,
     load_model,
-    load_prompts,
+    load_prompt_records,
+    prompt_file_key,
     resolve_device,
     resolve_dtype,
     resolve_reward_device,
@@ -161,13 +164,12 @@ def _reward_fns(config: RunConfig) -> list:
     )
 
 
-def _warm_up(bundle, prompts, noise, sigmas, uncond, guidance_scale) -> None:
+def _warm_up(bundle, condition, noise, sigmas, uncond, guidance_scale) -> None:
     """One untimed model call at the current sparsity, so that compilation and kernel
     autotuning at a new setting are not counted as its latency."""
     with torch.no_grad():
-        text_emb = bundle.encode_prompts(prompts)
         sigma = torch.full((noise.shape[0],), float(sigmas[0]), device=noise.device)
-        cfg_velocity(bundle.velocity, text_emb, uncond, guidance_scale)(noise, sigma)
+        cfg_velocity(bundle.velocity, condition, uncond, guidance_scale)(noise, sigma)
     if noise.device.type == "cuda":
         torch.cuda.synchronize(noise.device)
 
@@ -188,10 +190,13 @@ def sweep_model(
     label: str = "",
     negative_prompt: str = "",
     reward_device: torch.device | str = "cpu",
+    images: list[str | None] | None = None,
 ) -> tuple[list[dict], dict[float, torch.Tensor]]:
-    """ODE-samples ``prompts`` at each sparsity; returns the rows and, per sparsity, the
-    :class:`Preview` of the first (up to 8) videos. The rewards score the videos on
-    ``reward_device`` (``rewards.device`` or the run's device, from the callers)."""
+    """ODE-samples ``prompts`` (with their condition ``images`` for image-to-video) at each
+    sparsity; returns the rows and, per sparsity, the :class:`Preview` of the first (up to 8)
+    videos. The rewards score the videos on ``reward_device`` (``rewards.device`` or the run's
+    device, from the callers) and find each prompt's image in ``metadata["image"]``."""
+    images = list(images) if images is not None else [None] * len(prompts)
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
     noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
@@ -205,19 +210,20 @@ def sweep_model(
     bundle.transformer.eval()
     for sparsity in sparsities:
         state.sparsity, state.phase = sparsity, "eval"
-        _warm_up(bundle, prompts[:batch_size], noise[:batch_size].to(device), sigmas, uncond,
-                 guidance_scale)  # fmt: skip
+        first = slice(0, batch_size)
+        condition = encode_condition(bundle, prompts[first], images[first], shape)
+        _warm_up(bundle, condition, noise[first].to(device), sigmas, uncond, guidance_scale)
         state.pop_density()
         videos, seconds = [], 0.0
         for start in range(0, len(prompts), batch_size):
             part = slice(start, start + batch_size)
             with torch.no_grad():
-                text_emb = bundle.encode_prompts(prompts[part])
+                condition = encode_condition(bundle, prompts[part], images[part], shape)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 trajectory = sample(
-                    cfg_velocity(bundle.velocity, text_emb, uncond, guidance_scale),
+                    cfg_velocity(bundle.velocity, condition, uncond, guidance_scale),
                     noise[part].to(device),
                     sigmas,
                     kind="ode",
@@ -226,7 +232,8 @@ def sweep_model(
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 seconds += time.perf_counter() - t0
-                videos.append(bundle.decode(trajectory.latents[-1]).float().cpu())
+                latents = final_latents(condition, trajectory.latents[-1])
+                videos.append(bundle.decode(latents).float().cpu())
             bar.update(len(prompts[part]))
         videos = torch.cat(videos)
         density = state.pop_density()
@@ -235,7 +242,10 @@ def sweep_model(
             "density": 1.0 if density is None else density,
             "latency_s": seconds / len(prompts),
         }
-        metadata = [{"prompt_index": i, "sparsity": sparsity} for i in range(len(prompts))]
+        metadata = [
+            {"prompt_index": i, "sparsity": sparsity, **({"image": image} if image else {})}
+            for i, image in enumerate(images)
+        ]
         shown = min(8, len(videos))
         scores = [{} for _ in range(shown)]
         scored = videos.to(reward_device)
@@ -299,13 +309,15 @@ def evaluate(config: RunConfig) -> list[dict]:
     check_output_dir(config.out_dir)  # before the sweep, whose results would be lost
     targets = resolve_targets(config)
     rewards = _reward_fns(config)
-    prompts = config.eval.select_prompts(load_prompts(config, "eval"))
+    records = config.eval.select_prompts(load_prompt_records(config, "eval"))
+    prompts, images = [r.text for r in records], [r.image for r in records]
     device = resolve_device(config.device)
     rows, previews = [], {}
     for target in targets:
         trained = target.config
         dtype = resolve_dtype(trained.model.dtype, device)
         bundle = load_model(trained, device, dtype, checkpoint=target.checkpoint)
+        check_condition_images(bundle, images, prompt_file_key(config, "eval"))
         shape = (trained.model.num_frames, trained.model.height, trained.model.width)
         table, videos = sweep_model(
             bundle,
@@ -327,6 +339,7 @@ def evaluate(config: RunConfig) -> list[dict]:
             progress=config.logging.progress,
             label=target.label,
             reward_device=resolve_reward_device(config, device),
+            images=images,
         )
         rows.extend({"run": target.label, **row} for row in table)
         previews[target.label] = videos

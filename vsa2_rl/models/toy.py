@@ -48,7 +48,8 @@ from vsa2_rl.config import ConfigError, VSA2Config
 from vsa2_rl.data.synthetic import pretraining_batch, render_batch
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.text import ToyTextEncoder, WordTokenizer, toy_vocabulary
-from vsa2_rl.models.wan import enable_vsa2, resolve_dtype, wan_velocity
+from vsa2_rl.models.wan import enable_vsa2, wan_velocity
+from vsa2_rl.runtime import resolve_dtype
 
 ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "toy"
 WEIGHTS_FILE = "toy.safetensors"

@@ -1,4 +1,4 @@
-"""VSA2 inside diffusers' WanTransformer3DModel, and the Wan2.1 model bundle.
+"""VSA2 inside diffusers' WanTransformer3DModel (Wan2.1 and Wan2.2).
 
 ``enable_vsa2`` swaps the self-attention (``attn1``) of every Wan block to VSA2; cross-attention
 (``attn2``) stays dense. The processor does what diffusers' ``WanAttnProcessor`` (diffusers 0.42,
@@ -13,55 +13,22 @@ The processor needs the token grid, which an attention layer cannot infer from i
 blocks run, so any latent size works. The VSA2 parameters live in ``attn1.vsa2`` (an
 nn.Module), so state_dict, optimizers and peft see them as ``blocks.{i}.attn1.vsa2.*``.
 
-``load_wan_bundle`` loads a local diffusers Wan2.1 folder (no download) and implements the
-``VideoDiTBundle`` protocol of docs/CONTRACTS.md with the Wan pipeline's conventions: UMT5
-prompt embeddings trimmed to the prompt length and zero-padded to 512 tokens, timestep =
-sigma * 1000 (flow-matching Euler scheduler), and latents de-normalised with the VAE's
-``latents_mean`` / ``latents_std`` before decoding.
+``wan_velocity`` is the one call of a Wan transformer (or Wan2.2 A14B's pair of experts,
+:mod:`vsa2_rl.models.experts`) that the bundles make; :mod:`vsa2_rl.models.wan_bundle` loads
+local diffusers folders.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import os
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
-from vsa2_rl.config import ConfigError, VSA2Config
-
-WAN_TEXT_LEN = 512  # UMT5 context length of Wan2.1 (the transformer is trained on 512 tokens)
-WAN_COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
-
-
-@runtime_checkable
-class VideoDiTBundle(Protocol):
-    """A video DiT with its text encoder and decoder (docs/CONTRACTS.md, "vsa2_rl.models")."""
-
-    transformer: nn.Module
-    sparsity_state: SparsityState
-    latent_channels: int
-
-    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
-        """(C, T, H, W) of the latents of a video of that size."""
-        ...
-
-    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
-        """[B, L, D_text] text embeddings."""
-        ...
-
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, text_emb: torch.Tensor):
-        """Flow-matching velocity (noise - data) at noise level sigma [B] in [0, 1]."""
-        ...
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Videos [B, T, C, H, W] in [0, 1], float32."""
-        ...
-
+from vsa2_rl.config import VSA2Config
+from vsa2_rl.models.conditioning import WanCondition
+from vsa2_rl.models.experts import experts_of
 
 # --------------------------------------------------------------------------------------------
 # Attention processor
@@ -206,12 +173,13 @@ def compile_blocks(transformer: nn.Module) -> nn.Module:
     break (a ``[B, 6, C]`` add), so none crosses it, and trains at that shape
     (benchmarks/BENCHMARKS.md). Compiles on first use; returns the same transformer.
     """
-    blocks = getattr(transformer, "blocks", None)
-    if blocks is None or not any(hasattr(block.attn1, "vsa2") for block in blocks):
-        transformer.compile_repeated_blocks()
-        return transformer
-    for block in blocks:
-        block.forward = _CompiledBlockForward(block)
+    for expert in experts_of(transformer):
+        blocks = getattr(expert, "blocks", None)
+        if blocks is None or not any(hasattr(block.attn1, "vsa2") for block in blocks):
+            expert.compile_repeated_blocks()
+            continue
+        for block in blocks:
+            block.forward = _CompiledBlockForward(block)
     return transformer
 
 
@@ -238,19 +206,20 @@ def enable_sequence_parallel(transformer: nn.Module, sp) -> nn.Module:
     embeddings sliced alike); cross-attention, FFN and norms work per token on the slice, VSA2
     self-attention exchanges slices for heads around the sparse attention, and after the last
     block the slices are gathered so the output projection and unpatchify see every token.
-    Every rank of the group must get the same inputs. Returns the same transformer.
+    Every rank of the group must get the same inputs. Wan2.2 A14B's experts are each split so.
+    Returns the same transformer.
     """
     from functools import partial
 
-    context = getattr(transformer, "_vsa2_context", None)
-    if context is None:
-        raise ValueError("enable_vsa2 the transformer before enable_sequence_parallel")
-    heads = transformer.config.num_attention_heads
-    sp.head_slice(heads)  # the group size must divide the heads
-    for block in transformer.blocks:
-        block.attn1.vsa2.sequence_parallel = sp
-        block.register_forward_pre_hook(partial(_slice_block_inputs, sp, context))
-    transformer.blocks[-1].register_forward_hook(partial(_gather_block_output, sp, context))
+    for expert in experts_of(transformer):
+        context = getattr(expert, "_vsa2_context", None)
+        if context is None:
+            raise ValueError("enable_vsa2 the transformer before enable_sequence_parallel")
+        sp.head_slice(expert.config.num_attention_heads)  # the group size must divide the heads
+        for block in expert.blocks:
+            block.attn1.vsa2.sequence_parallel = sp
+            block.register_forward_pre_hook(partial(_slice_block_inputs, sp, context))
+        expert.blocks[-1].register_forward_hook(partial(_gather_block_output, sp, context))
     return transformer
 
 
@@ -330,246 +299,67 @@ def input_dtype(transformer: nn.Module) -> torch.dtype:
 
     Not the first parameter's: diffusers keeps ``scale_shift_table`` and the time embedder in
     float32 when it loads a bf16 checkpoint. ``transformer`` may be wrapped by DDP or DeepSpeed
-    (both keep the model as ``.module``).
+    (both keep the model as ``.module``) and may be Wan2.2's pair of experts.
     """
-    return getattr(transformer, "module", transformer).patch_embedding.weight.dtype
+    return experts_of(transformer)[0].patch_embedding.weight.dtype
 
 
 def wan_velocity(
-    transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, text_emb: torch.Tensor
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    condition: torch.Tensor | WanCondition,
+    *,
+    expand_timesteps: bool = False,
 ) -> torch.Tensor:
     """Flow-matching velocity (noise - data) in float32 at noise levels ``sigma`` [B] in [0, 1].
 
-    The timestep is ``sigma * 1000``, as Wan's FlowMatchEulerDiscreteScheduler feeds it.
+    The timestep is ``sigma * 1000``, as Wan's FlowMatchEulerDiscreteScheduler feeds it; with
+    ``expand_timesteps`` (Wan2.2 TI2V-5B) one per token, 0 on an image's first frame.
+    ``condition`` is the text embedding [B, L, D] or a :class:`WanCondition` (image-to-video,
+    vsa2_rl.models.conditioning says how each scheme enters the model).
     """
     dtype = input_dtype(transformer)
-    sigma = sigma.reshape(-1).expand(latents.shape[0])
+    timestep = sigma.reshape(-1).expand(latents.shape[0]).float() * 1000.0
+    text, image_states, model_input, generated = condition, None, latents, None
+    if isinstance(condition, WanCondition):
+        text, image_states = condition.text, condition.image_embeds
+        image = condition.image_latents.to(device=latents.device, dtype=latents.dtype)
+        if condition.scheme == "channels":
+            model_input = torch.cat([latents, image], dim=1)
+        else:
+            generated = condition.generated_mask(latents)
+            model_input = condition.final_latents(latents)
+    if expand_timesteps:
+        timestep = _token_timesteps(transformer, latents, timestep, generated)
     out = transformer(
-        hidden_states=latents.to(dtype),
-        timestep=sigma.float() * 1000.0,
-        encoder_hidden_states=text_emb.to(dtype),
+        hidden_states=model_input.to(dtype),
+        timestep=timestep,
+        encoder_hidden_states=text.to(dtype),
+        encoder_hidden_states_image=None if image_states is None else image_states.to(dtype),
         return_dict=False,
-    )[0]
-    return out.float()
+    )[0].float()
+    return out if generated is None else out * generated
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return names[dtype]
-
-
-@dataclass
-class WanBundle:
-    """Wan2.1 text-to-video model as a ``VideoDiTBundle`` (see the module docstring).
-
-    ``text_encoder``, ``tokenizer`` and ``vae`` may be None when only the transformer was loaded;
-    then ``encode_prompts`` / ``decode`` raise.
-    """
-
-    transformer: nn.Module
-    sparsity_state: SparsityState
-    latent_channels: int
-    text_encoder: nn.Module | None = None
-    tokenizer: Any = None
-    vae: nn.Module | None = None
-    text_cache_dir: str | None = None
-    cache_key: str = ""  # identifies the text encoder in cache file names
-    text_len: int = WAN_TEXT_LEN
-    _memory_cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return input_dtype(self.transformer)
-
-    def _scale_factors(self) -> tuple[int, int]:
-        if self.vae is None:
-            return 4, 8  # Wan2.1 VAE: 4x in time, 8x in space
-        downsample = list(self.vae.config.temperal_downsample)
-        return 2 ** sum(downsample), 2 ** len(downsample)
-
-    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
-        t_scale, s_scale = self._scale_factors()
-        _, p_h, p_w = self.transformer.config.patch_size
-        if (num_frames - 1) % t_scale != 0:
-            raise ValueError(
-                f"num_frames must be {t_scale}*k + 1 for the Wan VAE (e.g. 81), got {num_frames}"
-            )
-        if height % (s_scale * p_h) or width % (s_scale * p_w):
-            raise ValueError(
-                f"height and width must be multiples of {s_scale * p_h}, got {height}x{width}"
-            )
-        frames = (num_frames - 1) // t_scale + 1
-        return self.latent_channels, frames, height // s_scale, width // s_scale
-
-    def _cache_path(self, prompt: str) -> str | None:
-        if not self.text_cache_dir:
-            return None
-        digest = hashlib.sha256(f"{self.cache_key}\n{prompt}".encode()).hexdigest()[:32]
-        return os.path.join(self.text_cache_dir, f"{digest}.pt")
-
-    def _encode_uncached(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Per prompt: UMT5 last hidden states of its real tokens, [L_i, D] (Wan pipeline)."""
-        if self.text_encoder is None or self.tokenizer is None:
-            raise ValueError("this bundle was loaded without text_encoder/tokenizer")
-        tokens = self.tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.text_len,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        device = next(self.text_encoder.parameters()).device
-        mask = tokens.attention_mask.to(device)
-        with torch.no_grad():
-            hidden = self.text_encoder(tokens.input_ids.to(device), mask).last_hidden_state
-        lengths = mask.gt(0).sum(dim=1).tolist()
-        return [h[:n].float().cpu() for h, n in zip(hidden, lengths, strict=True)]
-
-    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
-        """[B, 512, D_text] UMT5 embeddings, zero past each prompt; cached per prompt on disk."""
-        prompts = [" ".join(p.split()) for p in prompts]
-        embeddings: dict[str, torch.Tensor] = {}
-        missing = []
-        for prompt in dict.fromkeys(prompts):
-            path = self._cache_path(prompt)
-            if prompt in self._memory_cache:
-                embeddings[prompt] = self._memory_cache[prompt]
-            elif path is not None and os.path.exists(path):
-                embeddings[prompt] = torch.load(path, map_location="cpu", weights_only=True)
-            else:
-                missing.append(prompt)
-        if missing:
-            for prompt, emb in zip(missing, self._encode_uncached(missing), strict=True):
-                embeddings[prompt] = emb
-                path = self._cache_path(prompt)
-                if path is not None:
-                    os.makedirs(self.text_cache_dir, exist_ok=True)
-                    tmp = f"{path}.tmp{os.getpid()}"
-                    torch.save(emb, tmp)
-                    os.replace(tmp, path)  # atomic: concurrent ranks never read half a file
-        self._memory_cache.update(embeddings)
-        out = torch.zeros(len(prompts), self.text_len, embeddings[prompts[0]].shape[-1])
-        for i, prompt in enumerate(prompts):
-            emb = embeddings[prompt][: self.text_len]
-            out[i, : emb.shape[0]] = emb
-        return out.to(device=self.device, dtype=self.dtype)
-
-    def velocity(
-        self, latents: torch.Tensor, sigma: torch.Tensor, text_emb: torch.Tensor
-    ) -> torch.Tensor:
-        return wan_velocity(self.transformer, latents, sigma, text_emb)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Wan VAE decode: de-normalise, decode, map [-1, 1] -> [0, 1]; [B, T, C, H, W] float32."""
-        if self.vae is None:
-            raise ValueError("this bundle was loaded without a vae")
-        vae_param = next(self.vae.parameters())
-        shape = (1, -1, 1, 1, 1)
-        mean = torch.tensor(self.vae.config.latents_mean, device=vae_param.device).view(shape)
-        std = torch.tensor(self.vae.config.latents_std, device=vae_param.device).view(shape)
-        latents = latents.to(device=vae_param.device, dtype=torch.float32) * std + mean
-        with torch.no_grad():
-            video = self.vae.decode(latents.to(vae_param.dtype), return_dict=False)[0]
-        video = (video.float() * 0.5 + 0.5).clamp(0.0, 1.0)  # (B, C, T, H, W)
-        return video.permute(0, 2, 1, 3, 4).contiguous()
-
-
-def _missing(path: str, component: str, message: str) -> ConfigError:
-    folders = ", ".join(f"{c}/" for c in WAN_COMPONENTS)
-    return ConfigError(
-        f"model.path={path!r}: {message} Put a local diffusers Wan2.1 text-to-video folder there "
-        f"(e.g. /data/Wan2.1-T2V-1.3B-Diffusers with {folders}); missing: {component}"
-    )
-
-
-def load_wan_bundle(
-    path: str,
-    vsa2: VSA2Config,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = "auto",
-    *,
-    text_cache_dir: str | None = None,
-    components: tuple[str, ...] = WAN_COMPONENTS,
-    sparsity_state: SparsityState | None = None,
-) -> WanBundle:
-    """Load a local diffusers Wan2.1 directory as a ``WanBundle`` with VSA2 self-attention.
-
-    Args:
-        path: the folder (config key ``model.path``); never downloads.
-        vsa2: attention settings; ``vsa2.enabled = False`` keeps dense attention.
-        device, dtype: where and in which dtype the transformer and text encoder run ("auto":
-            bf16 on CUDA, fp32 on CPU). The VAE runs in float32 with tiling and slicing on.
-        text_cache_dir: folder for per-prompt embedding files; None = in-memory cache only.
-        components: subfolders to load; "transformer" is required.
-        sparsity_state: shared state to use (a new one at sparsity 0 if None).
-    """
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5EncoderModel
-
-    unknown = set(components) - set(WAN_COMPONENTS)
-    if "transformer" not in components or unknown:
-        raise ValueError(
-            f"components must include 'transformer' and only {WAN_COMPONENTS}, got {components}"
-        )
-    if not path or not os.path.isdir(path):
-        raise _missing(str(path), "the folder itself", "does not exist or is not a directory.")
-    for component in components:
-        if not os.path.isdir(os.path.join(path, component)):
-            raise _missing(path, f"{component}/", f"has no {component}/ subfolder.")
-    device = torch.device(device)
-    dtype = resolve_dtype(dtype, device)
-    state = sparsity_state if sparsity_state is not None else SparsityState()
-
-    transformer = WanTransformer3DModel.from_pretrained(
-        path, subfolder="transformer", torch_dtype=dtype
-    )
-    transformer = enable_vsa2(transformer.to(device), vsa2, state)
-    text_encoder = tokenizer = vae = None
-    if "text_encoder" in components:
-        text_encoder = UMT5EncoderModel.from_pretrained(
-            path, subfolder="text_encoder", torch_dtype=dtype
-        )
-        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
-    if "tokenizer" in components:
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
-    if "vae" in components:
-        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-        vae = vae.to(device).eval().requires_grad_(False)
-        vae.enable_tiling()
-        vae.enable_slicing()
-    return WanBundle(
-        transformer=transformer,
-        sparsity_state=state,
-        latent_channels=int(transformer.config.in_channels),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        vae=vae,
-        text_cache_dir=text_cache_dir,
-        cache_key=os.path.abspath(path),
-    )
+def _token_timesteps(transformer, latents, timestep, generated) -> torch.Tensor:
+    """[B, N] timesteps of the post-patchify tokens (frame-major, as the model flattens them):
+    each sample's timestep, 0 where ``generated`` (1 on generated latent frames) is 0."""
+    _, p_h, p_w = experts_of(transformer)[0].config.patch_size
+    if generated is None:
+        generated = torch.ones_like(latents[:1, :1])
+    per_token = generated[0, 0, :, ::p_h, ::p_w].flatten().to(timestep)
+    return timestep[:, None] * per_token[None]
 
 
 __all__ = [
     "VSA2Context",
-    "VideoDiTBundle",
-    "WanBundle",
     "WanVSA2AttnProcessor",
+    "compile_blocks",
+    "enable_sequence_parallel",
     "enable_vsa2",
     "input_dtype",
-    "load_wan_bundle",
-    "resolve_dtype",
     "vsa2_parameters",
+    "wan_block_forward",
     "wan_velocity",
 ]

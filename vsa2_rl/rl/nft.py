@@ -27,7 +27,6 @@ schedule, engines and checkpoints are the trainer's own (vsa2_rl.rl.trainer).
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor
 
 from vsa2_rl.config import ConfigError
+from vsa2_rl.models.experts import frozen_copy
 from vsa2_rl.rl import engines
 
 # the authors' floor of the adaptive weight (a sample whose x0 is already exact)
@@ -132,7 +132,7 @@ class OldPolicy:
         self.live = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.frozen = None
         if copy_model:
-            self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
+            self.frozen = frozen_copy(model)
             frozen = dict(self.frozen.named_parameters())
             self.weights = {name: frozen[name] for name in self.live}
         else:
@@ -318,7 +318,7 @@ class NFTUpdate:
         noise, sigma = noise.to(x0.device), draws.sigmas[:, level]
         column = sigma.reshape(-1, *[1] * (x0.ndim - 1))
         x = (1.0 - column) * x0 + column * noise
-        velocity = run.velocity_fn(chunk.text_emb)
+        velocity = run.velocity_fn(chunk.condition)
         with torch.no_grad(), self.old.active():
             v_old = velocity(x, sigma).float()
         v_theta = velocity(x, sigma).float()

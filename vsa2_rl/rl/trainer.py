@@ -32,12 +32,12 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import time
 import warnings
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import yaml
@@ -45,6 +45,8 @@ from tqdm.auto import tqdm
 
 from vsa2_rl.config import ConfigError, RunConfig, check_resume, config_tree, to_yaml
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
+from vsa2_rl.models.conditioning import encode_condition, final_latents
+from vsa2_rl.models.experts import frozen_copy
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
@@ -59,9 +61,11 @@ from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.runtime import (
     build_bundle,
+    check_condition_images,
     check_output_dir,
-    load_prompts,
+    load_prompt_records,
     load_trained_state,
+    prompt_file_key,
     resolve_device,
     resolve_dtype,
     resolve_reward_device,
@@ -78,7 +82,7 @@ class RolloutDiverged(RuntimeError):
 class Rollout:
     """One chunk of rollouts on this rank (all tensors on the training device)."""
 
-    text_emb: torch.Tensor  # [b, L, D_text]
+    condition: Any  # what the model is conditioned on: text [b, L, D_text] (+ image)
     latents: torch.Tensor  # [N + 1, b, C, T, H, W] float32
     log_probs: torch.Tensor  # [N, b] float32
     advantages: torch.Tensor | None = None  # [b]
@@ -133,7 +137,7 @@ def initial_noise(
     return seeded_noise(latent_shape, [_sample_seed(config.seed, step, i) for i in global_index])
 
 
-def _group_prefix(bundle, velocity_fn, prompts, noise, group_ids, sigmas, batch_size):
+def _group_prefix(condition_of, velocity_fn, noise, group_ids, sigmas, batch_size):
     """The ODE steps ``sigmas`` (the ones before the SDE window) run once per group on one
     sample of it (all of a group's samples share their noise), expanded to every sample.
 
@@ -146,8 +150,9 @@ def _group_prefix(bundle, velocity_fn, prompts, noise, group_ids, sigmas, batch_
     parts = []
     for chunk in _chunks(len(leaders), batch_size):
         rows = leaders[chunk]
-        text_emb = bundle.encode_prompts([prompts[i] for i in rows])
-        trajectory = sample(velocity_fn(text_emb), noise[rows], sigmas, kind="ode", noise_level=0.0)
+        trajectory = sample(
+            velocity_fn(condition_of(rows)), noise[rows], sigmas, kind="ode", noise_level=0.0
+        )
         parts.append(trajectory.latents)
     shared = torch.cat(parts, dim=1)
     of_group = {group: slot for slot, group in enumerate(first)}
@@ -246,14 +251,18 @@ class _Setup:
 
         check_output_dir(config.out_dir)
         self.config = config
-        self.accelerator = Accelerator(cpu=resolve_device(config.device).type == "cpu")
+        self.accelerator = Accelerator(
+            cpu=resolve_device(config.device).type == "cpu", kwargs_handlers=_ddp_options(config)
+        )
         engines.check_options(self.accelerator, config)
         folder.claim(self.accelerator)
         _refuse_abandoned_run(config)  # under the lock: no other run adds to the folder
         self.device = self.accelerator.device
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self.prompts = load_prompts(config, "train")
-        self.eval_prompts = config.eval.select_prompts(load_prompts(config, "eval"))
+        records = load_prompt_records(config, "train")
+        self.prompts, self.images = [r.text for r in records], [r.image for r in records]
+        records = config.eval.select_prompts(load_prompt_records(config, "eval"))
+        self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
         self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
         sp_size = config.parallel.sequence_parallel_size
         # data-parallel ranks: sequence-parallel groups share their samples
@@ -278,6 +287,8 @@ class _Setup:
         self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
             self.bundle = build_bundle(config, self.device, self.dtype)
+        check_condition_images(self.bundle, self.images, prompt_file_key(config, "train"))
+        check_condition_images(self.bundle, self.eval_images, prompt_file_key(config, "eval"))
         if self.sequence_parallel is not None:
             from vsa2_rl.models.wan import enable_sequence_parallel
 
@@ -285,6 +296,21 @@ class _Setup:
                 enable_sequence_parallel(self.bundle.transformer, self.sequence_parallel)
             except ValueError as error:
                 raise ConfigError(f"parallel.sequence_parallel_size: {error}") from None
+
+
+def _ddp_options(config: RunConfig) -> list:
+    """DDP's settings: a Wan2.2 A14B run that trains both experts leaves one of them without
+    gradients in every Flow-GRPO backward (a chunk's transition is one noise level), which DDP
+    must be told to expect."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if config.model.kind != "wan" or len(config.model.train_experts) == 1:
+        return []
+    from vsa2_rl.models.wan_bundle import read_wan_variant
+
+    if read_wan_variant(config.model.path).boundary_ratio is None:
+        return []
+    return [DistributedDataParallelKwargs(find_unused_parameters=True)]
 
 
 def _sequence_parallel_group(acc, config: RunConfig):
@@ -327,17 +353,17 @@ def _reference_policy(bundle, acc, config: RunConfig):
                 model.enable_adapters()
 
         return lora_disabled
-    frozen = copy.deepcopy(acc.unwrap_model(bundle.transformer)).requires_grad_(False).eval()
+    frozen = frozen_copy(acc.unwrap_model(bundle.transformer))
 
     @contextlib.contextmanager
-    def frozen_copy():
+    def frozen_weights():
         live, bundle.transformer = bundle.transformer, frozen
         try:
             yield
         finally:
             bundle.transformer = live
 
-    return frozen_copy
+    return frozen_weights
 
 
 def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLogger) -> dict:
@@ -367,6 +393,7 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLog
                 shape=(config.model.num_frames, config.model.height, config.model.width),
                 progress=False,
                 reward_device=setup.reward_device,
+                images=setup.eval_images,
             )
     finally:
         bundle.transformer = live
@@ -435,9 +462,8 @@ class _Run:
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         # shapes are read from the bare model: a DDP/DeepSpeed wrapper hides its config
-        self.latent_shape = self.bundle.latent_shape(
-            config.model.num_frames, config.model.height, config.model.width
-        )
+        self.video_size = (config.model.num_frames, config.model.height, config.model.width)
+        self.latent_shape = self.bundle.latent_shape(*self.video_size)
         engines.configure(self.acc, config)
         self.transformer, self.optimizer = self.acc.prepare(transformer, optimizer)
         # FSDP2 replaces every parameter by its shard: clipping and the finite check need those
@@ -490,9 +516,18 @@ class _Run:
         current one."""
         return self.nft.old.active() if self.nft is not None else contextlib.nullcontext()
 
-    def velocity_fn(self, text_emb: torch.Tensor):
+    def velocity_fn(self, condition):
+        """The sampler's velocity for samples conditioned on ``condition`` (with the
+        sampler's classifier-free guidance)."""
         samp = self.config.sampler
-        return cfg_velocity(self.bundle.velocity, text_emb, self.uncond, samp.guidance_scale)
+        return cfg_velocity(self.bundle.velocity, condition, self.uncond, samp.guidance_scale)
+
+    def condition(self, prompt_indices: list[int]):
+        """What the model is conditioned on for these training prompts (text, and the
+        condition image of an image-to-video prompt)."""
+        prompts = [self.setup.prompts[i] for i in prompt_indices]
+        images = [self.setup.images[i] for i in prompt_indices]
+        return encode_condition(self.bundle, prompts, images, self.video_size)
 
     # ---- set-up and resume -----------------------------------------------------------------
 
@@ -568,17 +603,18 @@ class _Run:
         if start:
             with torch.no_grad():
                 prefix, groups = _group_prefix(
-                    self.bundle, self.velocity_fn, prompts, noise, batch.group_ids,
-                    sigmas[: start + 1], grpo.train_batch_size,
+                    lambda rows: self.condition([batch.prompt_indices[i] for i in rows]),
+                    self.velocity_fn, noise, batch.group_ids, sigmas[: start + 1],
+                    grpo.train_batch_size,
                 )  # fmt: skip
             evaluations += groups * start
         chunks, videos, pending = [], [], []
         metadata = self._reward_metadata(step, batch.prompt_indices, global_index)
         for part in _chunks(len(prompts), grpo.train_batch_size):
             with torch.no_grad():
-                text_emb = self.bundle.encode_prompts(prompts[part])
+                condition = self.condition(batch.prompt_indices[part])
                 trajectory = sample(
-                    self.velocity_fn(text_emb),
+                    self.velocity_fn(condition),
                     noise[part] if prefix is None else prefix[-1, part],
                     sigmas[start:],
                     kind=samp.kind,
@@ -586,7 +622,7 @@ class _Run:
                     sde_window=(window[0] - start, window[1] - start) if window else None,
                     generator=generators[part],
                 )
-                videos.append(self.bundle.decode(trajectory.latents[-1]))
+                videos.append(self.bundle.decode(final_latents(condition, trajectory.latents[-1])))
             if self.scoring is not None:  # scored while the next chunks are sampled
                 chunk_videos = videos[-1].float().to(self.setup.reward_device)
                 pending.append(self.scoring.submit(
@@ -596,7 +632,7 @@ class _Run:
             if prefix is not None:  # the shared steps: deterministic, log-prob 0
                 latents = torch.cat([prefix[:-1, part], latents])
                 log_probs = torch.cat([log_probs.new_zeros(start, log_probs.shape[1]), log_probs])
-            chunks.append(Rollout(text_emb, latents, log_probs))
+            chunks.append(Rollout(condition, latents, log_probs))
         stochastic = torch.cat([torch.zeros(start, dtype=torch.bool), trajectory.stochastic])
         if self.kl_in_reward:
             for chunk in chunks:
@@ -628,9 +664,15 @@ class _Run:
     # ---- rewards and advantages ------------------------------------------------------------
 
     def _reward_metadata(self, step: int, prompt_indices: list, global_index: list) -> list:
-        seed = self.config.seed
+        """Per sample: its prompt, step and noise seed, and its condition image's path."""
+        seed, images = self.config.seed, self.setup.images
         return [
-            {"prompt_index": p, "step": step, "sample_seed": _sample_seed(seed, step, i)}
+            {
+                "prompt_index": p,
+                "step": step,
+                "sample_seed": _sample_seed(seed, step, i),
+                **({"image": images[p]} if images[p] else {}),
+            }
             for p, i in zip(prompt_indices, global_index, strict=True)
         ]
 
@@ -769,7 +811,7 @@ class _Run:
         x, x_next = chunk.latents[j], chunk.latents[j + 1]
         sigma = torch.full((x.shape[0],), float(sigmas[j]), device=device)
         transition = (x, x_next, float(sigmas[j]), float(sigmas[j + 1]), samp.kind)
-        v = self.velocity_fn(chunk.text_emb)(x, sigma)
+        v = self.velocity_fn(chunk.condition)(x, sigma)
         log_prob, mean, std = step_log_prob(v, *transition, samp.noise_level)
         loss, stats = grpo_loss(
             log_prob,
@@ -782,7 +824,7 @@ class _Run:
         kl = torch.zeros((), device=device)
         if self.reference is not None and not self.kl_in_reward:
             with torch.no_grad(), self.reference():
-                ref_v = self.velocity_fn(chunk.text_emb)(x, sigma)
+                ref_v = self.velocity_fn(chunk.condition)(x, sigma)
             ref_mean = step_log_prob(ref_v, *transition, samp.noise_level)[1]
             kl = gaussian_kl(mean, ref_mean, std).mean()
         return loss, kl, stats
@@ -797,7 +839,7 @@ class _Run:
             for j in torch.nonzero(stochastic).flatten().tolist():
                 x, x_next = chunk.latents[j], chunk.latents[j + 1]
                 sigma = torch.full((x.shape[0],), float(sigmas[j]), device=self.device)
-                ref_v = self.velocity_fn(chunk.text_emb)(x, sigma)
+                ref_v = self.velocity_fn(chunk.condition)(x, sigma)
                 ref_log_prob = step_log_prob(
                     ref_v, x, x_next, float(sigmas[j]), float(sigmas[j + 1]), samp.kind,
                     samp.noise_level,

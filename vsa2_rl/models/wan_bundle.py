@@ -1,0 +1,424 @@
+"""Local diffusers Wan folders as model bundles: Wan2.1 and Wan2.2, text- and image-to-video.
+
+``load_wan_bundle`` loads a diffusers Wan folder (never downloads) with VSA2 self-attention and
+returns a :class:`WanBundle`, the ``VideoDiTBundle`` the trainer and evaluation drive. What the
+folder is comes from its ``model_index.json`` (:func:`read_wan_variant`):
+
+- Wan2.1 T2V / I2V: one ``transformer``; I2V takes the image through extra input channels and
+  a CLIP image embedding (``image_encoder/``, ``image_processor/``).
+- Wan2.2 A14B T2V / I2V (``boundary_ratio`` and ``transformer_2/``): two experts switched by
+  noise level (:mod:`vsa2_rl.models.experts`); I2V through input channels, no CLIP.
+- Wan2.2 TI2V-5B (``expand_timesteps``): a 16x spatial VAE, one timestep per token, text-to-video
+  or, when a prompt carries an image, image-to-video through its first latent frame.
+
+The conventions are the Wan pipelines': UMT5 prompt embeddings trimmed to the prompt length and
+zero-padded to 512 tokens, timestep = sigma * 1000 (flow-matching Euler scheduler), latents
+de-normalised with the VAE's ``latents_mean`` / ``latents_std`` before decoding; images as
+:mod:`vsa2_rl.models.conditioning` prepares them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from vsa2_rl.attention import SparsityState
+from vsa2_rl.config import ConfigError, VSA2Config
+from vsa2_rl.models.conditioning import (
+    WanCondition,
+    clip_image_embeds,
+    condition_images,
+    vae_scale_factors,
+)
+from vsa2_rl.models.experts import EXPERT_NAMES, WanExperts, experts_of
+from vsa2_rl.models.wan import enable_vsa2, input_dtype, wan_velocity
+from vsa2_rl.runtime import resolve_dtype
+
+WAN_TEXT_LEN = 512  # UMT5 context length of Wan (the transformer is trained on 512 tokens)
+WAN_COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
+
+
+@runtime_checkable
+class VideoDiTBundle(Protocol):
+    """A video DiT with its text encoder and decoder: what the trainer and evaluation drive."""
+
+    transformer: nn.Module
+    sparsity_state: SparsityState
+    latent_channels: int
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """(C, T, H, W) of the latents of a video of that size."""
+        ...
+
+    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
+        """[B, L, D_text] text embeddings."""
+        ...
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, condition):
+        """Flow-matching velocity (noise - data) at noise level sigma [B] in [0, 1]; condition
+        is what ``encode_prompts`` (or a Wan bundle's ``encode_condition``) returned."""
+        ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Videos [B, T, C, H, W] in [0, 1], float32."""
+        ...
+
+
+@dataclass(frozen=True)
+class WanVariant:
+    """What a diffusers Wan folder's ``model_index.json`` says about its model."""
+
+    boundary_ratio: float | None = None  # set: Wan2.2 A14B, two experts
+    expand_timesteps: bool = False  # Wan2.2 TI2V-5B: one timestep per token
+    image_encoder: bool = False  # Wan2.1 I2V: a CLIP image encoder
+
+    @property
+    def transformer_folders(self) -> tuple[str, ...]:
+        return ("transformer", "transformer_2") if self.boundary_ratio else ("transformer",)
+
+
+def _listed(index: dict, name: str) -> bool:
+    """Whether ``model_index.json`` lists a component (``[null, null]`` means absent)."""
+    entry = index.get(name)
+    return isinstance(entry, list) and any(part is not None for part in entry)
+
+
+def read_wan_variant(path: str) -> WanVariant:
+    """The :class:`WanVariant` of the folder at ``path`` (a folder without ``model_index.json``
+    is Wan2.1-like: one transformer, one timestep per sample)."""
+    index_file = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index_file):
+        return WanVariant()
+    try:
+        with open(index_file, encoding="utf-8") as handle:
+            index = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.path: {index_file} is not readable JSON ({error})") from None
+    boundary = index.get("boundary_ratio")
+    two = _listed(index, "transformer_2")
+    if two != (boundary is not None):
+        raise ConfigError(
+            f"model.path: {index_file} lists transformer_2 {'but no' if two else 'nowhere, yet a'}"
+            " boundary_ratio; a Wan2.2 A14B folder has both, other Wan folders neither"
+        )
+    return WanVariant(
+        boundary_ratio=None if boundary is None else float(boundary),
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+        image_encoder=_listed(index, "image_encoder"),
+    )
+
+
+@dataclass
+class WanBundle:
+    """A Wan model as a ``VideoDiTBundle`` (see the module docstring).
+
+    ``text_encoder``, ``tokenizer`` and ``vae`` may be None when only the transformer was loaded;
+    then ``encode_prompts`` / ``decode`` raise. ``image_scheme`` is None for a text-to-video
+    model, else how it takes an image (``channels``: required; ``first_frame``: optional).
+    """
+
+    transformer: nn.Module
+    sparsity_state: SparsityState
+    latent_channels: int
+    text_encoder: nn.Module | None = None
+    tokenizer: Any = None
+    vae: nn.Module | None = None
+    text_cache_dir: str | None = None
+    cache_key: str = ""  # identifies the text encoder in cache file names
+    text_len: int = WAN_TEXT_LEN
+    vae_scale: tuple[int, int] = (4, 8)  # (temporal, spatial) compression of the VAE
+    expand_timesteps: bool = False
+    image_scheme: str | None = None
+    image_encoder: nn.Module | None = None
+    image_processor: Any = None
+    _memory_cache: dict = field(default_factory=dict, repr=False)
+    _image_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return input_dtype(self.transformer)
+
+    @property
+    def requires_image(self) -> bool:
+        return self.image_scheme == "channels"
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        t_scale, s_scale = self.vae_scale
+        _, p_h, p_w = experts_of(self.transformer)[0].config.patch_size
+        if (num_frames - 1) % t_scale != 0:
+            raise ValueError(
+                f"num_frames must be {t_scale}*k + 1 for the Wan VAE (e.g. 81), got {num_frames}"
+            )
+        if height % (s_scale * p_h) or width % (s_scale * p_w):
+            raise ValueError(
+                f"height and width must be multiples of {s_scale * p_h}, got {height}x{width}"
+            )
+        frames = (num_frames - 1) // t_scale + 1
+        return self.latent_channels, frames, height // s_scale, width // s_scale
+
+    def _cache_path(self, prompt: str) -> str | None:
+        if not self.text_cache_dir:
+            return None
+        digest = hashlib.sha256(f"{self.cache_key}\n{prompt}".encode()).hexdigest()[:32]
+        return os.path.join(self.text_cache_dir, f"{digest}.pt")
+
+    def _encode_uncached(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Per prompt: UMT5 last hidden states of its real tokens, [L_i, D] (Wan pipeline)."""
+        if self.text_encoder is None or self.tokenizer is None:
+            raise ValueError("this bundle was loaded without text_encoder/tokenizer")
+        tokens = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.text_len,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        device = next(self.text_encoder.parameters()).device
+        mask = tokens.attention_mask.to(device)
+        with torch.no_grad():
+            hidden = self.text_encoder(tokens.input_ids.to(device), mask).last_hidden_state
+        lengths = mask.gt(0).sum(dim=1).tolist()
+        return [h[:n].float().cpu() for h, n in zip(hidden, lengths, strict=True)]
+
+    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
+        """[B, 512, D_text] UMT5 embeddings, zero past each prompt; cached per prompt on disk."""
+        prompts = [" ".join(p.split()) for p in prompts]
+        embeddings: dict[str, torch.Tensor] = {}
+        missing = []
+        for prompt in dict.fromkeys(prompts):
+            path = self._cache_path(prompt)
+            if prompt in self._memory_cache:
+                embeddings[prompt] = self._memory_cache[prompt]
+            elif path is not None and os.path.exists(path):
+                embeddings[prompt] = torch.load(path, map_location="cpu", weights_only=True)
+            else:
+                missing.append(prompt)
+        if missing:
+            for prompt, emb in zip(missing, self._encode_uncached(missing), strict=True):
+                embeddings[prompt] = emb
+                path = self._cache_path(prompt)
+                if path is not None:
+                    os.makedirs(self.text_cache_dir, exist_ok=True)
+                    tmp = f"{path}.tmp{os.getpid()}"
+                    torch.save(emb, tmp)
+                    os.replace(tmp, path)  # atomic: concurrent ranks never read half a file
+        self._memory_cache.update(embeddings)
+        out = torch.zeros(len(prompts), self.text_len, embeddings[prompts[0]].shape[-1])
+        for i, prompt in enumerate(prompts):
+            emb = embeddings[prompt][: self.text_len]
+            out[i, : emb.shape[0]] = emb
+        return out.to(device=self.device, dtype=self.dtype)
+
+    def encode_condition(
+        self, prompts: list[str], images: list[str | None] | None, video_size: tuple[int, int, int]
+    ) -> torch.Tensor | WanCondition:
+        """What the model is conditioned on for ``prompts``: their text embeddings, and with
+        condition images (paths, one per prompt; ``video_size`` = (frames, height, width)) a
+        :class:`WanCondition`. Image latents are cached per (path, size) in memory."""
+        text = self.encode_prompts(prompts)
+        if images is None or all(image is None for image in images):
+            if self.requires_image:
+                raise ValueError("this image-to-video model needs a condition image per prompt")
+            return text
+        if self.image_scheme is None:
+            raise ValueError("this text-to-video model takes no condition image")
+        if any(image is None for image in images):
+            raise ValueError("either every prompt of a batch has a condition image or none")
+        if self.vae is None:
+            raise ValueError("this bundle was loaded without a vae, which encodes the images")
+        latents = torch.cat([self._image_latents(path, video_size) for path in images])
+        embeds = None
+        if self.image_encoder is not None:
+            embeds = clip_image_embeds(self.image_encoder, self.image_processor, list(images))
+        return WanCondition(
+            text=text,
+            scheme=self.image_scheme,
+            image_latents=latents.to(self.device),
+            image_embeds=None if embeds is None else embeds.to(self.device),
+        )
+
+    def _image_latents(self, path: str, video_size: tuple[int, int, int]) -> torch.Tensor:
+        key = (path, *video_size)
+        if key not in self._image_cache:
+            latent = condition_images(self.vae, [path], *video_size, self.image_scheme)
+            self._image_cache[key] = latent.cpu()
+        return self._image_cache[key]
+
+    def velocity(
+        self, latents: torch.Tensor, sigma: torch.Tensor, condition: torch.Tensor | WanCondition
+    ) -> torch.Tensor:
+        return wan_velocity(
+            self.transformer, latents, sigma, condition, expand_timesteps=self.expand_timesteps
+        )
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Wan VAE decode: de-normalise, decode, map [-1, 1] -> [0, 1]; [B, T, C, H, W] float32."""
+        if self.vae is None:
+            raise ValueError("this bundle was loaded without a vae")
+        vae_param = next(self.vae.parameters())
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(self.vae.config.latents_mean, device=vae_param.device).view(shape)
+        std = torch.tensor(self.vae.config.latents_std, device=vae_param.device).view(shape)
+        latents = latents.to(device=vae_param.device, dtype=torch.float32) * std + mean
+        with torch.no_grad():
+            video = self.vae.decode(latents.to(vae_param.dtype), return_dict=False)[0]
+        video = (video.float() * 0.5 + 0.5).clamp(0.0, 1.0)  # (B, C, T, H, W)
+        return video.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def _missing(path: str, component: str, message: str) -> ConfigError:
+    folders = ", ".join(f"{c}/" for c in WAN_COMPONENTS)
+    return ConfigError(
+        f"model.path={path!r}: {message} Put a local diffusers Wan folder there (Wan2.1 or "
+        f"Wan2.2, e.g. /data/Wan2.1-T2V-1.3B-Diffusers with {folders}); missing: {component}"
+    )
+
+
+def _vae_config(path: str):
+    from diffusers import AutoencoderKLWan
+
+    if not os.path.isdir(os.path.join(path, "vae")):
+        return None
+    return SimpleNamespace(**AutoencoderKLWan.load_config(path, subfolder="vae"))
+
+
+def _image_scheme(transformer_config, variant: WanVariant) -> str | None:
+    if variant.expand_timesteps:
+        return "first_frame"
+    if transformer_config.in_channels != transformer_config.out_channels:
+        return "channels"
+    return None
+
+
+def _experts(path: str, variant: WanVariant, train_experts: tuple[str, ...], load) -> nn.Module:
+    """The folder's transformer, or its two experts as :class:`WanExperts`."""
+    if variant.boundary_ratio is None:
+        if train_experts:
+            raise ConfigError(
+                f"model.train_experts: {list(train_experts)} but {path} holds one transformer "
+                "(a Wan2.2 A14B folder has transformer_2/ too); leave model.train_experts empty"
+            )
+        return load("transformer")
+    return WanExperts(
+        load("transformer"),
+        load("transformer_2"),
+        variant.boundary_ratio,
+        train_experts=train_experts or EXPERT_NAMES,
+    )
+
+
+def load_wan_bundle(
+    path: str,
+    vsa2: VSA2Config,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = "auto",
+    *,
+    text_cache_dir: str | None = None,
+    components: tuple[str, ...] = WAN_COMPONENTS,
+    sparsity_state: SparsityState | None = None,
+    train_experts: tuple[str, ...] = (),
+) -> WanBundle:
+    """Load a local diffusers Wan folder as a ``WanBundle`` with VSA2 self-attention.
+
+    Args:
+        path: the folder (config key ``model.path``); never downloads.
+        vsa2: attention settings; ``vsa2.enabled = False`` keeps dense attention.
+        device, dtype: where and in which dtype the transformer(s), text and image encoders run
+            ("auto": bf16 on CUDA, fp32 on CPU). The VAE runs in float32 with tiling and slicing.
+        text_cache_dir: folder for per-prompt embedding files; None = in-memory cache only.
+        components: subfolders to load; "transformer" is required (Wan2.2 A14B's
+            ``transformer_2`` comes with it; a CLIP image encoder comes with the vae).
+        sparsity_state: shared state to use (a new one at sparsity 0 if None).
+        train_experts: the experts RL trains (``model.train_experts``; empty = all); only a
+            two-expert folder has any to name.
+    """
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    unknown = set(components) - set(WAN_COMPONENTS)
+    if "transformer" not in components or unknown:
+        raise ValueError(
+            f"components must include 'transformer' and only {WAN_COMPONENTS}, got {components}"
+        )
+    if not path or not os.path.isdir(path):
+        raise _missing(str(path), "the folder itself", "does not exist or is not a directory.")
+    variant = read_wan_variant(path)
+    needed = [*variant.transformer_folders, *components[1:]]
+    if variant.image_encoder and "vae" in components:
+        needed += ["image_encoder", "image_processor"]
+    for component in dict.fromkeys(needed):
+        if not os.path.isdir(os.path.join(path, component)):
+            raise _missing(path, f"{component}/", f"has no {component}/ subfolder.")
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    state = sparsity_state if sparsity_state is not None else SparsityState()
+
+    def load(folder: str) -> nn.Module:
+        model = WanTransformer3DModel.from_pretrained(path, subfolder=folder, torch_dtype=dtype)
+        return enable_vsa2(model.to(device), vsa2, state)
+
+    transformer = _experts(path, variant, tuple(train_experts), load)
+    vae_config = _vae_config(path)
+    text_encoder = tokenizer = vae = image_encoder = image_processor = None
+    if "text_encoder" in components:
+        text_encoder = UMT5EncoderModel.from_pretrained(
+            path, subfolder="text_encoder", torch_dtype=dtype
+        )
+        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+    if "tokenizer" in components:
+        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+    if "vae" in components:
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        vae = vae.to(device).eval().requires_grad_(False)
+        vae.enable_tiling()
+        vae.enable_slicing()
+        if variant.image_encoder:
+            image_encoder, image_processor = _load_image_encoder(path, device, dtype)
+    config = experts_of(transformer)[0].config
+    return WanBundle(
+        transformer=transformer,
+        sparsity_state=state,
+        latent_channels=int(config.out_channels),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        vae=vae,
+        text_cache_dir=text_cache_dir,
+        cache_key=os.path.abspath(path),
+        vae_scale=vae_scale_factors(vae_config) if vae_config is not None else (4, 8),
+        expand_timesteps=variant.expand_timesteps,
+        image_scheme=_image_scheme(config, variant),
+        image_encoder=image_encoder,
+        image_processor=image_processor,
+    )
+
+
+def _load_image_encoder(path: str, device: torch.device, dtype: torch.dtype) -> tuple:
+    """Wan2.1 I2V's CLIP vision model and its image processor, frozen."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", torch_dtype=dtype)
+    processor = CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
+    return encoder.to(device).eval().requires_grad_(False), processor
+
+
+__all__ = [
+    "WAN_COMPONENTS",
+    "VideoDiTBundle",
+    "WanBundle",
+    "WanVariant",
+    "load_wan_bundle",
+    "read_wan_variant",
+]
