@@ -8,6 +8,7 @@ package registers the built-ins: ``dynamic_degree``, ``motion_smoothness``, ``te
 ``clip_score``, ``pickscore``, ``hpsv2`` (prompt-frame cosine of open_clip embeddings, local
 weights), ``subject_consistency`` and ``background_consistency`` (VBench, DINO / CLIP features),
 ``image_quality`` (weight-free sharpness, colourfulness, exposure, gated by a noise estimate),
+``image_consistency`` (image-to-video: SSIM of the first frames to the condition image),
 ``prompt_motion``, ``prompt_direction`` and ``shape_fidelity`` (the toy task's known-answer
 motion rewards and shape guard), ``vlm_judge`` (a local transformers video-language model's
 yes/no log-odds or scalar head) and ``random`` (the control of RL experiments).
@@ -18,6 +19,7 @@ from . import (  # noqa: F401
     clip_score,
     consistency,
     control,
+    image_consistency,
     image_quality,
     motion,
     shapes,
