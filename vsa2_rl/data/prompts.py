@@ -5,7 +5,7 @@ A prompt file whose name ends in ``.jsonl`` holds one JSON object per non-empty 
 ``{"prompt": "<text>", "image": "<path>"}`` ("image" optional, relative paths resolved against
 the file's folder; every record carries one or none does); any other file holds one prompt per
 non-empty line. :func:`load_condition_image` reads a condition image at the video size: RGB,
-resized (bicubic, no crop).
+resized (Lanczos, no crop: what diffusers' Wan image-to-video pipeline does).
 
 The built-in prompts are the 144 captions "a <color> <shape> moving <direction> <speed>" of the
 synthetic moving-shape videos (:mod:`vsa2_rl.data.synthetic`), split into disjoint sets, so that
@@ -69,7 +69,7 @@ class PromptRecord:
 JSONL_KEYS = ("prompt", "image")
 # The filter condition images are resized with. diffusers' VideoProcessor.preprocess resizes
 # the same way (straight to the size, no crop) but with Lanczos by default.
-CONDITION_RESAMPLE = Image.Resampling.BICUBIC
+CONDITION_RESAMPLE = Image.Resampling.LANCZOS
 _JSON_TYPE_NAMES = {
     list: "an array",
     str: "a string",
@@ -180,7 +180,7 @@ def _check_image(image: object, folder: str, where: str) -> str:
 
 def load_condition_image(path: str, height: int, width: int) -> torch.Tensor:
     """The image at ``path`` as RGB float32 [3, height, width] in [0, 1]: EXIF orientation
-    applied, resized with PIL's ``CONDITION_RESAMPLE`` (bicubic) filter straight to
+    applied, resized with PIL's ``CONDITION_RESAMPLE`` (Lanczos) filter straight to
     (width, height), no crop."""
     try:
         with Image.open(path) as handle:
