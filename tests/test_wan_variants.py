@@ -16,7 +16,7 @@ from vsa2_rl.models.wan_bundle import load_wan_bundle
 from vsa2_rl.sampling import cfg_velocity, sample
 
 sys.path.insert(0, os.path.dirname(__file__))
-from wan_folders import KINDS, save_image, save_wan_folder  # noqa: E402
+from wan_folders import KINDS, save_image, save_wan_folder
 
 VIDEO = (5, 32, 32)  # frames, height, width: 2 latent frames
 
@@ -64,7 +64,9 @@ def _pipeline(path: str, image_to_video: bool):
 
         image_parts = {
             "image_encoder": CLIPVisionModel.from_pretrained(path, subfolder="image_encoder"),
-            "image_processor": CLIPImageProcessor.from_pretrained(path, subfolder="image_processor"),
+            "image_processor": CLIPImageProcessor.from_pretrained(
+                path, subfolder="image_processor"
+            ),
         }
     return WanImageToVideoPipeline(**parts, **image_parts)
 
@@ -142,7 +144,210 @@ def test_a_frozen_copy_shares_the_expert_that_does_not_train(folders):
 
 
 def test_train_experts_must_name_experts_the_model_has(folders):
-    with pytest.raises(ConfigError, match=r"model\.train_experts: \['low_noise'\].*one transformer"):
+    with pytest.raises(
+        ConfigError, match=r"model\.train_experts: \['low_noise'\].*one transformer"
+    ):
         load_wan_bundle(folders["wan21_t2v"], VSA2Config(), train_experts=("low_noise",))
     with pytest.raises(ConfigError, match=r"model\.train_experts: got 'middle'"):
         load_config(None, ["model.train_experts=[middle]"])
+
+
+# --------------------------------------------------------------------------------------------
+# RL on the variants
+
+RUN = [
+    "model.kind=wan",
+    f"model.num_frames={VIDEO[0]}",
+    f"model.height={VIDEO[1]}",
+    f"model.width={VIDEO[2]}",
+    "sampler.num_steps=3",
+    "sampler.sde_window=[0,2]",
+    "grpo.prompts_per_step=2",
+    "grpo.group_size=2",
+    "grpo.train_batch_size=4",
+    "train.learning_rate=1e-2",
+    "train.sample_every=0",
+    "logging.progress=false",
+    "rewards.num_workers=1",
+    "eval.every=0",
+    "attention.backend=torch",
+    "rewards.functions=[{name: 'test_trainer:brightness'}]",
+]
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=4"]
+
+
+def _prompt_file(tmp_path, image=None) -> str:
+    """Two prompts, with a condition image each when ``image`` is given (JSON Lines)."""
+    texts = ["a red square moving right", "a blue circle moving right"]
+    if image is None:
+        path = tmp_path / "prompts.txt"
+        path.write_text("\n".join(texts) + "\n")
+    else:
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps({"prompt": t, "image": image}) + "\n" for t in texts))
+    return str(path)
+
+
+def _run_config(tmp_path, folders, kind, *extra, name="run", image=None):
+    return load_config(None, [
+        *RUN, f"model.path={folders[kind]}", f"prompts.file={_prompt_file(tmp_path, image)}",
+        f"out_dir={tmp_path / name}", *extra,
+    ])  # fmt: skip
+
+
+def _checkpoint(out_dir):
+    from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
+
+    return load_checkpoint(find_latest(os.path.join(out_dir, "checkpoints")))
+
+
+def test_lora_on_one_expert_trains_saves_resumes_and_exports_that_expert(tmp_path, folders):
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from vsa2_rl.export import export
+    from vsa2_rl.rl.trainer import train
+    from vsa2_rl.runtime import build_bundle, load_model
+
+    extra = [*LORA, "model.train_experts=[low_noise]", "train.checkpoint_every=1"]
+    whole = _run_config(tmp_path, folders, "wan22_a14b_t2v", *extra, "train.num_steps=2")
+    train(whole)
+    state = _checkpoint(whole.out_dir)
+    assert state["model"] and all(k.startswith("low_noise.") for k in state["model"])
+    assert any("lora_" in k for k in state["model"])
+    trained = {p for group in state["optimizer"]["param_groups"] for p in group["params"]}
+    assert len(state["optimizer"]["state"]) == len(trained) == len(state["model"])
+
+    # one step, then a resumed second step: the same weights as two steps in one go
+    split = _run_config(tmp_path, folders, "wan22_a14b_t2v", *extra, "train.num_steps=1",
+                        name="split")  # fmt: skip
+    train(split)
+    resumed = _run_config(tmp_path, folders, "wan22_a14b_t2v", *extra, "train.num_steps=2",
+                          "train.resume=auto", name="split")  # fmt: skip
+    train(resumed)
+    for key, value in _checkpoint(resumed.out_dir)["model"].items():
+        torch.testing.assert_close(value, state["model"][key], rtol=0, atol=0)
+
+    folder = export(load_config(None, [f"run_dir={whole.out_dir}", f"out_dir={tmp_path / 'x'}"]))
+    assert sorted(os.listdir(folder)) == ["transformer_2", "vsa2_attention.json"]
+    with open(os.path.join(folder, "vsa2_attention.json")) as handle:
+        assert json.load(handle)["experts"] == ["low_noise"]
+    from vsa2_rl.rl.checkpoint import find_latest
+
+    checkpoint = str(find_latest(os.path.join(whole.out_dir, "checkpoints")))
+    expected = load_model(whole, "cpu", torch.float32, checkpoint=checkpoint)
+    fresh = build_bundle(whole, torch.device("cpu"), torch.float32)
+    low = fresh.transformer.low_noise
+    low.add_adapter(LoraConfig.from_pretrained(os.path.join(folder, "transformer_2")))
+    weights = load_file(os.path.join(folder, "transformer_2", "adapter_model.safetensors"))
+    assert not set_peft_model_state_dict(low, weights).unexpected_keys
+    low.load_state_dict(load_file(os.path.join(folder, "transformer_2", "vsa2.safetensors")),
+                        strict=False)  # fmt: skip
+    latents = torch.randn(2, *fresh.latent_shape(*VIDEO))
+    text = fresh.encode_prompts(["a red square", "a blue circle"])
+    sigma = torch.tensor([0.95, 0.3])  # one sample per expert
+    for bundle in (expected, fresh):
+        bundle.sparsity_state.sparsity = 0.9
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fresh.velocity(latents, sigma, text), expected.velocity(latents, sigma, text),
+            rtol=1e-5, atol=1e-6,
+        )  # fmt: skip
+        base = build_bundle(whole, torch.device("cpu"), torch.float32)
+        base.sparsity_state.sparsity = 0.9
+        moved = base.velocity(latents, sigma, text) - expected.velocity(latents, sigma, text)
+    assert moved[0].abs().max() < 1e-6 < moved[1].abs().max()  # only the low-noise sample moved
+
+
+@pytest.mark.parametrize(
+    "algorithm", ["grpo.algorithm=flow_grpo", "grpo.algorithm=nft nft.sigma_range=[0.875,1.0]"]
+)
+def test_full_fine_tuning_of_one_expert_leaves_the_other_as_loaded(tmp_path, folders, algorithm):
+    from vsa2_rl.rl.trainer import train
+    from vsa2_rl.runtime import build_bundle
+
+    config = _run_config(
+        tmp_path, folders, "wan22_a14b_t2v", "model.train_experts=[high_noise]",
+        "train.num_steps=1", "grpo.kl_beta=0.1", "train.ema_decay=0.9",
+        *algorithm.split(),
+    )  # fmt: skip
+    train(config)
+    saved = _checkpoint(config.out_dir)
+    assert all(k.startswith("high_noise.") for k in saved["model"])
+    base = build_bundle(config, torch.device("cpu"), torch.float32).transformer.state_dict()
+    changed = [k for k, v in saved["model"].items() if not torch.equal(v, base[k])]
+    assert changed  # the trained expert moved
+    assert set(saved["ema"]["shadow"]) <= set(saved["model"])
+
+
+def test_nft_levels_and_sde_windows_must_reach_a_trained_expert(tmp_path, folders):
+    from vsa2_rl.rl.trainer import train
+
+    low_only = ["model.train_experts=[low_noise]", "train.num_steps=1"]
+    cases = [
+        (["grpo.algorithm=nft"], r"nft\.sigma_range: \[0\.0, 1\.0\].*within \[0, 0\.875\)"),
+        (["sampler.sde_window=[0,1]"], r"sampler\.sde_window: .*\[1\.0\] all belong"),
+    ]
+    for index, (extra, message) in enumerate(cases):
+        config = _run_config(tmp_path, folders, "wan22_a14b_t2v", *low_only, *extra,
+                             name=f"refused{index}")  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            train(config)
+        assert not os.path.exists(config.out_dir)
+
+
+def image_reward(videos, prompts, metadata):
+    """Brightness, refusing samples without their condition image in the metadata."""
+    for entry in metadata:
+        assert os.path.isfile(entry["image"]), entry
+    return videos.mean(dim=(1, 2, 3, 4)).float()
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("wan22_ti2v", ["grpo.algorithm=nft"]),
+        ("wan21_i2v", ["sampler.guidance_scale=3.0", *LORA]),
+        ("wan22_a14b_i2v", ["model.train_experts=[low_noise]", *LORA]),
+    ],
+)
+def test_image_to_video_runs_show_the_image_to_rewards_and_in_samples(
+    tmp_path, folders, kind, extra
+):
+    from vsa2_rl.rl.trainer import train
+
+    config = _run_config(
+        tmp_path, folders, kind, *extra, "train.num_steps=1", "eval.every=1",
+        "eval.num_prompts=2", "train.sample_every=1", "eval.guard_rewards=[]",
+        "rewards.functions=[{name: 'test_wan_variants:image_reward'}, "
+        "{name: image_consistency, weight: 0.0}]",
+        image=folders["image"],
+    )  # fmt: skip
+    train(config)
+    with open(os.path.join(config.out_dir, "metrics.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle]
+    assert 0.0 < rows[-1]["eval/reward/image_consistency"] <= 1.0
+    from PIL import Image
+
+    sheet = Image.open(os.path.join(config.out_dir, "samples", "step_1.png"))
+    frames_only = (VIDEO[0] * (VIDEO[2] * 4 + 2) - 2, 4 * (VIDEO[1] * 4 + 2) - 2)
+    assert sheet.size[0] > frames_only[0]  # a column for the condition image
+
+
+def test_prompt_images_the_model_cannot_take_are_one_error_line(tmp_path, folders, capsys):
+    from vsa2_rl.cli import main
+
+    cases = [
+        ("wan21_t2v", folders["image"], "carry condition images but the model"),
+        ("wan21_i2v", None, "is image-to-video and needs an image per prompt"),
+    ]
+    for index, (kind, image, message) in enumerate(cases):
+        out_dir = tmp_path / f"out{index}"
+        prompts = _prompt_file(tmp_path, image)
+        code = main(["train", *RUN, f"model.path={folders[kind]}", f"prompts.file={prompts}",
+                     f"out_dir={out_dir}", "train.num_steps=1"])  # fmt: skip
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: prompts.file: ") and message in err[0]
+        assert not out_dir.exists()

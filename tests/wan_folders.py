@@ -72,7 +72,9 @@ def _clip(root: str) -> None:
         image_size=32, patch_size=8,
     )  # fmt: skip
     CLIPVisionModel(config).save_pretrained(os.path.join(root, "image_encoder"))
-    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
     processor.save_pretrained(os.path.join(root, "image_processor"))
 
 

@@ -132,16 +132,27 @@ def prompt_file_key(config: RunConfig, split: str) -> str:
     return "prompts.eval_file" if split == "eval" and config.prompts.eval_file else "prompts.file"
 
 
-def check_condition_images(bundle, images: list[str | None], key: str) -> None:
-    """Refuses prompts whose condition images the model cannot take, or lacks: an image for a
-    text-to-video model, none for a model that needs one (``key`` names the prompt file)."""
+def image_scheme(config: RunConfig) -> str | None:
+    """How ``config.model`` takes a condition image (``vsa2_rl.models.conditioning``), read from
+    its configuration files before any weight loads: None for text-to-video models."""
+    if config.model.kind != "wan":
+        return None
+    from vsa2_rl.models.wan_bundle import read_image_scheme
+
+    return read_image_scheme(config.model.path)
+
+
+def check_condition_images(scheme: str | None, images: list[str | None], key: str) -> None:
+    """Refuses prompts whose condition images the model (taking them by ``scheme``, see
+    :func:`image_scheme`) cannot take, or lacks: an image for a text-to-video model, none for
+    a model that needs one (``key`` names the prompt file)."""
     given = any(image is not None for image in images)
-    if given and getattr(bundle, "image_scheme", None) is None:
+    if given and scheme is None:
         raise ConfigError(
             f"{key}: its prompts carry condition images but the model (model.path) is "
             "text-to-video; give a plain prompt file or an image-to-video model"
         )
-    if not given and getattr(bundle, "requires_image", False):
+    if not given and scheme == "channels":
         raise ConfigError(
             f"{key}: the model (model.path) is image-to-video and needs an image per prompt: "
             'give a .jsonl prompt file with {"prompt": ..., "image": ...} lines'

@@ -47,6 +47,16 @@ def write_mp4(frames: list[np.ndarray], path: str, fps: int) -> bool:
     return False
 
 
+def condition_images_of(paths: list[str | None], size: tuple[int, int]) -> list | None:
+    """The condition images at ``paths`` (None where a prompt has none) at ``size`` (height,
+    width), for :func:`save_video_grid`; None when no prompt has one."""
+    from vsa2_rl.data.prompts import load_condition_image
+
+    if all(path is None for path in paths):
+        return None
+    return [None if path is None else load_condition_image(path, *size) for path in paths]
+
+
 def save_video_grid(
     videos: torch.Tensor,
     path_prefix: str,

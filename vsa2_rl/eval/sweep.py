@@ -29,11 +29,12 @@ import torch
 from tqdm.auto import tqdm
 
 from vsa2_rl.config import ConfigError, RunConfig, config_from_tree, load_config
-from vsa2_rl.eval.media import save_video_grid
+from vsa2_rl.eval.media import condition_images_of, save_video_grid
 from vsa2_rl.models.conditioning import encode_condition, final_latents
 from vsa2_rl.runtime import (
     check_condition_images,
     check_output_dir,
+    image_scheme,
     load_model,
     load_prompt_records,
     prompt_file_key,
@@ -316,8 +317,8 @@ def evaluate(config: RunConfig) -> list[dict]:
     for target in targets:
         trained = target.config
         dtype = resolve_dtype(trained.model.dtype, device)
+        check_condition_images(image_scheme(trained), images, prompt_file_key(config, "eval"))
         bundle = load_model(trained, device, dtype, checkpoint=target.checkpoint)
-        check_condition_images(bundle, images, prompt_file_key(config, "eval"))
         shape = (trained.model.num_frames, trained.model.height, trained.model.width)
         table, videos = sweep_model(
             bundle,
@@ -352,9 +353,11 @@ def evaluate(config: RunConfig) -> list[dict]:
     plot_sweep(rows, os.path.join(config.out_dir, "eval.png"))
     for label, by_sparsity in previews.items():
         for sparsity, preview in by_sparsity.items():
+            shown = condition_images_of(images[: len(preview.videos)], preview.videos.shape[-2:])
             save_video_grid(
                 preview.videos,
                 os.path.join(config.out_dir, "samples", label, f"sparsity_{sparsity:g}"),
+                condition_images=shown,
             )
     print(_markdown(rows))
     print(f"wrote {config.out_dir}/eval.json, eval.md, eval.png, samples/")

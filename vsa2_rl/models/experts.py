@@ -124,6 +124,26 @@ def trained_prefixes(model: nn.Module) -> tuple[str, ...]:
     return ("",)
 
 
+def trains_level(model: nn.Module, sigma: float) -> bool:
+    """Whether the expert that denoises at noise level ``sigma`` trains (always, for one
+    transformer): an update at another level would have nothing to change."""
+    model = getattr(model, "module", model)
+    if not isinstance(model, WanExperts):
+        return True
+    expert = "high_noise" if sigma * 1000.0 >= model.boundary_timestep else "low_noise"
+    return expert in model.train_experts
+
+
+def trained_sigma_range(model: nn.Module) -> tuple[float, float] | None:
+    """The noise levels [low, high) of the one expert that trains (high may be 1 inclusive), or
+    None when every part of the model trains."""
+    model = getattr(model, "module", model)
+    if not isinstance(model, WanExperts) or len(model.train_experts) == len(EXPERT_NAMES):
+        return None
+    boundary = model.boundary_timestep / 1000.0
+    return (boundary, 1.0) if model.train_experts == ("high_noise",) else (0.0, boundary)
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A frozen deep copy of ``model`` for a reference or old policy; an expert RL does not
     train is shared with ``model``, not copied (it never changes)."""
@@ -144,4 +164,6 @@ __all__ = [
     "frozen_copy",
     "trained_modules",
     "trained_prefixes",
+    "trained_sigma_range",
+    "trains_level",
 ]

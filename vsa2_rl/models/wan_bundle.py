@@ -303,6 +303,17 @@ def _image_scheme(transformer_config, variant: WanVariant) -> str | None:
     return None
 
 
+def read_image_scheme(path: str) -> str | None:
+    """How the model at ``path`` takes a condition image, from its configuration files alone:
+    None (text-to-video), ``channels`` (image required) or ``first_frame`` (image optional)."""
+    from diffusers import WanTransformer3DModel
+
+    if not path or not os.path.isdir(os.path.join(path, "transformer")):
+        raise _missing(str(path), "transformer/", "has no transformer/ subfolder.")
+    config = WanTransformer3DModel.load_config(path, subfolder="transformer")
+    return _image_scheme(SimpleNamespace(**config), read_wan_variant(path))
+
+
 def _experts(path: str, variant: WanVariant, train_experts: tuple[str, ...], load) -> nn.Module:
     """The folder's transformer, or its two experts as :class:`WanExperts`."""
     if variant.boundary_ratio is None:
@@ -420,5 +431,6 @@ __all__ = [
     "WanBundle",
     "WanVariant",
     "load_wan_bundle",
+    "read_image_scheme",
     "read_wan_variant",
 ]

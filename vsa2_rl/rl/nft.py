@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from vsa2_rl.config import ConfigError
-from vsa2_rl.models.experts import frozen_copy
+from vsa2_rl.models.experts import frozen_copy, trained_sigma_range
 from vsa2_rl.rl import engines
 
 # the authors' floor of the adaptive weight (a sample whose x0 is already exact)
@@ -202,6 +202,24 @@ class _Draws(NamedTuple):
     generators: list[torch.Generator]  # one per sample (CPU), drawing its noise pass by pass
 
 
+def _check_trained_levels(model, low: float, high: float) -> None:
+    """Refuses an ``nft.sigma_range`` that reaches an expert ``model.train_experts`` leaves
+    frozen (its losses could change nothing)."""
+    trained = trained_sigma_range(model)
+    if trained is None:
+        return
+    lowest, boundary_or_top = trained
+    if lowest > 0:  # the high-noise expert trains: [boundary, 1]
+        fits, within = low >= lowest, f"[{lowest}, 1]"
+    else:  # the low-noise expert trains: [0, boundary)
+        fits, within = high < boundary_or_top, f"[0, {boundary_or_top}) (below the boundary)"
+    if not fits:
+        raise ConfigError(
+            f"nft.sigma_range: [{low}, {high}] reaches noise levels of an expert that "
+            f"model.train_experts leaves frozen; set it within {within}"
+        )
+
+
 class NFTUpdate:
     """The update of ``grpo.algorithm=nft`` for a trainer run (``vsa2_rl.rl.trainer._Run``,
     whose optimizer, engines, reference, EMA and schedules it uses), and its old policy.
@@ -219,6 +237,7 @@ class NFTUpdate:
         config = run.config
         self.settings = config.nft
         low, high = config.nft.sigma_range
+        _check_trained_levels(run.acc.unwrap_model(run.transformer), low, high)
         levels = run.sigmas[:-1]  # the schedule's sigmas but the final 0
         self.levels = levels[(levels >= low) & (levels <= high)]
         if config.nft.timestep_sampling == "schedule" and not len(self.levels):

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import ConfigError, RunConfig, check_resume, config_tree, to_yaml
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.models.conditioning import encode_condition, final_latents
-from vsa2_rl.models.experts import frozen_copy
+from vsa2_rl.models.experts import frozen_copy, trains_level
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
@@ -63,6 +63,7 @@ from vsa2_rl.runtime import (
     build_bundle,
     check_condition_images,
     check_output_dir,
+    image_scheme,
     load_prompt_records,
     load_trained_state,
     prompt_file_key,
@@ -263,6 +264,9 @@ class _Setup:
         self.prompts, self.images = [r.text for r in records], [r.image for r in records]
         records = config.eval.select_prompts(load_prompt_records(config, "eval"))
         self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
+        scheme = image_scheme(config)  # before any weight loads
+        check_condition_images(scheme, self.images, prompt_file_key(config, "train"))
+        check_condition_images(scheme, self.eval_images, prompt_file_key(config, "eval"))
         self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
         sp_size = config.parallel.sequence_parallel_size
         # data-parallel ranks: sequence-parallel groups share their samples
@@ -287,8 +291,6 @@ class _Setup:
         self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
             self.bundle = build_bundle(config, self.device, self.dtype)
-        check_condition_images(self.bundle, self.images, prompt_file_key(config, "train"))
-        check_condition_images(self.bundle, self.eval_images, prompt_file_key(config, "eval"))
         if self.sequence_parallel is not None:
             from vsa2_rl.models.wan import enable_sequence_parallel
 
@@ -311,6 +313,22 @@ def _ddp_options(config: RunConfig) -> list:
     if read_wan_variant(config.model.path).boundary_ratio is None:
         return []
     return [DistributedDataParallelKwargs(find_unused_parameters=True)]
+
+
+def _check_trained_window(model, sigmas: torch.Tensor, samp) -> None:
+    """Refuses an SDE window none of whose steps a trained expert denoises (Wan2.2 A14B with
+    one expert in ``model.train_experts``): Flow-GRPO would have no transition to train."""
+    if samp.sde_window_size is not None:
+        steps = range(*(samp.sde_window_range or [0, samp.num_steps]))
+    else:
+        steps = range(*(samp.sde_window or [0, samp.num_steps]))
+    if not any(trains_level(model, float(sigmas[j])) for j in steps):
+        levels = [round(float(sigmas[j]), 3) for j in steps]
+        raise ConfigError(
+            f"sampler.sde_window: its steps' noise levels {levels} all belong to an expert "
+            "model.train_experts leaves frozen; move the window (or sampler.sde_window_range) "
+            "to the trained expert's steps"
+        )
 
 
 def _sequence_parallel_group(acc, config: RunConfig):
@@ -399,12 +417,13 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLog
         bundle.transformer = live
         state.sparsity, state.phase = saved
     if acc.is_main_process:
-        from vsa2_rl.eval.media import save_video_grid
+        from vsa2_rl.eval.media import condition_images_of, save_video_grid
 
         preview = previews[sparsity]
         prompts = setup.eval_prompts[: len(preview.videos)]
+        images = condition_images_of(setup.eval_images[: len(prompts)], preview.videos.shape[-2:])
         prefix = os.path.join(config.out_dir, "samples", f"eval_step_{step}")
-        png, gif = save_video_grid(preview.videos, prefix, titles=prompts)
+        png, gif = save_video_grid(preview.videos, prefix, titles=prompts, condition_images=images)
         captions = [
             f"{prompt} | " + ", ".join(f"{name} {value:.3f}" for name, value in scores.items())
             for prompt, scores in zip(prompts, preview.scores, strict=True)
@@ -487,6 +506,8 @@ class _Run:
             seed=config.seed,
         )
         self.sigmas = sigma_schedule(config.sampler.num_steps, config.sampler.shift)
+        if config.grpo.algorithm == "flow_grpo":
+            _check_trained_window(self.transformer, self.sigmas, config.sampler)
         samp = config.sampler
         self.uncond = (
             self.bundle.encode_prompts([samp.negative_prompt]) if samp.guidance_scale > 1 else None
@@ -760,7 +781,11 @@ class _Run:
         state = self.bundle.sparsity_state
         state.sparsity, state.phase = sparsity, "train"
         self.transformer.train()
-        trainable_steps = torch.nonzero(rollouts.stochastic).flatten().tolist()
+        trainable_steps = [  # the stochastic steps whose expert trains
+            j
+            for j in torch.nonzero(rollouts.stochastic).flatten().tolist()
+            if trains_level(self.transformer, float(self.sigmas[j]))
+        ]
         step_gen = torch.Generator().manual_seed(_sample_seed(config.seed + 2, step, 0))
         num_train = max(1, round(grpo.timestep_fraction * len(trainable_steps)))
         sums = {name: [] for name in ("loss/policy", "loss/kl", *LOGGED_STATS.values())}
@@ -881,12 +906,15 @@ class _Run:
         every, group = self.config.train.sample_every, self.config.grpo.group_size
         if not (self.is_main and every and step % every == 0):
             return
-        from vsa2_rl.eval.media import save_video_grid
+        from vsa2_rl.eval.media import condition_images_of, save_video_grid
 
+        videos = rollouts.videos[:group].cpu()
+        images = [self.setup.images[i] for i in rollouts.prompt_indices[:group]]
         save_video_grid(
-            rollouts.videos[:group].cpu(),
+            videos,
             os.path.join(self.config.out_dir, "samples", f"step_{step}"),
             titles=rollouts.prompts[:group],
+            condition_images=condition_images_of(images, videos.shape[-2:]),
         )
 
     def checkpoint_if_due(self, step: int) -> None:
