@@ -14,7 +14,7 @@ blocks run, so any latent size works. The VSA2 parameters live in ``attn1.vsa2``
 nn.Module), so state_dict, optimizers and peft see them as ``blocks.{i}.attn1.vsa2.*``.
 
 ``load_wan_bundle`` loads a local diffusers Wan2.1 folder (no download) and implements the
-``VideoDiTBundle`` protocol of docs/CONTRACTS.md with the Wan pipeline's conventions: UMT5
+``VideoDiTBundle`` protocol of docs/concepts.md with the Wan pipeline's conventions: UMT5
 prompt embeddings trimmed to the prompt length and zero-padded to 512 tokens, timestep =
 sigma * 1000 (flow-matching Euler scheduler), and latents de-normalised with the VAE's
 ``latents_mean`` / ``latents_std`` before decoding.
@@ -40,7 +40,7 @@ WAN_COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
 
 @runtime_checkable
 class VideoDiTBundle(Protocol):
-    """A video DiT with its text encoder and decoder (docs/CONTRACTS.md, "vsa2_rl.models")."""
+    """A video DiT with its text encoder and decoder (docs/concepts.md, "The model bundle")."""
 
     transformer: nn.Module
     sparsity_state: SparsityState
