@@ -18,6 +18,7 @@ PAGES = [ROOT / "README.md", *DOCS]
 # build outputs and environments: not part of the repository
 SKIPPED_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "runs", "wandb"}
 SKIPPED_DIRS |= {".whl", ".whl_base", ".gl", "build", "dist"}
+FILE_SUFFIXES = {"safetensors", "json", "jsonl", "md", "png", "gif", "mp4", "yaml", "py"}
 
 
 def _code_blocks(path: Path, language: str) -> list[str]:
@@ -79,6 +80,41 @@ def test_configuration_doc_lists_every_key():
     sections = {key for key in _all_keys(RunConfig) if f"## {key}\n" in page}
     missing = [k for k in _all_keys(RunConfig) if f"`{k}`" not in page and k not in sections]
     assert not missing
+
+
+def _code_spans(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    return re.findall(r"`([^`\n]+)`", text) + _code_blocks(path, r"\w*")
+
+
+def test_docs_name_only_real_config_keys():
+    from vsa2_rl.config import RunConfig, _all_keys
+
+    keys = set(_all_keys(RunConfig))
+    sections = {key for key in keys if "." not in key}
+    unknown = []
+    for page in [*PAGES, ROOT / "benchmarks" / "BENCHMARKS.md"]:
+        for code in _code_spans(page):
+            for token in re.findall(r"(?<![\w./-])([a-z_]+(?:\.[a-z_0-9]+|\[\w*\])+)", code):
+                suffix = token.rsplit(".", 1)[-1]
+                if token.split(".")[0] not in sections or suffix in FILE_SUFFIXES:
+                    continue  # not a config key, or a file name such as eval.json
+                key = re.sub(r"\.kwargs\..*$", ".kwargs", re.sub(r"\[\w*\]", "", token))
+                entry = key.rsplit(".", 1)[-1] in {"name", "weight", "kwargs"}
+                if key not in keys and not (entry and key.startswith(("rewards.", "eval."))):
+                    unknown.append(f"{page.name}: {token}")
+    assert not unknown
+
+
+def test_docs_name_only_real_serve_reward_flags():
+    from vsa2_rl.cli import _parser
+
+    commands = next(a for a in _parser()._actions if a.dest == "command")
+    flags = {s for a in commands.choices["serve-reward"]._actions for s in a.option_strings}
+    text = (ROOT / "docs" / "rewards.md").read_text(encoding="utf-8")
+    table = text.split("| `serve-reward` flag |", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"`(--[a-z-]+)`", table))
+    assert documented and documented <= flags
 
 
 def _slug(heading: str) -> str:
