@@ -85,10 +85,16 @@ def _default(f: dataclasses.Field) -> Any:
 
 def _list_item_type(schema: type, f: dataclasses.Field) -> type | None:
     """The dataclass a ``list[...]`` field holds, if any (e.g. rewards.functions)."""
-    hint = typing.get_type_hints(schema).get(f.name)
+    try:
+        hint = typing.get_type_hints(schema).get(f.name)
+    except (NameError, TypeError):  # an annotation that cannot be resolved at run time
+        hint = None
     for arg in typing.get_args(hint):
         if dataclasses.is_dataclass(arg):
             return arg
+    default = _default(f)
+    if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
+        return type(default[0])
     return None
 
 
