@@ -1,5 +1,5 @@
-"""Public entry point of the VSA2 fine stage: ``block_sparse_attention`` (DESIGN.md, "Kernel
-contract").
+"""Public entry point of the VSA2 fine stage: ``block_sparse_attention`` (contract in
+docs/kernels.md).
 
 The Triton path is registered as two ``torch.library.custom_op``s (forward and backward) with fake
 implementations and an autograd formula, so ``torch.compile`` traces it as opaque ops without a

@@ -1,7 +1,8 @@
 """VSA2 attention of one layer: coarse stage, router, fine stage and gated fusion.
 
 Follows VSA (Zhang et al., "VSA: Faster Video Diffusion with Trainable Sparse Attention", 2025)
-and its VSA2 successor, as fixed in DESIGN.md "VSA2 attention":
+and its VSA2 successor, as described in docs/concepts.md "VSA2 attention" (contract in
+docs/kernels.md):
 
 1. coarse stage: q, k, v mean-pooled per query tile (valid tokens only), dense softmax attention
    among the tiles that hold a valid token, the result broadcast to every token of its tile;

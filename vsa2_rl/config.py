@@ -214,7 +214,7 @@ class ModelConfig:
 
 @dataclass
 class AttentionConfig:
-    """VSA2 sparse attention (DESIGN.md, "VSA2 attention")."""
+    """VSA2 sparse attention (docs/concepts.md, "VSA2 attention")."""
 
     enabled: bool = _doc("Use VSA2 in self-attention; false = dense attention.", default=True)
     q_tile: int = _doc("Query tile size in tokens (one 4x4x4 cube).", default=64)
@@ -254,7 +254,7 @@ class AttentionConfig:
         _check_choice(self.backend, "attention.backend", ("auto", "triton", "torch"))
 
 
-# The kernels and models take the attention settings under this name (docs/CONTRACTS.md).
+# The kernels and models take the attention settings under this name (docs/kernels.md).
 VSA2Config = AttentionConfig
 
 

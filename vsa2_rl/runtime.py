@@ -83,7 +83,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
-    """The VideoDiTBundle of ``config.model`` (docs/CONTRACTS.md), VSA2 per ``config.attention``;
+    """The VideoDiTBundle of ``config.model`` (docs/concepts.md), VSA2 per ``config.attention``;
     a video size the model cannot make (``bundle.latent_shape``) is a config error."""
     model: ModelConfig = config.model
     if model.kind == "toy":

@@ -1,4 +1,5 @@
-"""VSA2Attention: the learnable part of one VSA2 self-attention layer (DESIGN.md, "VSA2 attention").
+"""VSA2Attention: the learnable part of one VSA2 self-attention layer (docs/concepts.md,
+"VSA2 attention").
 
 The attention math (coarse stage, fine-grained router, block-sparse fine stage, dense fallback)
 is ``vsa2_rl.kernels.vsa2_attention``. This module owns what a layer adds on top of it, following
@@ -108,8 +109,8 @@ class VSA2Attention(nn.Module):
             tensors = tuple(sp.tokens_to_heads(x, layout.num_tokens) for x in tensors)
             alpha = self.alpha[sp.head_slice(heads)]
         if not sparse:
-            # Sparsity 0 means the stock dense model (docs/CONTRACTS.md, Deviations): plain
-            # attention in raster order, without tiling, router or gates.
+            # Sparsity 0 means the stock dense model (docs/concepts.md, "Density and the dense
+            # cases"): plain attention in raster order, without tiling, router or gates.
             self.state.record_density(1.0)
             out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in tensors[:3]))
             out = out.transpose(1, 2)

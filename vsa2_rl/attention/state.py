@@ -1,4 +1,4 @@
-"""Shared sparsity state of all VSA2 layers of a model (docs/CONTRACTS.md, "vsa2_rl.attention").
+"""Shared sparsity state of all VSA2 layers of a model (docs/concepts.md, "The model bundle").
 
 One mutable object is shared by every VSA2 attention layer of a transformer (and by a frozen
 reference copy of it). The trainer writes the scheduled ``sparsity`` and the ``phase`` before a

@@ -13,7 +13,8 @@ run's folder name, with as many parent folders as it takes to tell the runs apar
 sparsity (compilation and kernel autotuning at a new setting are not latency).
 
 The hard-to-easy claim of VSA2 (train at high sparsity, evaluate lower) is checked by running a
-sparse-trained and a dense-trained run through the same sweep (README, "Hard-to-easy").
+sparse-trained and a dense-trained run through the same sweep (docs/concepts.md,
+"Hard-to-easy sparsity").
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def toy_velocity(
 
 @dataclass
 class ToyBundle:
-    """The toy model as a ``VideoDiTBundle`` (docs/CONTRACTS.md)."""
+    """The toy model as a ``VideoDiTBundle`` (docs/concepts.md, "The model bundle")."""
 
     transformer: nn.Module
     sparsity_state: SparsityState

@@ -171,7 +171,7 @@ def compile_blocks(transformer: nn.Module) -> nn.Module:
     returned for a ``[1, 1, C]`` chunk; pytorch/pytorch#178080 is the same bug; a two-layer
     test model does not reproduce it). ``wan_block_forward`` recomputes those chunks after the
     break (a ``[B, 6, C]`` add), so none crosses it, and trains at that shape
-    (benchmarks/BENCHMARKS.md). Compiles on first use; returns the same transformer.
+    (docs/results.md). Compiles on first use; returns the same transformer.
     """
     for expert in experts_of(transformer):
         blocks = getattr(expert, "blocks", None)

@@ -4,7 +4,7 @@ VSA2 RL post-training rolls out and trains at a high sparsity ("hard": few key s
 tile) and evaluates at a lower one ("easy"), so a policy that learned to cope with a tight budget
 is deployed with a looser one. Rollout and train always share one value: the PPO ratio compares
 log-probs of the same transitions under the rollout and training forwards, which must route
-identically for the first on-policy ratio to be 1 (DESIGN.md, "Consistency").
+identically for the first on-policy ratio to be 1 (docs/concepts.md, "On-policy consistency").
 
 Timeline of the train (= rollout) sparsity:
 
