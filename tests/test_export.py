@@ -16,7 +16,7 @@ from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.export import ADAPTER_WEIGHTS, VSA2_WEIGHTS, export
 from vsa2_rl.rl.checkpoint import find_latest
 from vsa2_rl.rl.trainer import train
-from vsa2_rl.runtime import build_bundle, load_model, trainable_parameters
+from vsa2_rl.runtime import build_bundle, load_model, load_prompts, trainable_parameters
 
 TINY = [
     *TRAINER_TINY,
@@ -128,7 +128,7 @@ def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, m
     reference = build_bundle(run, torch.device("cpu"), torch.float32)  # no adapters
     reference.sparsity_state.sparsity, reference.sparsity_state.phase = 0.9, "rollout"
     sigmas = sigma_schedule(run.sampler.num_steps)
-    prompts = [trainer_module.load_prompts(run)[i] for i in _batch_prompts(run)]
+    prompts = [load_prompts(run)[i] for i in _batch_prompts(run)]
     emb = reference.encode_prompts(prompts)
     penalties = []
     for trajectory in trajectories:  # one chunk: every sample of the step
@@ -147,7 +147,6 @@ def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, m
 
 def _batch_prompts(config):
     from vsa2_rl.rl.grpo import GroupedPromptSampler
-    from vsa2_rl.rl.trainer import load_prompts
 
     sampler = GroupedPromptSampler(
         len(load_prompts(config)), config.grpo.group_size, config.grpo.prompts_per_step,

@@ -14,6 +14,7 @@ from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.rl import trainer as trainer_module
 from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 from vsa2_rl.rl.trainer import train
+from vsa2_rl.runtime import load_prompts
 
 TINY = [
     "model.num_frames=4",
@@ -486,7 +487,7 @@ def test_a_group_shares_its_steps_before_the_window_and_branches_at_it(tmp_path,
     bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = config.sparsity.train, "rollout"
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
     noise = trainer_module.initial_noise(config, 1, shape, list(range(6)))
-    prompts = [trainer_module.load_prompts(config)[i] for i in _prompt_indices(config)]
+    prompts = [load_prompts(config)[i] for i in _prompt_indices(config)]
     expected = []
     for i in range(6):
         emb = bundle.encode_prompts([prompts[i]])
@@ -509,7 +510,7 @@ def _prompt_indices(config):
     from vsa2_rl.rl.grpo import GroupedPromptSampler
 
     sampler = GroupedPromptSampler(
-        len(trainer_module.load_prompts(config)), config.grpo.group_size,
+        len(load_prompts(config)), config.grpo.group_size,
         config.grpo.prompts_per_step, seed=config.seed,
     )  # fmt: skip
     return sampler.batch(0).prompt_indices
