@@ -351,3 +351,36 @@ def test_prompt_images_the_model_cannot_take_are_one_error_line(tmp_path, folder
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: prompts.file: ") and message in err[0]
         assert not out_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "kind"),
+    [
+        ("wan2_2_a14b_i2v_vsa2_grpo.yaml", "wan22_a14b_i2v"),
+        ("wan2_2_ti2v_5b_vsa2_grpo.yaml", "wan22_ti2v"),
+    ],
+)
+def test_the_wan22_recipes_run_one_step_on_a_tiny_model_of_their_kind(
+    tmp_path, folders, recipe, kind
+):
+    """The recipe's settings (experts, window, guidance, rewards, LoRA) on a tiny model: only
+    the sizes shrink."""
+    from vsa2_rl.rl.trainer import train
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shrink = [
+        f"model.num_frames={VIDEO[0]}", f"model.height={VIDEO[1]}", f"model.width={VIDEO[2]}",
+        "grpo.group_size=2", "grpo.prompts_per_step=2", "grpo.train_batch_size=2",
+        "train.num_steps=1", "train.sample_every=0", "logging.report_to=[]",
+        "logging.progress=false", "attention.backend=torch", "eval.every=0",
+        "rewards.functions=[{name: 'test_wan_variants:image_reward'}, {name: image_consistency}]",
+    ]  # fmt: skip
+    config = load_config(os.path.join(repo, "configs", recipe), [
+        *shrink, f"model.path={folders[kind]}", f"out_dir={tmp_path / 'run'}",
+        f"prompts.file={_prompt_file(tmp_path, folders['image'])}",
+    ])  # fmt: skip
+    assert config.sparsity.eval < config.sparsity.train and config.model.lora.enabled
+    train(config)
+    with open(os.path.join(config.out_dir, "metrics.jsonl")) as handle:
+        (row,) = [json.loads(line) for line in handle]
+    assert row["step"] == 1 and row["sparsity/rollout"] == config.sparsity.train == 0.9
