@@ -194,13 +194,16 @@ def run_ours(args, table, tag, s, kvb, q, k, v, go):
 
 def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops):
     try:
-        from vsa2_rl.config import VSA2Config
         from vsa2_rl.kernels import vsa2_attention
     except ImportError as e:
         print(f"skip full VSA2 op (vsa2_attention not importable: {e})")
         return
     H, S = q.shape[1], q.shape[2]
-    cfg = VSA2Config(q_tile=64, kv_block=kvb, mode=router_mode, top_p=0.9)
+    # the attention config's defaults but for the segment size and the router mode
+    settings = {
+        "q_tile": 64, "kv_block": kvb, "mode": router_mode, "top_p": 0.9, "min_kv": 1,
+        "dense_threshold": 0.99,
+    }  # fmt: skip
     method = f"ours-full-kv{kvb}" if router_mode == "topk" else f"ours-full-{router_mode}-kv{kvb}"
     tile_len = torch.full((S // 64,), 64, device=q.device, dtype=torch.int32)
     seg_len = torch.full((S // kvb,), kvb, device=q.device, dtype=torch.int32)
@@ -216,7 +219,7 @@ def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops):
     def fwd():
         out, _ = vsa2_attention(
             q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=s, alpha=alpha,
-            gate_coarse=gate_c, gate_fine=gate_f, config=cfg, num_valid_segments=S // kvb,
+            gate_coarse=gate_c, gate_fine=gate_f, num_valid_segments=S // kvb, **settings,
         )  # fmt: skip
         return out
 

@@ -196,7 +196,9 @@ def main() -> None:
     sparsity = SETTINGS[args.model]["sparsity"]
     settings = SETTINGS[args.model]
     vsa2_label = f"VSA2 {sparsity} kv{settings['kv_block']} {settings['mode']}"
-    runs = [(vsa2_label, sparsity)] if args.only_sparse else [("dense", 0.0), (vsa2_label, sparsity)]
+    runs = [("dense", 0.0), (vsa2_label, sparsity)]
+    if args.only_sparse:
+        runs = runs[1:]
     rows = []
     for label, value in runs:
         state.sparsity = value

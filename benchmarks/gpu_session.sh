@@ -37,8 +37,8 @@ for part in "${parts[@]}"; do
       timeout 160 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \
         --out "$OUT/attention.md" 2>&1 | tail -60 ;;
     wan22)  # Wan2.2 TI2V-5B and A14B I2V RL iterations, dense vs VSA2 (benchmarks/bench_wan22.py)
-      timeout 200 python3 benchmarks/bench_wan22.py --model ti2v_5b --out "$OUT/wan22_ti2v.md" 2>&1 | tail -8
-      timeout 420 python3 benchmarks/bench_wan22.py --model a14b_i2v --resolution 480p \
+      timeout 190 python3 benchmarks/bench_wan22.py --model ti2v_5b --out "$OUT/wan22_ti2v.md" 2>&1 | tail -8
+      timeout 385 python3 benchmarks/bench_wan22.py --model a14b_i2v --resolution 480p \
         --out "$OUT/wan22_a14b_480p.md" 2>&1 | tail -8 ;;
     wan22_720p)  # what one GPU holds: A14B I2V at 720p x 81, VSA2 only, one timed iteration
       timeout 400 python3 benchmarks/bench_wan22.py --model a14b_i2v --resolution 720p \

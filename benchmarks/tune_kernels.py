@@ -110,13 +110,16 @@ def _print_parts(totals: dict[str, float]) -> None:
 def full_op_calls(kv_block: int, sparsity: float, mode: str, shape: str = "720p"):
     """(forward, forward + backward) of ``vsa2_attention`` with the coarse stage on, at a Wan
     shape, device-resident lengths (no host sync), per-element gates and alpha 0.5."""
-    from vsa2_rl.config import VSA2Config
     from vsa2_rl.kernels import vsa2_attention
 
     H, S = SHAPES[shape]
     q, k, v, *_ = inputs(kv_block, sparsity, shape)
     go = torch.randn_like(q)
-    cfg = VSA2Config(q_tile=64, kv_block=kv_block, mode=mode, top_p=0.9)
+    # the attention config's defaults but for the segment size and the router mode
+    settings = {
+        "q_tile": 64, "kv_block": kv_block, "mode": mode, "top_p": 0.9, "min_kv": 1,
+        "dense_threshold": 0.99,
+    }  # fmt: skip
     tile_len = torch.full((S // 64,), 64, device="cuda", dtype=torch.int32)
     seg_len = torch.full((S // kv_block,), kv_block, device="cuda", dtype=torch.int32)
     # as in the model (and bench_attention.py): a non-zero router-bias scale and per-element
@@ -128,8 +131,8 @@ def full_op_calls(kv_block: int, sparsity: float, mode: str, shape: str = "720p"
     def forward():
         out, _ = vsa2_attention(
             q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=sparsity,
-            alpha=alpha, gate_coarse=gate_c, gate_fine=gate_f, config=cfg,
-            num_valid_segments=S // kv_block,
+            alpha=alpha, gate_coarse=gate_c, gate_fine=gate_f,
+            num_valid_segments=S // kv_block, **settings,
         )  # fmt: skip
         return out
 

@@ -100,6 +100,34 @@ def _add_column_terms(
 
 
 @triton.jit
+def _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX):
+    """A query tile's selection: pointers to its segment ids and pair biases (KMAX slots) and
+    its count of used slots."""
+    return KV_IDX + i_row * KMAX, BIAS + i_row * KMAX, tl.load(KV_CNT + i_row)
+
+
+@triton.jit
+def _gather_segments(
+    p_idx, KV_LEN, i_s, n_sel,
+    BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, HAS_LEN: tl.constexpr,
+):  # fmt: skip
+    """The BLOCK_N-key tile of the ``BLOCK_N // KV_BLOCK`` segments at slots ``i_s ..`` of a row's
+    list: key row n is key (n % KV_BLOCK) of the (n // KV_BLOCK)-th of them. Returns each key
+    row's slot, whether the slot is used, whether the key is valid (used slot, and within the
+    segment's length when ``HAS_LEN``) and its token index (int64)."""
+    o_n = tl.arange(0, BLOCK_N)
+    o_w = o_n % KV_BLOCK
+    o_slot = i_s + o_n // KV_BLOCK
+    m_slot = o_slot < n_sel
+    b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
+    m_key = m_slot
+    if HAS_LEN:
+        b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
+        m_key = m_key & (o_w < b_len)
+    return o_slot, m_slot, m_key, b_seg.to(tl.int64) * KV_BLOCK + o_w
+
+
+@triton.jit
 def _load_segment_tma(
     DESC_K, DESC_V, i_b, i_h, p_seg, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr
 ):
@@ -161,10 +189,6 @@ def _bsa_fwd_kernel(
 
     o_m = tl.arange(0, Q_TILE)
     o_d = tl.arange(0, HEAD_DIM)
-    o_n = tl.arange(0, BLOCK_N)
-    # key row n of a gathered tile is key (n % KV_BLOCK) of the row's (n // KV_BLOCK)-th segment
-    o_g = o_n // KV_BLOCK
-    o_w = o_n % KV_BLOCK
     o_tok_q = i_t.to(tl.int64) * Q_TILE + o_m
 
     p_q = (
@@ -178,9 +202,7 @@ def _bsa_fwd_kernel(
     b_q = tl.load(p_q)
     p_k0 = K + i_b.to(tl.int64) * s_kb + i_h.to(tl.int64) * s_kh
     p_v0 = V + i_b.to(tl.int64) * s_vb + i_h.to(tl.int64) * s_vh
-    p_idx = KV_IDX + i_row * KMAX
-    p_bias = BIAS + i_row * KMAX
-    n_sel = tl.load(KV_CNT + i_row)
+    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     # bias in log2 units is bias * LOG2E = qk_scale * (bias / scale)
     bias_to_dot = 1.4426950408889634 / qk_scale
 
@@ -189,18 +211,13 @@ def _bsa_fwd_kernel(
     b_acc = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
     for i_s in range(0, n_sel, G):
         # -- gather G segments into one BLOCK_N-key tile ----
-        o_slot = i_s + o_g
-        m_slot = o_slot < n_sel
-        b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
-        m_key = m_slot
-        if HAS_LEN:
-            b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
-            m_key = m_key & (o_w < b_len)
+        o_slot, m_slot, m_key, o_tok_k = _gather_segments(
+            p_idx, KV_LEN, i_s, n_sel, BLOCK_N, KV_BLOCK, HAS_LEN
+        )
         if TMA and G == 1:
             b_k, b_v = _load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
             b_kt = tl.trans(b_k)
         else:
-            o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
             # [HEAD_DIM, BLOCK_N]
             b_kt = tl.load(
                 p_k0 + o_tok_k[None, :] * s_ks + o_d[:, None], mask=m_key[None, :], other=0.0
@@ -314,9 +331,6 @@ def _bsa_bwd_dq_kernel(
 
     o_m = tl.arange(0, Q_TILE)
     o_d = tl.arange(0, HEAD_DIM)
-    o_n = tl.arange(0, BLOCK_N)
-    o_g = o_n // KV_BLOCK
-    o_w = o_n % KV_BLOCK
     o_tok_q = i_t.to(tl.int64) * Q_TILE + o_m
 
     # [Q_TILE, HEAD_DIM]
@@ -335,26 +349,19 @@ def _bsa_bwd_dq_kernel(
 
     p_k0 = K + i_b * s_kb + i_h * s_kh
     p_v0 = V + i_b * s_vb + i_h * s_vh
-    p_idx = KV_IDX + i_row * KMAX
-    p_bias = BIAS + i_row * KMAX
+    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     p_dbias = DBIAS + i_row * KMAX
     p_mass = MASS + i_row * KMAX
-    n_sel = tl.load(KV_CNT + i_row)
     bias_to_dot = 1.4426950408889634 / qk_scale
 
     b_dq = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
     for i_s in range(0, n_sel, G):
-        o_slot = i_s + o_g
-        m_slot = o_slot < n_sel
-        b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
-        m_key = m_slot
-        if HAS_LEN:
-            b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
-            m_key = m_key & (o_w < b_len)
+        o_slot, m_slot, m_key, o_tok_k = _gather_segments(
+            p_idx, KV_LEN, i_s, n_sel, BLOCK_N, KV_BLOCK, HAS_LEN
+        )
         if TMA and G == 1:
             b_k, b_v = _load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
         else:
-            o_tok_k = b_seg.to(tl.int64) * KV_BLOCK + o_w
             # [BLOCK_N, HEAD_DIM]
             b_k = tl.load(
                 p_k0 + o_tok_k[:, None] * s_ks + o_d[None, :], mask=m_key[:, None], other=0.0

@@ -13,7 +13,7 @@ docs/kernels.md):
    trained (``block_sparse_attention``);
 4. gated fusion ``out = g_c * O_c + g_f * O_f`` (``g_c`` defaults to 0, ``g_f`` to 1);
 5. dense fallback: while the kept fraction ``1 - sparsity`` is at least
-   ``config.dense_threshold`` the fine stage is exact dense SDPA over the valid keys.
+   ``dense_threshold`` the fine stage is exact dense SDPA over the valid keys.
 
 On the Triton path the glue around the fine stage is bandwidth-lean: one fused pass pools
 q, k, v for the router and the coarse stage (``pool_qkv``), the router builds its masked, scaled
@@ -22,6 +22,10 @@ once, without broadcasting O_c to [B, H, S, D] (``_GatedFusion``).
 
 The sparse path does no host sync when the length tensors already live on q's device and the
 number of valid segments is given, so it can be captured in a CUDA graph at fixed shapes.
+
+The settings (tile sizes, router mode, dense threshold, backend) are plain arguments: the
+application's attention config is turned into them by its caller
+(``vsa2_rl.attention.module.kernel_settings``).
 """
 
 from typing import NamedTuple
@@ -30,8 +34,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from vsa2_rl.config import VSA2Config
 
 from .ops import block_sparse_attention, resolve_backend
 from .pooling import PooledQKV, pool_qkv, pool_tiles
@@ -245,13 +247,13 @@ def _check_gates(q: torch.Tensor, gate_coarse, gate_fine) -> None:
             )
 
 
-def _check_inputs(q, k, v, tile_lengths, seg_lengths, sparsity, alpha, config) -> None:
-    if config.mode not in ("topk", "topp"):
-        raise ValueError(f"config.mode={config.mode!r} is unknown; use 'topk' or 'topp'")
-    if config.backend not in ("auto", "triton", "torch"):
-        raise ValueError(
-            f"config.backend={config.backend!r} is unknown; use 'auto', 'triton' or 'torch'"
-        )
+def _check_inputs(
+    q, k, v, tile_lengths, seg_lengths, sparsity, alpha, q_tile, kv_block, mode, backend
+) -> None:
+    if mode not in ("topk", "topp"):
+        raise ValueError(f"mode={mode!r} is unknown; use 'topk' or 'topp'")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend={backend!r} is unknown; use 'auto', 'triton' or 'torch'")
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity={sparsity} must lie in [0, 1); 0 keeps every segment")
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
@@ -260,11 +262,10 @@ def _check_inputs(q, k, v, tile_lengths, seg_lengths, sparsity, alpha, config) -
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     S = q.shape[2]
-    q_tile, kv_block = config.q_tile, config.kv_block
     if q_tile < 1 or kv_block < 1 or S % q_tile != 0 or q_tile % kv_block != 0:
         raise ValueError(
-            f"S={S} must be a multiple of config.q_tile={q_tile}, itself a multiple of "
-            f"config.kv_block={kv_block}; tile the sequence with TileLayout first"
+            f"S={S} must be a multiple of q_tile={q_tile}, itself a multiple of "
+            f"kv_block={kv_block}; tile the sequence with TileLayout first"
         )
     _check_lengths("tile_lengths", tile_lengths, S // q_tile, q_tile)
     _check_lengths("seg_lengths", seg_lengths, S // kv_block, kv_block)
@@ -324,25 +325,36 @@ def vsa2_attention(
     alpha: torch.Tensor,
     gate_coarse: torch.Tensor | None = None,
     gate_fine: torch.Tensor | None = None,
-    config: VSA2Config,
+    q_tile: int,
+    kv_block: int,
+    mode: str,
+    top_p: float,
+    min_kv: int,
+    dense_threshold: float,
+    backend: str = "auto",
     num_valid_segments: int | None = None,
 ) -> tuple[torch.Tensor, VSA2Stats]:
     """VSA2 attention of tile-ordered q, k, v (RoPE applied).
 
     Args:
-        q, k, v: ``[B, H, S, D]``, S = number of tiles * ``config.q_tile``.
+        q, k, v: ``[B, H, S, D]``, S = number of tiles * ``q_tile``.
         tile_lengths: int ``[S // q_tile]`` valid tokens per tile (first in the tile).
         seg_lengths: int ``[S // kv_block]`` valid tokens per key segment (first in it).
             Both may live on the CPU (the layout's copy: moved here, one small host-to-device
             copy each) or on q's device (no copy; needed for CUDA-graph capture).
         sparsity: in ``[0, 1)``; the router keeps at most ``ceil((1 - sparsity) * NSEG_valid)``
-            segments per tile; ``1 - sparsity >= config.dense_threshold`` -> dense fallback.
+            segments per tile; ``1 - sparsity >= dense_threshold`` -> dense fallback.
         alpha: ``[H]`` learnable scale of the router bias (zero-init in the module).
         gate_coarse: ``g_c`` broadcastable to ``[B, H, S, D]``; None means 0 and skips the
             coarse stage.
         gate_fine: ``g_f`` broadcastable to ``[B, H, S, D]``; None means 1.
-        config: ``q_tile``, ``kv_block``, ``mode``, ``top_p``, ``min_kv``, ``dense_threshold``
-            and ``backend`` are read; ``enabled`` is the caller's switch and is not read here.
+        q_tile: tokens per query tile (a multiple of ``kv_block``).
+        kv_block: tokens per key segment, the router's unit.
+        mode, top_p, min_kv: the router's selection (:func:`route`): ``"topk"`` or ``"topp"``,
+            the mass a ``"topp"`` row covers, the fewest segments per row.
+        dense_threshold: the kept fraction ``1 - sparsity`` from which on the fine stage is
+            exact dense attention (the dense fallback).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` for every stage.
         num_valid_segments: segments with length > 0, as a python int. None counts them from
             ``seg_lengths``: free on the CPU, one host sync on the device. Pass it with
             device-resident lengths to keep the sparse path free of host syncs.
@@ -353,10 +365,11 @@ def vsa2_attention(
         router's density (1 in the dense fallback), a float32 tensor: reading it is the
         caller's host sync.
     """
-    _check_inputs(q, k, v, tile_lengths, seg_lengths, sparsity, alpha, config)
+    _check_inputs(
+        q, k, v, tile_lengths, seg_lengths, sparsity, alpha, q_tile, kv_block, mode, backend
+    )
     _check_gates(q, gate_coarse, gate_fine)
-    q_tile, kv_block, backend = config.q_tile, config.kv_block, config.backend
-    dense = 1.0 - sparsity >= config.dense_threshold
+    dense = 1.0 - sparsity >= dense_threshold
     if num_valid_segments is None and not dense:
         num_valid_segments = count_valid_segments(seg_lengths)
     tile_lengths = tile_lengths.to(device=q.device, dtype=torch.int32)
@@ -381,9 +394,9 @@ def vsa2_attention(
             pooled.k_segs,
             seg_lengths,
             sparsity=sparsity,
-            mode=config.mode,
-            top_p=config.top_p,
-            min_kv=config.min_kv,
+            mode=mode,
+            top_p=top_p,
+            min_kv=min_kv,
             num_valid_segments=num_valid_segments,
             backend=backend,
         )

@@ -225,6 +225,31 @@ def test_ema_update_every_swap_and_state(tmp_path):
         EMA(torch.nn.Linear(3, 2)).load_state_dict(ema.state_dict())
 
 
+def test_ema_decay_warmup(tmp_path):
+    """warmup=True (the toy model build's EMA): decay min(decay, (1 + n) / (10 + n)) at the n-th
+    update, counted in updates, not calls; saved with the state."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    ema = EMA([param], decay=0.5, warmup=True, update_every=2)
+    expected = 0.0
+    for call in range(1, 41):
+        with torch.no_grad():
+            param.fill_(float(call))
+        if call % 2 == 0:
+            n = call // 2 - 1
+            decay = min(0.5, (1 + n) / (10 + n))  # 0.1, 0.18.., .., then 0.5 from n = 8 on
+            expected = decay * expected + (1 - decay) * float(call)
+        ema.update()
+        torch.testing.assert_close(ema.shadow["0"], torch.full((3,), expected), rtol=1e-6, atol=0)
+    assert ema.state_dict()["warmup"] is True
+    plain = EMA([param], decay=0.5)
+    assert plain.warmup is False
+    plain.load_state_dict(ema.state_dict())
+    assert plain.warmup is True
+    legacy = {k: v for k, v in ema.state_dict().items() if k != "warmup"}  # older checkpoints
+    plain.load_state_dict(legacy)
+    assert plain.warmup is False
+
+
 def test_ema_of_parameter_list_and_bad_arguments():
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.ones(1))]
     ema = EMA(params, decay=0.5)

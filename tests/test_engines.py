@@ -113,12 +113,40 @@ def test_whole_model_loading_suspends_transformers_zero3_sharding():
 
 
 def test_the_14b_recipe_runs_under_zero3(tmp_path):
-    """configs/wan2_1_14b_vsa2_grpo.yaml says to launch it with configs/accelerate/zero3.yaml."""
+    """configs/wan2_1_14b_vsa2_grpo.yaml says to launch it with configs/accelerate/zero3.yaml:
+    what it promises for that (LoRA, so the KL reference is the model with adapters off; no
+    EMA), ZeRO-3's checks passing, the DeepSpeed config filled for it, and its header's full
+    fine-tuning variant refused under ZeRO-3 unless grpo.kl_beta=0."""
     import os
 
-    recipe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+    import yaml
+
+    configs = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+    recipe = os.path.join(configs, "wan2_1_14b_vsa2_grpo.yaml")
     (tmp_path / "model_index.json").write_text("{}")  # a model folder is not empty
-    config = load_config(
-        os.path.join(recipe, "wan2_1_14b_vsa2_grpo.yaml"), [f"model.path={tmp_path}"]
-    )
-    engines.check_options(_accelerator(3), config)
+    model = f"model.path={tmp_path}"
+    config = load_config(recipe, [model])
+    assert config.model.lora.enabled and config.model.lora.rank == 32
+    assert config.grpo.kl_beta == 0.004 and config.train.ema_decay == 0.0
+    assert (config.model.num_frames, config.model.height, config.model.width) == (81, 720, 1280)
+    assert (config.attention.kv_block, config.attention.mode) == (64, "topp")
+
+    with open(os.path.join(configs, "accelerate", "zero3.yaml"), encoding="utf-8") as handle:
+        launcher = yaml.safe_load(handle)
+    assert launcher["deepspeed_config"]["zero_stage"] == 3
+    # the DeepSpeed config accelerate builds from that file, before engines.configure fills it
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_clipping": launcher["deepspeed_config"]["gradient_clipping"],
+    }
+    zero3 = _accelerator(3, ds, precision=launcher["mixed_precision"])
+    engines.check_options(zero3, config)
+    engines.configure(zero3, config)
+    assert ds["train_micro_batch_size_per_gpu"] == config.grpo.train_batch_size == 1
+    assert ds["gradient_clipping"] == config.train.max_grad_norm
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
+
+    full = ["model.lora.enabled=false", "train.learning_rate=1e-5"]
+    with pytest.raises(ConfigError, match=r"^grpo\.kl_beta: "):
+        engines.check_options(zero3, load_config(recipe, [model, *full]))
+    engines.check_options(zero3, load_config(recipe, [model, *full, "grpo.kl_beta=0"]))

@@ -12,6 +12,7 @@ from vsa2_rl.attention import SparsityState
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.wan import vsa2_parameters
+from vsa2_rl.rl.schedule import SparsitySchedule
 
 
 def _forward(model, inputs):
@@ -72,6 +73,25 @@ def test_rebase_schedule_closed_forms():
         RebaseSchedule(target=0.5, steps=3, ramp="step")
     with pytest.raises(ValueError, match="target"):
         RebaseSchedule(target=1.0, steps=3)
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine"])
+def test_rebase_and_rl_warmups_follow_one_closed_form_ramp(shape):
+    """Stand-alone rebasing (RebaseSchedule) and the RL warm-up (SparsitySchedule) anneal the
+    density 1 -> 1 - target along the same curve: target * f(step / steps), f(x) = x or
+    (1 - cos(pi x)) / 2."""
+    target, steps = 0.85, 7
+    rebase = RebaseSchedule(target=target, steps=steps, ramp=shape)
+    rl = SparsitySchedule(
+        train_sparsity=target, eval_sparsity=0.0, warmup_steps=steps, warmup_shape=shape
+    )
+    for step in (0, 1, 2, 3, 5, 6, 7, 20):
+        x = min(step / steps, 1.0)
+        progress = x if shape == "linear" else (1 - math.cos(math.pi * x)) / 2
+        expected = target * progress
+        assert rebase(step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
+        assert rl.train_at(step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
+        assert rl.train_at(step) == pytest.approx(rebase(step), rel=1e-12, abs=1e-15), step
 
 
 def test_annealing_lowers_achieved_density_through_the_state(dense_and_inputs):

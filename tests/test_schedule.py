@@ -120,8 +120,32 @@ def test_from_run_config():
     assert schedule(30).eval == 0.7
 
 
-def test_plot_schedule_writes_png(tmp_path):
+def test_plot_schedule_draws_the_schedule_into_a_png(tmp_path, monkeypatch):
+    """The saved figure's curves are the schedule's closed form: a linear warm-up from dense to
+    0.9 over 5 steps, then 0.9; eval 0.75 throughout; the warm-up shaded."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    savefig = Figure.savefig
+
+    def recording_savefig(figure, *args, **kwargs):
+        saved.append(figure)
+        return savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
     schedule = SparsitySchedule(train_sparsity=0.9, eval_sparsity=0.75, warmup_steps=5)
     path = tmp_path / "schedule.png"
     plot_schedule(schedule, 20, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    ((axes,),) = [figure.axes for figure in saved]
+    train, evaluation = axes.get_lines()
+    steps = list(range(20))
+    assert list(train.get_xdata()) == steps and list(evaluation.get_xdata()) == steps
+    assert list(train.get_ydata()) == pytest.approx([0.9 * min(s / 5, 1.0) for s in steps])
+    assert list(evaluation.get_ydata()) == pytest.approx([0.75] * 20)
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert legend == ["rollout = train", "eval", "dense warm-up"]
+    (warmup,) = axes.patches
+    corners = warmup.get_path().transformed(warmup.get_patch_transform()).vertices
+    assert (corners[:, 0].min(), corners[:, 0].max()) == pytest.approx((0, 5))  # data x

@@ -1,7 +1,9 @@
 """The GRPO trainer end to end on the toy model (CPU, tiny sizes): parameters change, the first
 ratio is 1, resume equals an uninterrupted run, failures never touch the weights."""
 
+import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -628,15 +630,70 @@ def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch
         assert sum(values) / 2 == pytest.approx(rows[step]["eval/reward"], abs=2e-3)
 
 
-def test_kl_as_reward_penalty_is_zero_while_the_policy_is_the_reference(tmp_path, monkeypatch):
-    # step 1 of a full fine-tuning run: the reference is a frozen copy of the same weights, so
-    # the penalty is 0 and the update equals the one without any KL
-    penalized, grad = _first_update(
-        tmp_path, monkeypatch, "reward", "grpo.kl_beta=1.0", "grpo.kl_mode=reward"
-    )
-    _, plain_grad = _first_update(tmp_path, monkeypatch, "plain", "grpo.kl_beta=0.0")
-    assert penalized["train/kl_penalty"] == 0.0 and penalized["loss/kl"] == 0.0
-    torch.testing.assert_close(grad, plain_grad, rtol=1e-6, atol=1e-9)
+def test_kl_as_reward_penalty_is_the_log_ratio_to_the_reference(tmp_path, monkeypatch):
+    """grpo.kl_mode=reward with a reference that differs from the policy (velocity 0): each
+    sample's penalty is the sum over the stochastic steps of log p - log p_ref of the transition
+    it drew, with log p_ref the closed-form Gaussian of the reference's SDE step written out
+    below, and the reward it trains on is the reward minus kl_beta times the penalty."""
+
+    def zero_velocity_reference(bundle, acc, config):
+        @contextlib.contextmanager
+        def reference():
+            bundle.velocity = lambda latents, sigma, text_emb: torch.zeros_like(latents)
+            try:
+                yield
+            finally:
+                del bundle.velocity  # the class's velocity again
+
+        return reference
+
+    recorded = []
+    real_penalty = trainer_module._Run._kl_penalty
+
+    def recording_penalty(run, chunk, stochastic):
+        penalty = real_penalty(run, chunk, stochastic)
+        sigmas = torch.as_tensor(run.sigmas).double()
+        recorded.append((sigmas, chunk.latents.double(), chunk.log_probs.double(), stochastic))
+        recorded[-1] += (penalty.clone(),)
+        return penalty
+
+    monkeypatch.setattr(trainer_module, "_reference_policy", zero_velocity_reference)
+    monkeypatch.setattr(trainer_module._Run, "_kl_penalty", recording_penalty)
+    beta = 0.5
+    config = _config(
+        tmp_path, "train.num_steps=1", f"grpo.kl_beta={beta}", "grpo.kl_mode=reward",
+        "sampler.kind=sde",
+    )  # fmt: skip
+    train(config)
+    row = _rows(config.out_dir)[-1]
+
+    a = config.sampler.noise_level
+    penalties, expected = [], []
+    for sigmas, latents, log_probs, stochastic, penalty in recorded:
+        ratio = torch.zeros(latents.shape[1], dtype=torch.float64)
+        steps = stochastic.nonzero().flatten().tolist()
+        assert steps == [0, 1]  # sampler.sde_window=[0,2]
+        for j in steps:
+            s, s_next = float(sigmas[j]), float(sigmas[j + 1])
+            x, x_next = latents[j], latents[j + 1]
+            # Flow-GRPO's SDE step at velocity 0: eps_hat = x, so the mean is
+            # x + g^2 / (2 s) * x * dt and the std g * sqrt(-dt), g = a * sqrt(s / (1 - s))
+            # (1 - s_next in the root at s = 1, the sampler's convention there)
+            dt = s_next - s
+            g2 = a**2 * s / (1.0 - (s_next if s >= 1.0 else s))
+            mean = x * (1.0 + g2 / (2.0 * s) * dt)
+            var = g2 * -dt
+            log_ref = -((x_next - mean) ** 2) / (2 * var) - 0.5 * math.log(2 * math.pi * var)
+            ratio += log_probs[j] - log_ref.flatten(1).mean(dim=1)
+        penalties.append(penalty)
+        expected.append(ratio)
+    penalty, expected = torch.cat(penalties).double(), torch.cat(expected)
+    assert expected.abs().min() > 0.1  # the policy is not the reference
+    torch.testing.assert_close(penalty, expected, rtol=1e-4, atol=1e-4)
+    assert row["train/kl_penalty"] == pytest.approx(expected.mean().item(), rel=1e-4)
+    # the reward the advantages come from: brightness - kl_beta * penalty
+    penalized = row["reward/brightness"] - beta * expected.mean().item()
+    assert row["reward/mean"] == pytest.approx(penalized, rel=1e-4, abs=1e-5)
     with pytest.raises(ConfigError, match=r"^grpo\.kl_mode: 'reward' .* rewards\.aggregation"):
         load_config(None, ["grpo.kl_mode=reward", "rewards.aggregation=advantage"])
 

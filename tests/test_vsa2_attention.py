@@ -4,16 +4,45 @@ The references below are written independently of the library: explicit per-bloc
 token-level masked softmax attention whose [S, S] mask is built from the router's kv_indices.
 """
 
+import inspect
 import math
 
 import pytest
 import torch
 
 import vsa2_rl.kernels.vsa2 as vsa2_module
+from vsa2_rl.attention.module import kernel_settings
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.kernels import RouterOutput, pool_tiles, route, vsa2_attention
 
 BACKEND_DTYPES = [("torch", torch.float64), ("triton", torch.float32)]
+
+
+def _settings(**changes) -> dict:
+    """vsa2_attention's settings arguments: the attention config's defaults, with ``changes``."""
+    settings = {
+        "q_tile": 64,
+        "kv_block": 16,
+        "mode": "topp",
+        "top_p": 0.9,
+        "min_kv": 1,
+        "dense_threshold": 0.99,
+        "backend": "auto",
+    }
+    return {**settings, **changes}
+
+
+def test_kernel_settings_hand_every_attention_setting_to_the_kernel():
+    """The layer's adaptation of its config (vsa2_rl.attention.module): each setting by name."""
+    config = VSA2Config(
+        kv_block=32, mode="topk", top_p=0.7, min_kv=3, dense_threshold=0.5, backend="torch"
+    )
+    assert kernel_settings(config) == _settings(
+        kv_block=32, mode="topk", top_p=0.7, min_kv=3, dense_threshold=0.5, backend="torch"
+    )
+    assert kernel_settings(VSA2Config()) == _settings()  # the defaults the tests below use
+    parameters = inspect.signature(vsa2_attention).parameters
+    assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in _settings())
 
 
 def _layout(tile_lengths: list[int], q_tile: int, kv_block: int):
@@ -83,10 +112,10 @@ def _inputs(B, H, S, D, dtype, device="cpu"):
 def test_dense_fallback_equals_masked_dense_attention(backend, dtype):
     tile_lengths, seg_lengths = _layout([64, 64, 40], 64, 16)
     q, k, v = _inputs(1, 2, 192, 16, dtype)
-    config = VSA2Config(backend=backend)  # dense_threshold 0.99 > kept fraction 1.0 at sparsity 0
+    config = _settings(backend=backend)  # dense_threshold 0.99 > kept fraction 1.0 at sparsity 0
     out, stats = vsa2_attention(
         q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.0,
-        alpha=torch.zeros(2), config=config,
+        alpha=torch.zeros(2), **config,
     )  # fmt: skip
     allowed = _valid_tokens(seg_lengths, 16)[None, None, None, :]
     ref = _masked_attention(q.double(), k.double(), v.double(), allowed)
@@ -94,10 +123,10 @@ def test_dense_fallback_equals_masked_dense_attention(backend, dtype):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     assert stats.kv_counts is None and float(stats.density) == 1.0
     # the fallback starts exactly at kept fraction == dense_threshold
-    boundary = VSA2Config(backend=backend, dense_threshold=0.5)
+    boundary = _settings(backend=backend, dense_threshold=0.5)
     kwargs = {"tile_lengths": tile_lengths, "seg_lengths": seg_lengths, "alpha": torch.zeros(2)}
-    _, at = vsa2_attention(q, k, v, sparsity=0.5, config=boundary, **kwargs)
-    _, past = vsa2_attention(q, k, v, sparsity=0.6, config=boundary, **kwargs)
+    _, at = vsa2_attention(q, k, v, sparsity=0.5, **boundary, **kwargs)
+    _, past = vsa2_attention(q, k, v, sparsity=0.6, **boundary, **kwargs)
     assert at.kv_counts is None and past.kv_counts is not None
 
 
@@ -107,14 +136,14 @@ def test_sparse_path_and_gradients_match_float64_reference(backend, dtype, mode)
     B, H, S, D, q_tile, kv_block = 1, 2, 256, 32, 64, 16
     # a partial tile in the middle and at the end, with an empty trailing segment in each
     tile_lengths, seg_lengths = _layout([64, 50, 64, 21], q_tile, kv_block)
-    config = VSA2Config(q_tile=q_tile, kv_block=kv_block, mode=mode, top_p=0.6, backend=backend)
+    config = _settings(q_tile=q_tile, kv_block=kv_block, mode=mode, top_p=0.6, backend=backend)
     q, k, v = _inputs(B, H, S, D, dtype)
     alpha = torch.tensor([0.7, -1.3], dtype=dtype, requires_grad=True)
     gate_c = (0.5 * torch.randn(B, H, S, D, dtype=dtype)).requires_grad_(True)
     gate_f = (1 + 0.3 * torch.randn(1, H, 1, D, dtype=dtype)).requires_grad_(True)
     out, stats = vsa2_attention(
         q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.5, alpha=alpha,
-        gate_coarse=gate_c, gate_fine=gate_f, config=config,
+        gate_coarse=gate_c, gate_fine=gate_f, **config,
     )  # fmt: skip
     assert out.dtype == dtype and torch.isfinite(out).all()
 
@@ -153,13 +182,13 @@ def test_broadcast_coarse_gate_without_fine_gate_matches_float64_reference():
     """A scalar g_c (broadcast over [B, H, S, D]) and g_f = None on the fused Triton path."""
     B, H, S, D, q_tile, kv_block = 1, 2, 192, 16, 64, 32
     tile_lengths, seg_lengths = _layout([64, 64, 37], q_tile, kv_block)
-    config = VSA2Config(q_tile=q_tile, kv_block=kv_block, mode="topk", backend="triton")
+    config = _settings(q_tile=q_tile, kv_block=kv_block, mode="topk", backend="triton")
     q, k, v = _inputs(B, H, S, D, torch.float32)
     alpha = torch.tensor([0.4, -0.9], requires_grad=True)
     gate_c = torch.full((1, 1, 1, 1), 0.3, requires_grad=True)
     out, stats = vsa2_attention(
         q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.5, alpha=alpha,
-        gate_coarse=gate_c, config=config,
+        gate_coarse=gate_c, **config,
     )  # fmt: skip
     routing = route(
         pool_tiles(q, tile_lengths, q_tile, backend="triton"),
@@ -196,7 +225,7 @@ def test_router_follows_the_config_backend(backend, monkeypatch):
     q, k, v = _inputs(1, 2, 256, 64, torch.float32)
     vsa2_attention(
         q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.5,
-        alpha=torch.zeros(2), config=VSA2Config(backend=backend, mode="topk"),
+        alpha=torch.zeros(2), **_settings(backend=backend, mode="topk"),
     )  # fmt: skip
     assert bool(calls) == (backend == "triton")
 
@@ -205,13 +234,13 @@ def test_router_bias_carries_gradient_to_q_and_k():
     """Through the bias alone: with no coarse stage, dq / dk change when alpha != 0."""
     tile_lengths, seg_lengths = _layout([64, 64, 64, 33], 64, 16)
     q, k, v = _inputs(1, 2, 256, 16, torch.float64)
-    config = VSA2Config(backend="torch", mode="topk")
+    config = _settings(backend="torch", mode="topk")
     grads = []
     for a in (0.0, 1.0):
         alpha = torch.full((2,), a, dtype=torch.float64, requires_grad=True)
         out, _ = vsa2_attention(
             q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.5,
-            alpha=alpha, config=config,
+            alpha=alpha, **config,
         )  # fmt: skip
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, alpha)))
     (q0, k0, a0), (q1, k1, a1) = grads
@@ -225,10 +254,10 @@ def test_topk_with_64_token_segments_reproduces_vsa_selection(backend, dtype):
     """kv_block = q_tile = 64 and topk: VSA's cube-level top-k of pooled q . pooled k."""
     tile_lengths, seg_lengths = _layout([64, 64, 64, 30, 64], 64, 64)
     q, k, v = _inputs(2, 2, 320, 16, dtype)
-    config = VSA2Config(q_tile=64, kv_block=64, mode="topk", backend=backend)
+    config = _settings(q_tile=64, kv_block=64, mode="topk", backend=backend)
     out, stats = vsa2_attention(
         q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.6,
-        alpha=torch.zeros(2, dtype=dtype), config=config,
+        alpha=torch.zeros(2, dtype=dtype), **config,
     )  # fmt: skip
     assert (stats.kv_counts == 2).all()  # ceil(0.4 * 5 cubes)
 
@@ -244,14 +273,6 @@ def test_topk_with_64_token_segments_reproduces_vsa_selection(backend, dtype):
     torch.testing.assert_close(out.double() * rows, ref * rows, rtol=tol, atol=tol)
 
 
-def _mutated(**fields) -> VSA2Config:
-    """A config changed after construction, past its own checks (it is a mutable dataclass)."""
-    config = VSA2Config(backend="torch")
-    for name, value in fields.items():
-        setattr(config, name, value)
-    return config
-
-
 def test_vsa2_attention_rejects_bad_arguments():
     tile_lengths, seg_lengths = _layout([64, 64], 64, 16)
     q, k, v = _inputs(1, 2, 128, 16, torch.float32)
@@ -260,12 +281,12 @@ def test_vsa2_attention_rejects_bad_arguments():
         "seg_lengths": seg_lengths,
         "sparsity": 0.5,
         "alpha": torch.zeros(2),
-        "config": VSA2Config(backend="torch"),
+        **_settings(backend="torch"),
     }
     for bad, name in [
-        ({"config": _mutated(mode="nucleus")}, "mode"),
-        ({"config": _mutated(backend="cuda")}, "backend"),
-        ({"config": _mutated(q_tile=48)}, "q_tile"),
+        ({"mode": "nucleus"}, "mode"),
+        ({"backend": "cuda"}, "backend"),
+        ({"q_tile": 48}, "q_tile"),
         ({"sparsity": 1.0}, "sparsity"),
         ({"sparsity": -0.2}, "sparsity"),
         ({"alpha": torch.zeros(3)}, "alpha"),
@@ -317,7 +338,7 @@ def _bf16_vs_float32_errors(monkeypatch) -> dict:
         leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
         out, _ = vsa2_attention(
             *leaves, alpha=alpha, gate_coarse=gate_c.to(dtype),
-            config=VSA2Config(mode="topp", top_p=0.8, backend=backend), **kwargs,
+            **_settings(mode="topp", top_p=0.8, backend=backend), **kwargs,
         )  # fmt: skip
         rows = _valid_tokens(tile_lengths.cpu(), 64).cuda()[None, None, :, None]
         gen = torch.Generator(device="cuda").manual_seed(1)
@@ -353,12 +374,12 @@ def test_sparse_path_has_no_host_sync_and_captures_in_cuda_graph():
     q, k, v, tile_lengths, seg_lengths, nvalid = _gpu_case(torch.bfloat16)
     alpha = torch.full((q.shape[1],), 0.5, device="cuda", requires_grad=True)
     gate_c = torch.randn_like(q)
-    config = VSA2Config(mode="topp", top_p=0.8)
+    config = _settings(mode="topp", top_p=0.8)
 
     def step():
         out, stats = vsa2_attention(
             q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.9,
-            alpha=alpha, gate_coarse=gate_c, config=config, num_valid_segments=nvalid,
+            alpha=alpha, gate_coarse=gate_c, **config, num_valid_segments=nvalid,
         )  # fmt: skip
         return out, stats.density
 

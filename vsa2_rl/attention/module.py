@@ -2,8 +2,10 @@
 "VSA2 attention").
 
 The attention math (coarse stage, fine-grained router, block-sparse fine stage, dense fallback)
-is ``vsa2_rl.kernels.vsa2_attention``. This module owns what a layer adds on top of it, following
-VSA2 (trainable sparse attention with a fine-grained router) and VSA's gated coarse/fine fusion:
+is ``vsa2_rl.kernels.vsa2_attention``, which takes its settings as plain arguments
+(:func:`kernel_settings` turns the attention config into them). This module owns what a layer
+adds on top of it, following VSA2 (trainable sparse attention with a fine-grained router) and
+VSA's gated coarse/fine fusion:
 
 - ``alpha`` [H]: scale of the router bias ``alpha_h * log_softmax(scores)`` added to the selected
   blocks' logits (the path by which the router learns); zero-init, so a fresh layer's fine stage
@@ -35,6 +37,20 @@ from vsa2_rl.attention.layout import TileLayout
 from vsa2_rl.attention.state import SparsityState
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.parallel import SequenceParallel
+
+
+def kernel_settings(config: VSA2Config) -> dict:
+    """The keyword arguments of ``kernels.vsa2_attention`` that the attention config sets
+    (``enabled`` is the caller's switch, not the kernel's)."""
+    return {
+        "q_tile": config.q_tile,
+        "kv_block": config.kv_block,
+        "mode": config.mode,
+        "top_p": config.top_p,
+        "min_kv": config.min_kv,
+        "dense_threshold": config.dense_threshold,
+        "backend": config.backend,
+    }
 
 
 class VSA2Attention(nn.Module):
@@ -139,7 +155,7 @@ class VSA2Attention(nn.Module):
             alpha=alpha,
             gate_coarse=gate_coarse,
             gate_fine=gate_fine,
-            config=self.config,
+            **kernel_settings(self.config),
             # Known on the host from the layout: saves the kernel a host sync per layer.
             num_valid_segments=-(-layout.num_tokens // self.config.kv_block),
         )

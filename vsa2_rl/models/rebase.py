@@ -23,7 +23,6 @@ Two ways to drive step 2:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -31,8 +30,9 @@ from torch import nn
 from vsa2_rl.attention import SparsityState
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.models.wan import enable_vsa2
+from vsa2_rl.rl.schedule import SHAPES, ramp_progress
 
-RAMPS = ("linear", "cosine")
+RAMPS = SHAPES
 
 
 def rebase_to_vsa2(
@@ -59,8 +59,9 @@ def rebase_to_vsa2(
 class RebaseSchedule:
     """Sparsity of step ``step`` of a rebasing run: density 1 -> ``1 - target`` over ``steps``.
 
-    ``ramp`` is the shape in density: "linear" or "cosine" (half cosine, slow start and end).
-    After ``steps`` the sparsity stays at ``target``.
+    ``ramp`` is the shape in density: "linear" or "cosine" (half cosine, slow start and end),
+    along :func:`vsa2_rl.rl.schedule.ramp_progress`, the RL warm-up's ramp too. After ``steps``
+    the sparsity stays at ``target``.
     """
 
     target: float
@@ -80,9 +81,7 @@ class RebaseSchedule:
             raise ValueError(f"step must be >= 0, got {step}")
         if self.steps == 0 or step >= self.steps:
             return self.target
-        frac = step / self.steps
-        progress = frac if self.ramp == "linear" else 0.5 * (1.0 - math.cos(math.pi * frac))
-        return self.target * progress
+        return self.target * ramp_progress(step / self.steps, self.ramp)
 
     def apply(self, state: SparsityState, step: int) -> float:
         """Write this step's sparsity into ``state``; returns it."""

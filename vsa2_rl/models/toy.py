@@ -49,6 +49,7 @@ from vsa2_rl.data.synthetic import pretraining_batch, render_batch
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.text import ToyTextEncoder, WordTokenizer, toy_vocabulary
 from vsa2_rl.models.wan import enable_vsa2, wan_velocity
+from vsa2_rl.rl.ema import EMA
 from vsa2_rl.runtime import resolve_dtype
 
 ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "toy"
@@ -552,29 +553,6 @@ def _stage_report(
     return report
 
 
-class _EMA:
-    """Exponential moving average of modules' parameters, with the usual warm-up of the decay
-    (``min(decay, (1 + n) / (10 + n))`` at update n) so that short stages average their own
-    steps rather than their start."""
-
-    def __init__(self, modules: list[nn.Module], decay: float) -> None:
-        self.decay = decay
-        self.updates = 0
-        self.params = [p for m in modules for p in m.parameters()]
-        self.shadow = [p.detach().clone() for p in self.params]
-
-    @torch.no_grad()
-    def update(self) -> None:
-        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        self.updates += 1
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1.0 - decay)
-
-    @torch.no_grad()
-    def copy_to_model(self) -> None:
-        for param, shadow in zip(self.params, self.shadow, strict=True):
-            param.copy_(shadow)
-
-
 def _draw_sigma(config: ToyBuildConfig, count: int, generator: torch.Generator) -> torch.Tensor:
     if config.sigma_sampling == "uniform":
         return torch.rand(count, generator=generator)
@@ -604,7 +582,7 @@ def _train_stage(
         return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, stage.steps - warmup)))
 
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    ema = _EMA([transformer, text_encoder], config.ema_decay)
+    ema = EMA(params, config.ema_decay, warmup=True)
     start = time.time()
     for step in range(stage.steps):
         if state is not None:
@@ -637,7 +615,7 @@ def _train_stage(
                 f"stage {index} step {step:5d} loss {loss.item():.4f}{sparsity} "
                 f"({time.time() - start:.0f}s)"
             )
-    ema.copy_to_model()
+    ema.copy_to_params()
 
 
 def _resume_build(

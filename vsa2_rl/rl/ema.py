@@ -7,6 +7,9 @@ run costs a few MB. The shadow is float32 whatever the parameter dtype: with bf1
 decay 0.999 the update ``(1 - decay) * (param - shadow)`` would round to zero.
 
 With updates every k steps the averaging horizon is about ``k / (1 - decay)`` optimizer steps.
+``warmup=True`` uses the usual warm-up of the decay, ``min(decay, (1 + n) / (10 + n))`` at the
+n-th update (n from 0), so that a short run averages its own steps rather than its start (the toy
+model build, :func:`vsa2_rl.models.toy.build_toy_model`, ends each stage on such an EMA).
 Parameters sharded by DeepSpeed ZeRO-3 must be gathered by the caller before :meth:`EMA.update`.
 """
 
@@ -25,7 +28,7 @@ class EMA:
 
     ``parameters`` is a module (its ``named_parameters()`` with ``requires_grad``; the names key
     the state dict) or an iterable of parameters (keyed by position, so the same list order is
-    needed to load a state dict).
+    needed to load a state dict). ``warmup``: warm the decay up (module docstring).
     """
 
     def __init__(
@@ -33,6 +36,7 @@ class EMA:
         parameters: nn.Module | Iterable[nn.Parameter],
         decay: float = 0.999,
         update_every: int = 1,
+        warmup: bool = False,
     ):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
@@ -40,6 +44,7 @@ class EMA:
             raise ValueError(f"update_every must be a positive int, got {update_every!r}")
         self.decay = decay
         self.update_every = update_every
+        self.warmup = warmup
         if isinstance(parameters, nn.Module):
             named = parameters.named_parameters()
         else:
@@ -59,8 +64,12 @@ class EMA:
         self.num_calls += 1
         if self.num_calls % self.update_every:
             return False
+        decay = self.decay
+        if self.warmup:
+            updates = self.num_calls // self.update_every - 1  # the shadow updates before this one
+            decay = min(decay, (1 + updates) / (10 + updates))
         for name, param in self.params.items():
-            self.shadow[name].lerp_(param.detach().float(), 1.0 - self.decay)
+            self.shadow[name].lerp_(param.detach().float(), 1.0 - decay)
         return True
 
     @torch.no_grad()
@@ -85,6 +94,7 @@ class EMA:
         return {
             "decay": self.decay,
             "update_every": self.update_every,
+            "warmup": self.warmup,
             "num_calls": self.num_calls,
             "shadow": dict(self.shadow),
         }
@@ -108,4 +118,5 @@ class EMA:
             self.shadow[name].copy_(value)
         self.decay = float(state["decay"])
         self.update_every = int(state["update_every"])
+        self.warmup = bool(state.get("warmup", False))  # absent in checkpoints before it existed
         self.num_calls = int(state["num_calls"])

@@ -39,8 +39,10 @@ class SparsityLevels(NamedTuple):
     eval: float
 
 
-def _ramp(frac: float, shape: str) -> float:
-    """Progress in [0, 1] for ``frac`` in [0, 1] along a linear or half-cosine ramp."""
+def ramp_progress(frac: float, shape: str) -> float:
+    """Progress in [0, 1] for ``frac`` in [0, 1] along a linear or half-cosine ramp (``shape`` one
+    of ``SHAPES``; the cosine starts and ends slowly). The one ramp of the dense -> target
+    warm-ups: this schedule's and :class:`vsa2_rl.models.rebase.RebaseSchedule`'s."""
     if shape == "linear":
         return frac
     return 0.5 * (1.0 - math.cos(math.pi * frac))
@@ -138,14 +140,14 @@ class SparsitySchedule:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if step < self.warmup_steps:
-            progress = _ramp(step / self.warmup_steps, self.warmup_shape)
+            progress = ramp_progress(step / self.warmup_steps, self.warmup_shape)
             # Anneal the density (the compute budget) from 1 to the target density.
             density = 1.0 - progress * self.train_sparsity
             return 1.0 - density
         if self.train_sparsity_end is None:
             return self.train_sparsity
         frac = min(1.0, (step - self.warmup_steps) / self.curriculum_steps)
-        progress = _ramp(frac, self.curriculum_shape)
+        progress = ramp_progress(frac, self.curriculum_shape)
         return self.train_sparsity + progress * (self.train_sparsity_end - self.train_sparsity)
 
     def __call__(self, step: int) -> SparsityLevels:
