@@ -136,28 +136,36 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
 
-    dense_total = rows[0][1] + rows[0][2]
-    lines = [
+    title = (
         f"RL iteration, Wan-1.3B shape, {args.resolution}, {args.samples} videos x "
         f"{args.steps} SDE steps, {args.train_steps} trained steps per video, median of "
         f"{args.reps} iterations after a warm-up, full fine-tuning "
         f"(AdamW, gradient checkpointing{', compiled blocks' if args.compile else ''}), bf16, "
-        f"{torch.cuda.get_device_name()}, "
-        f"{datetime.date.today()}",
+        f"{torch.cuda.get_device_name()}, {datetime.date.today()}"
+    )
+    write_table(title, rows, args.out)
+
+
+def write_table(title: str, rows: list[tuple], out: str | None, dense_first: bool = True) -> None:
+    """Prints (and writes to ``out``) the markdown table of ``rows`` (label, rollout s, train s,
+    peak GiB), each iteration's speed-up over the first row's when ``dense_first``."""
+    lines = [
+        title,
         "",
         "| attention | rollout s | train s | iteration s | x dense | peak GiB |",
         "|---|---|---|---|---|---|",
     ]
+    dense_total = rows[0][1] + rows[0][2]
     for label, rollout, train, peak in rows:
         total = rollout + train
+        ratio = f"{dense_total / total:.2f}" if dense_first else "-"
         lines.append(
-            f"| {label} | {rollout:.2f} | {train:.2f} | {total:.2f} | "
-            f"{dense_total / total:.2f} | {peak:.1f} |"
+            f"| {label} | {rollout:.2f} | {train:.2f} | {total:.2f} | {ratio} | {peak:.1f} |"
         )
     table = "\n".join(lines) + "\n"
     print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
+    if out:
+        with open(out, "w", encoding="utf-8") as handle:
             handle.write(table)
 
 

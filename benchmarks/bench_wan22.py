@@ -30,6 +30,7 @@ import datetime
 import time
 
 import torch
+from bench_rl_step import write_table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vsa2_rl.rl.grpo import group_advantages, grpo_loss
@@ -216,28 +217,14 @@ def main() -> None:
 
     frames, height, width = shape[1:]
     tokens = frames * (height // 2) * (width // 2)
-    dense_total = rows[0][1] + rows[0][2]
-    lines = [
+    title = (
         f"RL iteration, {args.model} ({args.resolution}, latents {frames}x{height}x{width}, "
         f"{tokens} tokens), {args.samples} video(s) x {args.steps} SDE steps, "
         f"{args.train_steps} trained steps per video, median of {args.reps} after a warm-up, "
         f"LoRA r32 (AdamW, gradient checkpointing{', compiled blocks' if args.compile else ''}), "
-        f"bf16, {torch.cuda.get_device_name()}, {datetime.date.today()}",
-        "",
-        "| attention | rollout s | train s | iteration s | x dense | peak GiB |",
-        "|---|---|---|---|---|---|",
-    ]
-    for label, rollout, train, peak in rows:
-        total = rollout + train
-        ratio = f"{dense_total / total:.2f}" if not args.only_sparse else "-"
-        lines.append(
-            f"| {label} | {rollout:.2f} | {train:.2f} | {total:.2f} | {ratio} | {peak:.1f} |"
-        )
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(table)
+        f"bf16, {torch.cuda.get_device_name()}, {datetime.date.today()}"
+    )
+    write_table(title, rows, args.out, dense_first=not args.only_sparse)
 
 
 if __name__ == "__main__":
