@@ -52,7 +52,7 @@ def _rollouts(config, bundle, prompts: list[str], seed: int):
         for i in range(len(prompts))
     ]
     sigmas = sigma_schedule(samp.num_steps, samp.shift)
-    bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = config.sparsity.train, "rollout"
+    bundle.sparsity_state.sparsity = config.sparsity.train
     latents, embeddings, videos, stochastic = [], [], [], None
     for start in range(0, len(prompts), 64):
         part = slice(start, start + 64)
@@ -76,7 +76,6 @@ def _rollouts(config, bundle, prompts: list[str], seed: int):
 def _half_gradient(config, bundle, params, latents, emb, advantages, index, j, sigmas):
     """Flattened ``mean_i A_i grad log p_i(step j)`` over the samples ``index``."""
     samp = config.sampler
-    bundle.sparsity_state.phase = "train"
     for p in params:
         p.grad = None
     for start in range(0, len(index), config.grpo.train_batch_size):
@@ -102,7 +101,6 @@ def _nft_half_gradient(config, bundle, params, x0, emb, r, index, sigma, noise):
     ``sigma``, with v_old = v_theta (the first pass of a step)."""
     from vsa2_rl.rl.nft import nft_loss
 
-    bundle.sparsity_state.phase = "train"
     for p in params:
         p.grad = None
     for start in range(0, len(index), config.grpo.train_batch_size):

@@ -66,7 +66,7 @@ def model_errors(sparsity: float) -> dict:
 
     config = VSA2Config(kv_block=16, mode="topp", top_p=0.9, backend="torch")
     bundle = load_toy_bundle(config, "cpu", torch.float32)
-    bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = sparsity, "train"
+    bundle.sparsity_state.sparsity = sparsity
     model = bundle.transformer
     torch.manual_seed(0)
     latents = torch.randn(2, 3, 3, 6, 10)

@@ -32,7 +32,7 @@ def _velocity(bundle, config):
     generator = torch.Generator().manual_seed(0)
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
     x = torch.randn(2, *shape, generator=generator)
-    bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = 0.9, "eval"
+    bundle.sparsity_state.sparsity = 0.9
     emb = bundle.encode_prompts(["a red square moving left fast", "a blue circle"])
     with torch.no_grad():
         return bundle.velocity(x, torch.tensor([0.7, 0.4]), emb)
@@ -126,7 +126,7 @@ def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, m
     logged = json.loads((tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()[-1])
 
     reference = build_bundle(run, torch.device("cpu"), torch.float32)  # no adapters
-    reference.sparsity_state.sparsity, reference.sparsity_state.phase = 0.9, "rollout"
+    reference.sparsity_state.sparsity = 0.9
     sigmas = sigma_schedule(run.sampler.num_steps)
     prompts = [load_prompts(run)[i] for i in _batch_prompts(run)]
     emb = reference.encode_prompts(prompts)

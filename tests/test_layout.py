@@ -99,7 +99,7 @@ def test_layout_is_cached_and_validates():
 
 
 def test_sparsity_state_accumulates_density():
-    state = SparsityState(sparsity=0.5, phase="rollout")
+    state = SparsityState(sparsity=0.5)
     assert state.pop_density() is None
     state.record_density(torch.tensor(0.25))
     state.record_density(0.75)
@@ -107,5 +107,19 @@ def test_sparsity_state_accumulates_density():
     assert state.pop_density() is None
     with pytest.raises(ValueError, match="sparsity"):
         state.sparsity = 1.0
-    with pytest.raises(ValueError, match="phase"):
-        state.phase = "warmup"
+
+
+def test_sparsity_state_at_sets_and_restores_the_sparsity_even_on_error():
+    state = SparsityState(sparsity=0.25)
+    with state.at(0.9) as inside:
+        assert inside is state and state.sparsity == 0.9
+        with state.at(0.0):
+            assert state.sparsity == 0.0
+        assert state.sparsity == 0.9
+    assert state.sparsity == 0.25
+    with pytest.raises(RuntimeError), state.at(0.75):
+        raise RuntimeError("a failing forward")
+    assert state.sparsity == 0.25
+    with pytest.raises(ValueError, match="sparsity"), state.at(1.0):
+        pass
+    assert state.sparsity == 0.25

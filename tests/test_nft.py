@@ -298,7 +298,7 @@ def test_an_nft_run_trains_samples_with_the_old_policy_and_logs_its_metrics(tmp_
         0
     ).all()
     bundle = build_bundle(config, torch.device("cpu"), torch.float32)
-    bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = 0.9, "rollout"
+    bundle.sparsity_state.sparsity = 0.9
     start = {k: v.clone() for k, v in bundle.transformer.state_dict().items()}
     step_1 = _checkpoint(config.out_dir, 1)
     changed = [k for k in step_1["model"] if not torch.equal(step_1["model"][k], start[k])]

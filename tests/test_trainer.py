@@ -486,7 +486,7 @@ def test_a_group_shares_its_steps_before_the_window_and_branches_at_it(tmp_path,
     (video,) = videos
     # reference: every sample integrated on its own over the whole schedule, same seeds
     bundle = build_bundle(config, torch.device("cpu"), torch.float32)
-    bundle.sparsity_state.sparsity, bundle.sparsity_state.phase = config.sparsity.train, "rollout"
+    bundle.sparsity_state.sparsity = config.sparsity.train
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
     noise = trainer_module.initial_noise(config, 1, shape, list(range(6)))
     prompts = [load_prompts(config)[i] for i in _prompt_indices(config)]

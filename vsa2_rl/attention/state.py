@@ -1,16 +1,18 @@
 """Shared sparsity state of all VSA2 layers of a model (docs/concepts.md, "The model bundle").
 
 One mutable object is shared by every VSA2 attention layer of a transformer (and by a frozen
-reference copy of it). The trainer writes the scheduled ``sparsity`` and the ``phase`` before a
-forward; each layer reads ``sparsity`` at every forward and adds the density it achieved. The
-densities stay on the device (no host sync per layer) until :meth:`SparsityState.pop_density`.
+reference copy of it). The trainer sets the scheduled ``sparsity`` for a phase of its step with
+``with state.at(sparsity): ...``; each layer reads ``sparsity`` at every forward and adds the
+density it achieved. The densities stay on the device (no host sync per layer) until
+:meth:`SparsityState.pop_density`.
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+from collections.abc import Iterator
 
-PHASES = ("rollout", "train", "eval")
+import torch
 
 
 class SparsityState:
@@ -20,9 +22,8 @@ class SparsityState:
     (with ``VSA2Config.dense_threshold`` <= 1 that is the exact dense fallback).
     """
 
-    def __init__(self, sparsity: float = 0.0, phase: str = "train") -> None:
+    def __init__(self, sparsity: float = 0.0) -> None:
         self.sparsity = sparsity
-        self.phase = phase
         self._density_sum: torch.Tensor | float = 0.0
         self._density_count = 0
 
@@ -37,15 +38,16 @@ class SparsityState:
             raise ValueError(f"sparsity must be in [0, 1), got {value}")
         self._sparsity = value
 
-    @property
-    def phase(self) -> str:
-        return self._phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        if value not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {value!r}")
-        self._phase = value
+    @contextlib.contextmanager
+    def at(self, sparsity: float) -> Iterator[SparsityState]:
+        """Runs the block at ``sparsity`` and restores the previous value after it, also when
+        the block raises."""
+        previous = self.sparsity
+        self.sparsity = sparsity
+        try:
+            yield self
+        finally:
+            self.sparsity = previous
 
     # Bookkeeping outside any compiled graph: traced, the growing count would be a guarded
     # constant and every layer call would recompile (torch.compile of the blocks fell back to
@@ -73,4 +75,4 @@ class SparsityState:
         return self
 
     def __repr__(self) -> str:
-        return f"SparsityState(sparsity={self.sparsity}, phase={self.phase!r})"
+        return f"SparsityState(sparsity={self.sparsity})"

@@ -176,6 +176,31 @@ def _warm_up(bundle, condition, noise, sigmas, uncond, guidance_scale) -> None:
         torch.cuda.synchronize(noise.device)
 
 
+def _sample_videos(bundle, prompts, images, noise, sigmas, *, cfg, batch_size, shape, bar):
+    """ODE videos of ``prompts`` (float32, on the CPU) in batches, and the seconds the sampling
+    took (without encoding and decoding); ``cfg`` = (negative embedding, guidance scale)."""
+    device = next(bundle.transformer.parameters()).device
+    videos, seconds = [], 0.0
+    for start in range(0, len(prompts), batch_size):
+        part = slice(start, start + batch_size)
+        with torch.no_grad():
+            condition = encode_condition(bundle, prompts[part], images[part], shape)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            trajectory = sample(
+                cfg_velocity(bundle.velocity, condition, *cfg), noise[part].to(device), sigmas,
+                kind="ode", noise_level=0.0,
+            )  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds += time.perf_counter() - t0
+            latents = final_latents(condition, trajectory.latents[-1])
+            videos.append(bundle.decode(latents).float().cpu())
+        bar.update(len(prompts[part]))
+    return torch.cat(videos), seconds
+
+
 def sweep_model(
     bundle,
     prompts: list[str],
@@ -211,34 +236,16 @@ def sweep_model(
     )
     bundle.transformer.eval()
     for sparsity in sparsities:
-        state.sparsity, state.phase = sparsity, "eval"
-        first = slice(0, batch_size)
-        condition = encode_condition(bundle, prompts[first], images[first], shape)
-        _warm_up(bundle, condition, noise[first].to(device), sigmas, uncond, guidance_scale)
-        state.pop_density()
-        videos, seconds = [], 0.0
-        for start in range(0, len(prompts), batch_size):
-            part = slice(start, start + batch_size)
-            with torch.no_grad():
-                condition = encode_condition(bundle, prompts[part], images[part], shape)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                trajectory = sample(
-                    cfg_velocity(bundle.velocity, condition, uncond, guidance_scale),
-                    noise[part].to(device),
-                    sigmas,
-                    kind="ode",
-                    noise_level=0.0,
-                )
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                seconds += time.perf_counter() - t0
-                latents = final_latents(condition, trajectory.latents[-1])
-                videos.append(bundle.decode(latents).float().cpu())
-            bar.update(len(prompts[part]))
-        videos = torch.cat(videos)
-        density = state.pop_density()
+        with state.at(sparsity):
+            first = slice(0, batch_size)
+            condition = encode_condition(bundle, prompts[first], images[first], shape)
+            _warm_up(bundle, condition, noise[first].to(device), sigmas, uncond, guidance_scale)
+            state.pop_density()
+            videos, seconds = _sample_videos(
+                bundle, prompts, images, noise, sigmas, cfg=(uncond, guidance_scale),
+                batch_size=batch_size, shape=shape, bar=bar,
+            )  # fmt: skip
+            density = state.pop_density()
         row = {
             "sparsity": sparsity,
             "density": 1.0 if density is None else density,

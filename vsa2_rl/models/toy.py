@@ -410,13 +410,10 @@ def validation_losses(
     if state is None:
         return {"dense": flow_matching_loss(transformer, *inputs).item()}
     losses = {}
-    saved = state.sparsity
     for sparsity in config.eval_sparsities:
-        state.sparsity = sparsity
-        loss = flow_matching_loss(transformer, *inputs).item()
-        losses[f"vsa2@{sparsity}"] = loss
+        with state.at(sparsity):
+            losses[f"vsa2@{sparsity}"] = flow_matching_loss(transformer, *inputs).item()
         losses[f"density@{sparsity}"] = state.pop_density()
-    state.sparsity = saved
     return losses
 
 

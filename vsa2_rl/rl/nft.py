@@ -252,13 +252,12 @@ class NFTUpdate:
         model = run.acc.unwrap_model(run.transformer)
         self.old = OldPolicy(run.bundle, model, copy_model=not config.model.lora.enabled)
 
-    def update(self, step: int, rollouts, sparsity: float, metrics: dict) -> None:
+    def update(self, step: int, rollouts, metrics: dict) -> None:
         """``grpo.num_inner_epochs`` optimizer steps on the step's rollouts, then the old
         policy's soft update; a non-finite loss or gradient skips an optimizer step."""
         run = self.run
         t0 = time.perf_counter()
         state = run.bundle.sparsity_state
-        state.sparsity, state.phase = sparsity, "train"
         run.transformer.train()
         weight = self._sample_weight(rollouts.chunks)
         names = ("loss/policy", "loss/kl", "train/old_deviation", "train/r_mean")

@@ -12,7 +12,7 @@ checkpoints):
    the SDE window is fixed or drawn per step, and with one noise per group the steps before it
    run once per group.
 3. rewards: decode latents to videos, score them (vsa2_rl.rewards mixer), gather across ranks
-   and normalise per prompt group (GRPO advantages).
+   and normalise per prompt group (GRPO advantages, vsa2_rl.rl.scoring).
 4. update: for each chunk and each trained timestep, recompute the transition log-prob under
    the current policy, PPO-clip loss (+ KL to the reference), backward, every sample weighing
    the same whatever the chunking; one optimizer step per inner epoch, skipped (weights
@@ -52,12 +52,12 @@ from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import (
     GroupedPromptSampler,
-    gather_group_rewards,
     gaussian_kl,
     grpo_loss,
 )
 from vsa2_rl.rl.nft import NFTUpdate
 from vsa2_rl.rl.run_folder import RunFolder
+from vsa2_rl.rl.scoring import step_advantages
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.runtime import (
     build_bundle,
@@ -103,27 +103,6 @@ LOGGED_STATS = {
 def _sample_seed(seed: int, step: int, index: int) -> int:
     """A seed per (run seed, step, global sample index): independent of rank count and resume."""
     return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
-
-
-def _advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tuple:
-    """GRPO advantages of this rank's samples, normalised over every rank's samples of a group.
-
-    Non-finite rewards (samples dropped by ``rewards.on_error=drop_sample``) get advantage 0
-    and count as zero-variance; the rest go through ``gather_group_rewards``, which accepts
-    ranks with different numbers of kept samples.
-    Returns ``(advantages [n_local], zero_var [n_local], kept rewards of all ranks)``.
-    """
-    values = values.to(group_ids.device).float()
-    finite = torch.isfinite(values)
-    advantages = torch.zeros_like(values)
-    zero_var = torch.ones_like(finite)
-    if not bool(acc.gather(finite.any().float().reshape(1)).max() > 0):
-        return advantages, zero_var, values[finite]  # every sample of the step was dropped
-    gathered = gather_group_rewards(
-        acc, values[finite], group_ids[finite], scale=grpo.scale_rewards, clip=grpo.adv_clip
-    )
-    advantages[finite], zero_var[finite] = gathered.advantages, gathered.zero_var_mask
-    return advantages, zero_var, gathered.all_rewards
 
 
 def initial_noise(
@@ -393,8 +372,6 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLog
     config, bundle, acc = setup.config, setup.bundle, setup.accelerator
     live = bundle.transformer
     bundle.transformer = acc.unwrap_model(live)
-    state = bundle.sparsity_state
-    saved = state.sparsity, state.phase
     try:
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             (row,), previews = sweep_model(
@@ -415,7 +392,6 @@ def _evaluate(setup: _Setup, sparsity: float, ema, step: int, logger: MetricsLog
             )
     finally:
         bundle.transformer = live
-        state.sparsity, state.phase = saved
     if acc.is_main_process:
         from vsa2_rl.eval.media import condition_images_of, save_video_grid
 
@@ -598,9 +574,9 @@ class _Run:
 
     # ---- rollout ---------------------------------------------------------------------------
 
-    def rollout(self, step: int, sparsity: float, metrics: dict) -> StepRollouts:
-        """This rank's SDE rollouts of the step, in chunks of ``grpo.train_batch_size`` (the
-        update uses the same chunks, so its first ratio is 1)."""
+    def rollout(self, step: int, metrics: dict) -> StepRollouts:
+        """This rank's SDE rollouts of the step (at the sparsity the caller set), in chunks of
+        ``grpo.train_batch_size`` (the update uses the same chunks, so its first ratio is 1)."""
         config, samp, grpo, device = self.config, self.config.sampler, self.config.grpo, self.device
         t0 = time.perf_counter()
         batch = self.sampler.batch(step - 1)
@@ -613,7 +589,6 @@ class _Run:
             for i in global_index
         ]
         state = self.bundle.sparsity_state
-        state.sparsity, state.phase = sparsity, "rollout"
         self.transformer.eval()
         window = samp.window_at(config.seed, step)
         # with one noise per group the steps before the window are the same for the whole
@@ -714,7 +689,6 @@ class _Run:
         """Rewards and group advantages (set on the chunks); False when a reward asked to skip
         the step on any rank (every rank skips together; the weights stay untouched)."""
         config, acc, device, grpo = self.config, self.acc, self.device, self.config.grpo
-        rewards = self.setup.rewards
         try:
             scored, skip_reason = self._scored(step, rollouts), ""
         except RewardSkip as error:
@@ -725,34 +699,14 @@ class _Run:
                 reason = skip_reason or "a reward failed on another rank"
                 tqdm.write(f"step {step}: skipped ({reason})")
             return False
+        penalty = None
+        if self.kl_in_reward:
+            penalty = torch.cat([chunk.kl_penalty for chunk in rollouts.chunks])
         group_ids = torch.tensor(rollouts.group_ids, device=device)
-        if config.rewards.aggregation == "reward":
-            total = scored.total.to(device)
-            if self.kl_in_reward:
-                penalty = torch.cat([chunk.kl_penalty for chunk in rollouts.chunks])
-                metrics["train/kl_penalty"] = acc.gather(penalty).mean().item()
-                total = total - grpo.kl_beta * penalty
-            advantages, zero_var, all_rewards = _advantages(acc, total, group_ids, grpo)
-        else:
-            per_reward = {
-                name: _advantages(acc, values, group_ids, grpo)
-                for name, values in scored.rewards.items()
-            }
-            advantages = rewards.combine_advantages(
-                {name: result[0] for name, result in per_reward.items()}
-            )
-            zero_var = torch.stack([result[1] for result in per_reward.values()]).all(0)
-            all_rewards = acc.gather(scored.total.to(device))
-        valid_rewards = all_rewards[torch.isfinite(all_rewards)]
-        metrics["reward/mean"] = valid_rewards.mean().item()
-        metrics["reward/std"] = valid_rewards.std(correction=0).item()
-        for name, values in scored.rewards.items():
-            values = acc.gather(values.to(device).float())
-            metrics[f"reward/{name}"] = values[torch.isfinite(values)].mean().item()
-        metrics["train/zero_var_frac"] = acc.gather(zero_var.float()).mean().item()
-        metrics["train/dropped_samples"] = int(acc.gather((~scored.valid).float().to(device)).sum())
-        # the advantages every rank trains on, gathered: equal for any number of ranks
-        metrics["train/advantage_abs_mean"] = acc.gather(advantages.abs()).mean().item()
+        advantages = step_advantages(
+            acc, grpo, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
+            penalty, metrics,
+        )  # fmt: skip
         parts = _chunks(len(rollouts.prompts), grpo.train_batch_size)
         for chunk, part in zip(rollouts.chunks, parts, strict=True):
             chunk.advantages = advantages[part]
@@ -769,17 +723,16 @@ class _Run:
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`")
             self.lr_schedule.step()
 
-    def update(self, step: int, rollouts: StepRollouts, sparsity: float, metrics: dict) -> None:
-        """``grpo.num_inner_epochs`` optimizer steps over a random ``grpo.timestep_fraction``
-        of the stochastic steps; a non-finite loss or gradient skips the step (weights
-        untouched). DiffusionNFT's update is :meth:`NFTUpdate.update`."""
+    def update(self, step: int, rollouts: StepRollouts, metrics: dict) -> None:
+        """``grpo.num_inner_epochs`` optimizer steps (at the sparsity the caller set) over a
+        random ``grpo.timestep_fraction`` of the stochastic steps; a non-finite loss or gradient
+        skips the step (weights untouched). DiffusionNFT's update is :meth:`NFTUpdate.update`."""
         if self.nft is not None:
-            self.nft.update(step, rollouts, sparsity, metrics)
+            self.nft.update(step, rollouts, metrics)
             return
         config, grpo, acc = self.config, self.config.grpo, self.acc
         t0 = time.perf_counter()
         state = self.bundle.sparsity_state
-        state.sparsity, state.phase = sparsity, "train"
         self.transformer.train()
         trainable_steps = [  # the stochastic steps whose expert trains
             j
@@ -1006,13 +959,15 @@ def train(config: RunConfig) -> dict:
                 "sparsity/train": sparsities.train,
                 "sparsity/eval": sparsities.eval,
             }
-            with run.sampling_policy():
-                rollouts = run.rollout(step, sparsities.rollout, metrics)
+            state = run.bundle.sparsity_state  # rollout and update share the step's sparsity
+            with state.at(sparsities.rollout), run.sampling_policy():
+                rollouts = run.rollout(step, metrics)
             if not run.score(step, rollouts, metrics):  # a reward asked to skip the step
                 run.logger.log(step, {**metrics, "train/skipped_reward": 1})
                 run.checkpoint_if_due(step)  # the weights are unchanged, the step still counts
                 continue
-            run.update(step, rollouts, sparsities.train, metrics)
+            with state.at(sparsities.train):
+                run.update(step, rollouts, metrics)
             if run.evaluation_due(step):
                 metrics.update(run.evaluate(step, sparsities.eval))
             run.acc.wait_for_everyone()

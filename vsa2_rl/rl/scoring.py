@@ -1,0 +1,77 @@
+"""Scoring: one RL step's rewards into GRPO advantages, across ranks.
+
+The trainer hands over the rewards of this rank's samples (a ``RewardOutput``) and their prompt
+groups; :func:`step_advantages` gathers every rank's rewards of a group, normalises them as
+``grpo.scale_rewards`` says (per reward and then combined by weight with
+``rewards.aggregation=advantage``, or on the weighted total minus the KL penalty with
+``reward``), and logs the reward statistics of the whole step. Samples a reward dropped
+(``rewards.on_error=drop_sample``, a non-finite value) get advantage 0. The result is the same
+for any number of ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vsa2_rl.config import GRPOConfig
+from vsa2_rl.rl.grpo import gather_group_rewards
+
+
+def rank_advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tuple:
+    """GRPO advantages of this rank's samples, normalised over every rank's samples of a group.
+
+    Non-finite rewards (samples dropped by ``rewards.on_error=drop_sample``) get advantage 0
+    and count as zero-variance; the rest go through ``gather_group_rewards``, which accepts
+    ranks with different numbers of kept samples.
+    Returns ``(advantages [n_local], zero_var [n_local], kept rewards of all ranks)``.
+    """
+    values = values.to(group_ids.device).float()
+    finite = torch.isfinite(values)
+    advantages = torch.zeros_like(values)
+    zero_var = torch.ones_like(finite)
+    if not bool(acc.gather(finite.any().float().reshape(1)).max() > 0):
+        return advantages, zero_var, values[finite]  # every sample of the step was dropped
+    gathered = gather_group_rewards(
+        acc, values[finite], group_ids[finite], scale=grpo.scale_rewards, clip=grpo.adv_clip
+    )
+    advantages[finite], zero_var[finite] = gathered.advantages, gathered.zero_var_mask
+    return advantages, zero_var, gathered.all_rewards
+
+
+def step_advantages(
+    acc, grpo: GRPOConfig, aggregation: str, mixer, scored, group_ids: torch.Tensor,
+    kl_penalty: torch.Tensor | None, metrics: dict,
+) -> torch.Tensor:  # fmt: skip
+    """This rank's advantages [n] for ``scored`` (the step's ``RewardOutput``) of samples in
+    ``group_ids``; ``kl_penalty`` [n] (Flow-GRPO's ``grpo.kl_mode=reward``) is taken off the
+    total, weighted by ``grpo.kl_beta``. Adds the step's ``reward/*`` and ``train/*`` scoring
+    metrics to ``metrics``."""
+    device = group_ids.device
+    if aggregation == "reward":
+        total = scored.total.to(device)
+        if kl_penalty is not None:
+            metrics["train/kl_penalty"] = acc.gather(kl_penalty).mean().item()
+            total = total - grpo.kl_beta * kl_penalty
+        advantages, zero_var, all_rewards = rank_advantages(acc, total, group_ids, grpo)
+    else:
+        per_reward = {
+            name: rank_advantages(acc, values, group_ids, grpo)
+            for name, values in scored.rewards.items()
+        }
+        advantages = mixer.combine_advantages({name: r[0] for name, r in per_reward.items()})
+        zero_var = torch.stack([result[1] for result in per_reward.values()]).all(0)
+        all_rewards = acc.gather(scored.total.to(device))
+    valid_rewards = all_rewards[torch.isfinite(all_rewards)]
+    metrics["reward/mean"] = valid_rewards.mean().item()
+    metrics["reward/std"] = valid_rewards.std(correction=0).item()
+    for name, values in scored.rewards.items():
+        values = acc.gather(values.to(device).float())
+        metrics[f"reward/{name}"] = values[torch.isfinite(values)].mean().item()
+    metrics["train/zero_var_frac"] = acc.gather(zero_var.float()).mean().item()
+    metrics["train/dropped_samples"] = int(acc.gather((~scored.valid).float().to(device)).sum())
+    # the advantages every rank trains on, gathered: equal for any number of ranks
+    metrics["train/advantage_abs_mean"] = acc.gather(advantages.abs()).mean().item()
+    return advantages
+
+
+__all__ = ["rank_advantages", "step_advantages"]
