@@ -31,7 +31,7 @@ import torch
 from vsa2_rl.config import load_config
 from vsa2_rl.rewards import RewardMixer
 from vsa2_rl.rl.grpo import group_advantages
-from vsa2_rl.rl.trainer import initial_noise
+from vsa2_rl.rl.rollout import initial_noise
 from vsa2_rl.runtime import (
     build_bundle,
     load_prompts,
@@ -46,7 +46,9 @@ def _rollouts(config, bundle, prompts: list[str], seed: int):
     """Latents of one trainer-like rollout batch, its text embeddings and decoded videos."""
     samp = config.sampler
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
-    noise = initial_noise(config, seed, shape, list(range(len(prompts))))  # as the trainer's step
+    noise = initial_noise(  # as the trainer's step
+        samp, config.seed, config.grpo.group_size, seed, shape, list(range(len(prompts)))
+    )
     generators = [
         torch.Generator(device=bundle.device).manual_seed(seed * 100_019 + i)
         for i in range(len(prompts))

@@ -31,15 +31,15 @@ class CpuFsdp2Accelerator(accelerate.Accelerator):
 
 
 def poison_policy_loss() -> None:
-    from vsa2_rl.rl import trainer
+    from vsa2_rl.rl import update
 
-    real_loss = trainer.grpo_loss
+    real_loss = update.grpo_loss
 
     def nan_loss(*args, **kwargs):
         loss, stats = real_loss(*args, **kwargs)
         return loss * float("nan"), stats
 
-    trainer.grpo_loss = nan_loss
+    update.grpo_loss = nan_loss
 
 
 if __name__ == "__main__":

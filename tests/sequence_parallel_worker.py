@@ -23,7 +23,7 @@ def layer_errors(sparsity: float) -> dict:
     torch.manual_seed(0)
     heads, head_dim = 4, 16
     config = VSA2Config(kv_block=16, mode="topp", top_p=0.9, backend="torch")
-    layer = VSA2Attention(heads * head_dim, heads, config, SparsityState(sparsity, "train"))
+    layer = VSA2Attention(heads * head_dim, heads, config, SparsityState(sparsity))
     with torch.no_grad():  # non-zero gates and router-bias scale, so that they all count
         for parameter in layer.parameters():
             parameter.normal_(0.0, 0.2)

@@ -109,17 +109,17 @@ def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, m
     # a LoRA run started from a trained adapter differs from its reference (adapters off) at
     # step 1: its logged penalty is the mean over samples of sum_j log p - log p_ref of the
     # transitions it drew, recomputed here with the base model
-    from vsa2_rl.rl import trainer as trainer_module
+    from vsa2_rl.rl import rollout as rollout_module
     from vsa2_rl.sampling import sigma_schedule, step_log_prob
 
     _, folder, _ = _trained(tmp_path, *LORA)
-    trajectories, real_sample = [], trainer_module.sample
+    trajectories, real_sample = [], rollout_module.sample
 
     def recording_sample(velocity_fn, noise, sigmas, **kwargs):
         trajectories.append(real_sample(velocity_fn, noise, sigmas, **kwargs))
         return trajectories[-1]
 
-    monkeypatch.setattr(trainer_module, "sample", recording_sample)
+    monkeypatch.setattr(rollout_module, "sample", recording_sample)
     kl = ["grpo.kl_beta=1.0", "grpo.kl_mode=reward", f"model.lora.init_from={folder}"]
     run = load_config(None, [*TINY, *LORA, *kl, f"out_dir={tmp_path / 'kl'}"])
     train(run)

@@ -2,6 +2,7 @@
 computation, reward -> r, the old policy's soft update and swap, its config keys, and the toy
 trainer end to end (weights change, metrics logged, resume equals an uninterrupted run)."""
 
+import dataclasses
 import json
 import os
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from vsa2_rl.cli import main
 from vsa2_rl.config import ConfigError, NFTConfig, load_config
 from vsa2_rl.rl import engines
 from vsa2_rl.rl import nft as nft_module
+from vsa2_rl.rl import rollout as rollout_module
 from vsa2_rl.rl import trainer as trainer_module
 from vsa2_rl.rl.checkpoint import load_checkpoint
 from vsa2_rl.rl.grpo import GroupedPromptSampler, group_advantages
@@ -158,9 +160,9 @@ def test_old_policy_eta_schedule_of_the_paper():
     assert NFTConfig().timesteps_per_sample(10) == 9 and NFTConfig().timesteps_per_sample(1) == 1
 
 
+@dataclasses.dataclass
 class _Bundle:
-    def __init__(self, transformer):
-        self.transformer = transformer
+    transformer: torch.nn.Module
 
 
 @pytest.mark.parametrize("copy_model", [False, True], ids=["lora_tensors", "frozen_copy"])
@@ -176,10 +178,10 @@ def test_old_policy_soft_update_swap_and_state(copy_model):
     old.soft_update(0.25)
     expected = {n: 0.25 * start[n] + 0.75 * trained[n] for n in start}
     x = torch.randn(4, 3)
-    with torch.no_grad(), old.active():
-        out_old = bundle.transformer(x)
+    with torch.no_grad(), old.active() as old_bundle:
+        out_old = old_bundle.transformer(x)
     torch.testing.assert_close(out_old, torch.nn.functional.linear(x, *expected.values()))
-    assert bundle.transformer is model  # back to the trained model, its weights untouched
+    assert bundle.transformer is model  # the trained model, its weights untouched
     for name, param in model.named_parameters():
         assert torch.equal(param, trained[name])
     state = {n: t.clone() for n, t in old.state_dict().items()}
@@ -251,13 +253,16 @@ def _step_inputs(config, bundle, step):
         len(prompts), config.grpo.group_size, config.grpo.prompts_per_step, seed=config.seed
     ).batch(step - 1)
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
-    noise = trainer_module.initial_noise(config, step, shape, list(range(len(batch.group_ids))))
+    noise = rollout_module.initial_noise(
+        config.sampler, config.seed, config.grpo.group_size, step, shape,
+        list(range(len(batch.group_ids))),
+    )  # fmt: skip
     return bundle.encode_prompts([prompts[i] for i in batch.prompt_indices]), noise
 
 
 def test_an_nft_run_trains_samples_with_the_old_policy_and_logs_its_metrics(tmp_path, monkeypatch):
     first_velocities = []
-    real_sample = trainer_module.sample
+    real_sample = rollout_module.sample
 
     def recording_sample(velocity_fn, noise, sigmas, **kwargs):
         first_velocities.append(velocity_fn(noise, sigmas[:1].expand(noise.shape[0])).clone())
@@ -270,7 +275,7 @@ def test_an_nft_run_trains_samples_with_the_old_policy_and_logs_its_metrics(tmp_
         passes.append((target.clone(), sigma.clone()))
         return real_loss(v_theta, v_old, target, sigma, r, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "sample", recording_sample)
+    monkeypatch.setattr(rollout_module, "sample", recording_sample)
     monkeypatch.setattr(nft_module, "nft_loss", recording_loss)
     # eta 0.5 from step 1: the step-2 rollouts come from (theta_0 + theta_1) / 2
     config = _config(
@@ -292,7 +297,7 @@ def test_an_nft_run_trains_samples_with_the_old_policy_and_logs_its_metrics(tmp_
     # (not the final 0) and fresh noise at each level
     assert len(passes) == 4
     (target_a, sigma_a), (target_b, sigma_b) = passes[:2]
-    schedule = trainer_module.sigma_schedule(3)[:-1].tolist()
+    schedule = rollout_module.sigma_schedule(3)[:-1].tolist()
     assert set(sigma_a.tolist() + sigma_b.tolist()) <= set(schedule)
     assert (sigma_a != sigma_b).all() and (target_a - target_b).abs().amin(dim=(1, 2, 3, 4)).gt(
         0
@@ -343,7 +348,9 @@ def test_nft_trains_only_at_noise_levels_within_its_sigma_range(sampling, tmp_pa
 def test_group_noise_gives_a_groups_samples_the_same_noise_levels_and_noise(group_noise, tmp_path):
     config = _config(tmp_path, "sampler.kind=ode", f"nft.group_noise={str(group_noise).lower()}")
     with RunFolder(config.out_dir) as folder:
-        update = trainer_module._Run(config, folder).nft
+        run = trainer_module.RLTrainer(config)
+        run.build(folder)
+        update = run.update_rule
     # two chunks of 3 and 1 samples; groups 5, 5, 8 | 8 (a group may straddle chunks)
     rollouts = SimpleNamespace(
         chunks=[
@@ -399,13 +406,13 @@ def test_an_nft_lora_run_resumes_as_it_would_have_gone_on(tmp_path):
 
 def _first_gradient(tmp_path, monkeypatch, name, *extra):
     grads = []
-    real_finish = trainer_module.engines.finish_update
+    real_finish = engines.finish_update
 
     def recording_finish(acc, optimizer, params, max_grad_norm, losses):
         grads.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
         return real_finish(acc, optimizer, params, max_grad_norm, losses)
 
-    monkeypatch.setattr(trainer_module.engines, "finish_update", recording_finish)
+    monkeypatch.setattr(engines, "finish_update", recording_finish)
     config = _config(tmp_path, "train.num_steps=1", "sampler.kind=ode", *extra, name=name)
     train(config)
     (grad,) = grads

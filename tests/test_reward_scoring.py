@@ -15,7 +15,7 @@ from test_trainer import TINY, _rows, brightness
 
 from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.rewards import RewardError
-from vsa2_rl.rl import trainer as trainer_module
+from vsa2_rl.rl import rollout as rollout_module
 from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 from vsa2_rl.rl.trainer import train
 
@@ -53,7 +53,7 @@ def test_async_scoring_overlaps_the_rollout_and_trains_as_synchronous_scoring(
     # the last chunk of a step is only sampled once the first chunk's reward has started: that
     # can happen only if scoring runs beside the rollout (the wait would time out otherwise)
     first_scored, samples, waits = threading.Event(), [0], []
-    original_sample = trainer_module.sample
+    original_sample = rollout_module.sample
 
     def sample_after_first_score(*args, **kwargs):
         samples[0] += 1
@@ -68,7 +68,7 @@ def test_async_scoring_overlaps_the_rollout_and_trains_as_synchronous_scoring(
         first_scored.set()
         return record(*args)
 
-    monkeypatch.setattr(trainer_module, "sample", sample_after_first_score)
+    monkeypatch.setattr(rollout_module, "sample", sample_after_first_score)
     monkeypatch.setattr(sys.modules[__name__], "recording_brightness", scored_first)
     asynchronous = train(
         _config(tmp_path, "async", "train.num_steps=2", "rewards.async_scoring=true")

@@ -8,12 +8,16 @@ import os
 import re
 import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vsa2_rl.config import ConfigError, load_config
-from vsa2_rl.rl import trainer as trainer_module
+from vsa2_rl.rl import engines
+from vsa2_rl.rl import policy as policy_module
+from vsa2_rl.rl import rollout as rollout_module
+from vsa2_rl.rl import update as update_module
 from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import load_prompts
@@ -193,7 +197,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 @pytest.mark.parametrize("same_noise", [True, False])
 def test_same_noise_per_group_starts_a_group_from_one_noise(tmp_path, monkeypatch, same_noise):
     starts, videos = [], []
-    real_sample = trainer_module.sample
+    real_sample = rollout_module.sample
 
     def recording_sample(velocity_fn, noise, sigmas, **kwargs):
         starts.append(noise.clone())
@@ -203,7 +207,7 @@ def test_same_noise_per_group_starts_a_group_from_one_noise(tmp_path, monkeypatc
         videos.append(batch.clone())
         return brightness(batch, prompts, metadata)
 
-    monkeypatch.setattr(trainer_module, "sample", recording_sample)
+    monkeypatch.setattr(rollout_module, "sample", recording_sample)
     monkeypatch.setattr(sys.modules[__name__], "recorded_reward", recording_reward, raising=False)
     config = _config(
         tmp_path,
@@ -244,13 +248,13 @@ def test_nan_reward_skips_the_step_without_touching_weights(tmp_path):
 
 
 def test_nonfinite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
-    real_loss = trainer_module.grpo_loss
+    real_loss = update_module.grpo_loss
 
     def poisoned(*args, **kwargs):
         loss, stats = real_loss(*args, **kwargs)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", poisoned)
+    monkeypatch.setattr(update_module, "grpo_loss", poisoned)
     config = _config(tmp_path, "train.num_steps=1")
     from vsa2_rl.runtime import build_bundle
 
@@ -353,13 +357,13 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path, lora):
 def _first_update(tmp_path, monkeypatch, name, *extra):
     """The logged metrics and the gradient of a 1-step run's update (before the optimizer)."""
     grads = []
-    real_finish = trainer_module.engines.finish_update
+    real_finish = engines.finish_update
 
     def recording_finish(acc, optimizer, params, max_grad_norm, losses):
         grads.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
         return real_finish(acc, optimizer, params, max_grad_norm, losses)
 
-    monkeypatch.setattr(trainer_module.engines, "finish_update", recording_finish)
+    monkeypatch.setattr(engines, "finish_update", recording_finish)
     config = _config(tmp_path, "train.num_steps=1", *extra, name=name)
     train(config)
     (grad,) = grads
@@ -437,7 +441,7 @@ def test_rollouts_and_evaluations_take_their_own_guidance_and_the_negative_promp
     from vsa2_rl.runtime import build_bundle
 
     used = {"train": [], "eval": []}
-    for phase, module in (("train", trainer_module), ("eval", sweep_module)):
+    for phase, module in (("train", rollout_module), ("eval", sweep_module)):
         real = module.cfg_velocity
 
         def recording(model_fn, cond, uncond, scale, phase=phase, real=real):
@@ -488,14 +492,14 @@ def test_a_group_shares_its_steps_before_the_window_and_branches_at_it(tmp_path,
     bundle = build_bundle(config, torch.device("cpu"), torch.float32)
     bundle.sparsity_state.sparsity = config.sparsity.train
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
-    noise = trainer_module.initial_noise(config, 1, shape, list(range(6)))
+    noise = rollout_module.initial_noise(
+        config.sampler, config.seed, config.grpo.group_size, 1, shape, list(range(6))
+    )
     prompts = [load_prompts(config)[i] for i in _prompt_indices(config)]
     expected = []
     for i in range(6):
         emb = bundle.encode_prompts([prompts[i]])
-        generator = torch.Generator().manual_seed(
-            trainer_module._sample_seed(config.seed + 1, 1, i)
-        )
+        generator = torch.Generator().manual_seed(rollout_module.sample_seed(config.seed + 1, 1, i))
         trajectory = sample(
             lambda x, s, emb=emb: bundle.velocity(x, s, emb), noise[i : i + 1],
             sigma_schedule(config.sampler.num_steps), kind="sde", noise_level=0.7,
@@ -524,14 +528,14 @@ def rel_rms(a, b):
 
 def test_the_moving_window_is_drawn_per_step_within_its_range(tmp_path, monkeypatch):
     windows = []
-    real_sample = trainer_module.sample
+    real_sample = rollout_module.sample
 
     def recording_sample(velocity_fn, noise, sigmas, **kwargs):
         trajectory = real_sample(velocity_fn, noise, sigmas, **kwargs)
         windows.append(torch.nonzero(trajectory.stochastic).flatten().tolist())
         return trajectory
 
-    monkeypatch.setattr(trainer_module, "sample", recording_sample)
+    monkeypatch.setattr(rollout_module, "sample", recording_sample)
     moving = ["sampler.num_steps=6", "sampler.sde_window_size=2", "sampler.sde_window_range=[1,5]"]
     for name in ("first", "again"):
         config = _config(tmp_path, "train.num_steps=6", "sampler.sde_window=null", *moving,
@@ -554,13 +558,13 @@ def test_clip_ranges_are_checked():
 
 def test_each_clip_side_takes_its_own_range_or_clip_range(tmp_path, monkeypatch):
     seen = []
-    original = trainer_module.grpo_loss
+    original = update_module.grpo_loss
 
     def recording_loss(*args, **kwargs):
         seen.append((kwargs["clip_range"], kwargs["clip_range_high"]))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", recording_loss)
+    monkeypatch.setattr(update_module, "grpo_loss", recording_loss)
     for name, extra, bounds in (
         ("low", ["grpo.clip_range_low=0.3"], (0.3, 0.05)),
         ("high", ["grpo.clip_range_high=0.28"], (0.05, 0.28)),
@@ -636,29 +640,22 @@ def test_kl_as_reward_penalty_is_the_log_ratio_to_the_reference(tmp_path, monkey
     it drew, with log p_ref the closed-form Gaussian of the reference's SDE step written out
     below, and the reward it trains on is the reward minus kl_beta times the penalty."""
 
-    def zero_velocity_reference(bundle, acc, config):
-        @contextlib.contextmanager
-        def reference():
-            bundle.velocity = lambda latents, sigma, text_emb: torch.zeros_like(latents)
-            try:
-                yield
-            finally:
-                del bundle.velocity  # the class's velocity again
-
-        return reference
+    @contextlib.contextmanager
+    def zero_velocity_reference(reference):
+        yield SimpleNamespace(velocity=lambda latents, sigma, text_emb: torch.zeros_like(latents))
 
     recorded = []
-    real_penalty = trainer_module._Run._kl_penalty
+    real_penalty = update_module.FlowGRPOUpdate.kl_penalty
 
-    def recording_penalty(run, chunk, stochastic):
-        penalty = real_penalty(run, chunk, stochastic)
-        sigmas = torch.as_tensor(run.sigmas).double()
+    def recording_penalty(rule, chunk, stochastic):
+        penalty = real_penalty(rule, chunk, stochastic)
+        sigmas = torch.as_tensor(rule.sampler.sigmas).double()
         recorded.append((sigmas, chunk.latents.double(), chunk.log_probs.double(), stochastic))
         recorded[-1] += (penalty.clone(),)
         return penalty
 
-    monkeypatch.setattr(trainer_module, "_reference_policy", zero_velocity_reference)
-    monkeypatch.setattr(trainer_module._Run, "_kl_penalty", recording_penalty)
+    monkeypatch.setattr(policy_module.ReferencePolicy, "active", zero_velocity_reference)
+    monkeypatch.setattr(update_module.FlowGRPOUpdate, "kl_penalty", recording_penalty)
     beta = 0.5
     config = _config(
         tmp_path, "train.num_steps=1", f"grpo.kl_beta={beta}", "grpo.kl_mode=reward",
@@ -705,3 +702,37 @@ def test_sequence_parallel_size_must_divide_the_processes(tmp_path):
     assert not os.path.exists(config.out_dir)
     with pytest.raises(ConfigError, match=r"^parallel\.sequence_parallel_size: must be >= 1"):
         load_config(None, ["parallel.sequence_parallel_size=0"])
+
+
+def test_a_subclass_overrides_a_phase_and_the_loop_uses_it(tmp_path):
+    """RLTrainer's phases are the places to override: a ``score`` that records the rollouts'
+    mean brightness logs it in metrics.jsonl, and an ``update`` that trains nothing leaves the
+    checkpointed weights at the start's (compared with a plain run that changes them)."""
+    from vsa2_rl.rl.trainer import RLTrainer
+
+    seen = []
+
+    class Recording(RLTrainer):
+        def score(self, step, rollouts, metrics):
+            kept = super().score(step, rollouts, metrics)
+            metrics["train/brightness"] = rollouts.videos.mean().item()
+            seen.append((step, metrics["train/brightness"]))
+            return kept
+
+        def update(self, step, rollouts, metrics):
+            metrics.update({"perf/train_s": 0.0, "train/lr": 0.0})
+
+    config = _config(tmp_path, "train.num_steps=2", name="frozen")
+    Recording(config).train()
+    rows = _rows(config.out_dir)
+    assert [(row["step"], row["train/brightness"]) for row in rows] == seen
+    assert [step for step, _ in seen] == [1, 2]
+    from vsa2_rl.runtime import build_bundle
+
+    initial = build_bundle(config, torch.device("cpu"), torch.float32).transformer.state_dict()
+    frozen = _weights(config.out_dir)
+    assert frozen and all(torch.equal(frozen[name], initial[name]) for name in frozen)
+    trained = _config(tmp_path, "train.num_steps=2", name="trained")
+    train(trained)
+    changed = _weights(trained.out_dir)
+    assert any(not torch.equal(changed[name], initial[name]) for name in changed)

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except RuntimeError as error:
-        from vsa2_rl.rl.trainer import RolloutDiverged
+        from vsa2_rl.rl.rollout import RolloutDiverged
 
         if not isinstance(error, RolloutDiverged):
             raise

@@ -4,7 +4,7 @@ from vsa2_rl.models.experts import WanExperts
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.toy import ToyBundle, load_toy_bundle
 from vsa2_rl.models.wan import enable_vsa2, vsa2_parameters
-from vsa2_rl.models.wan_bundle import VideoDiTBundle, WanBundle, load_wan_bundle
+from vsa2_rl.models.wan_bundle import VideoDiTBundle, WanBundle, load_wan_bundle, with_transformer
 
 __all__ = [
     "RebaseSchedule",
@@ -17,4 +17,5 @@ __all__ = [
     "load_wan_bundle",
     "rebase_to_vsa2",
     "vsa2_parameters",
+    "with_transformer",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,6 +69,13 @@ class VideoDiTBundle(Protocol):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Videos [B, T, C, H, W] in [0, 1], float32."""
         ...
+
+
+def with_transformer(bundle, transformer: nn.Module):
+    """A view of ``bundle`` (a dataclass bundle) that runs ``transformer`` instead of its own:
+    the encoders, the decoder, the caches and the sparsity state are shared, nothing is copied.
+    The trainer's reference, old and evaluation policies are such views."""
+    return replace(bundle, transformer=transformer)
 
 
 @dataclass(frozen=True)

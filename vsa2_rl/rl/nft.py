@@ -27,16 +27,18 @@ schedule, engines and checkpoints are the trainer's own (vsa2_rl.rl.trainer).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from vsa2_rl.config import ConfigError
+from vsa2_rl.config import ConfigError, GRPOConfig, NFTConfig
 from vsa2_rl.models.experts import frozen_copy, trained_sigma_range
+from vsa2_rl.models.wan_bundle import with_transformer
 from vsa2_rl.rl import engines
+from vsa2_rl.rl.policy import Policy
+from vsa2_rl.rl.rollout import RolloutSampler
 
 # the authors' floor of the adaptive weight (a sample whose x0 is already exact)
 MIN_WEIGHT = 1e-5
@@ -122,8 +124,8 @@ class OldPolicy:
     DDP / DeepSpeed wrapper). LoRA runs (``copy_model=False``) keep float32 copies of its
     trainable tensors (adapters and VSA2 router/gates, a few MB) and swap them in while the old
     policy runs, so the base weights are not held twice; full fine-tuning
-    (``copy_model=True``) keeps a frozen copy of the whole model in its dtype, which ``bundle``
-    runs instead (no weights move per call). Sharded parameters (ZeRO-3, FSDP2) are refused
+    (``copy_model=True``) keeps a frozen copy of the whole model in its dtype, run through a
+    view of ``bundle`` (no weights move per call). Sharded parameters (ZeRO-3, FSDP2) are refused
     before this is built (vsa2_rl.rl.engines.check_options).
     """
 
@@ -132,8 +134,8 @@ class OldPolicy:
         self.live = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.frozen = None
         if copy_model:
-            self.frozen = frozen_copy(model)
-            frozen = dict(self.frozen.named_parameters())
+            self.frozen = with_transformer(bundle, frozen_copy(model))
+            frozen = dict(self.frozen.transformer.named_parameters())
             self.weights = {name: frozen[name] for name in self.live}
         else:
             self.weights = {n: p.detach().float().clone() for n, p in self.live.items()}
@@ -145,19 +147,15 @@ class OldPolicy:
             weight.lerp_(self.live[name].detach().to(weight.dtype), 1.0 - eta)
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Runs the block with the old policy in ``bundle`` (call it under ``no_grad``)."""
+    def active(self) -> Iterator:
+        """Yields the bundle that runs the old policy (call it under ``no_grad``)."""
         if self.frozen is not None:
-            live, self.bundle.transformer = self.bundle.transformer, self.frozen
-            try:
-                yield
-            finally:
-                self.bundle.transformer = live
+            yield self.frozen
             return
         trained = {name: param.detach().clone() for name, param in self.live.items()}
         self._copy_into_live(self.weights)
         try:
-            yield
+            yield self.bundle
         finally:
             self._copy_into_live(trained)
 
@@ -221,8 +219,9 @@ def _check_trained_levels(model, low: float, high: float) -> None:
 
 
 class NFTUpdate:
-    """The update of ``grpo.algorithm=nft`` for a trainer run (``vsa2_rl.rl.trainer._Run``,
-    whose optimizer, engines, reference, EMA and schedules it uses), and its old policy.
+    """The update of ``grpo.algorithm=nft`` (the ``nft`` section) of ``policy`` on the rollouts
+    of ``sampler``, and its old policy; the same interface as
+    :class:`vsa2_rl.rl.update.FlowGRPOUpdate`.
 
     Per inner epoch, every kept sample (its reward not dropped) is trained at K =
     ``nft.timesteps_per_sample(sampler.num_steps)`` noise levels, one backward pass per
@@ -232,57 +231,63 @@ class NFTUpdate:
     first pass of a run (theta_old = theta) they agree exactly (``train/old_deviation`` 0).
     """
 
-    def __init__(self, run):
-        self.run = run
-        config = run.config
-        self.settings = config.nft
-        low, high = config.nft.sigma_range
-        _check_trained_levels(run.acc.unwrap_model(run.transformer), low, high)
-        levels = run.sigmas[:-1]  # the schedule's sigmas but the final 0
+    def __init__(
+        self, policy: Policy, sampler: RolloutSampler, settings: NFTConfig, grpo: GRPOConfig,
+        seed: int,
+    ):  # fmt: skip
+        self.policy, self.settings, self.grpo, self.seed = policy, settings, grpo, seed
+        low, high = settings.sigma_range
+        _check_trained_levels(policy.unwrapped, low, high)
+        levels = sampler.sigmas[:-1]  # the schedule's sigmas but the final 0
         self.levels = levels[(levels >= low) & (levels <= high)]
-        if config.nft.timestep_sampling == "schedule" and not len(self.levels):
+        if settings.timestep_sampling == "schedule" and not len(self.levels):
             raise ConfigError(
                 f"nft.sigma_range: [{low}, {high}] holds none of the rollout schedule's sigmas "
                 f"{[round(float(v), 4) for v in levels]}; widen it or use "
                 "nft.timestep_sampling=uniform"
             )
-        self.num_levels = config.nft.timesteps_per_sample(config.sampler.num_steps)
-        if config.nft.timestep_sampling == "schedule":
+        self.num_levels = settings.timesteps_per_sample(sampler.settings.num_steps)
+        if settings.timestep_sampling == "schedule":
             self.num_levels = min(self.num_levels, len(self.levels))
-        model = run.acc.unwrap_model(run.transformer)
-        self.old = OldPolicy(run.bundle, model, copy_model=not config.model.lora.enabled)
+        lora = policy.config.model.lora.enabled
+        self.old = OldPolicy(policy.bundle, policy.unwrapped, copy_model=not lora)
 
-    def update(self, step: int, rollouts, metrics: dict) -> None:
+    kl_in_reward = False  # nft's KL is a loss term (RunConfig refuses grpo.kl_mode=reward)
+
+    def sampling_policy(self):
+        """Yields the bundle the rollouts come from: the old policy."""
+        return self.old.active()
+
+    def state_entries(self) -> dict:
+        return {"old_policy": self.old.state_dict()}
+
+    def load_state(self, restored: dict) -> None:
+        self.old.load_state_dict(restored["old_policy"])
+
+    def update(self, step: int, rollouts, metrics: dict) -> tuple[list, int]:
         """``grpo.num_inner_epochs`` optimizer steps on the step's rollouts, then the old
-        policy's soft update; a non-finite loss or gradient skips an optimizer step."""
-        run = self.run
-        t0 = time.perf_counter()
-        state = run.bundle.sparsity_state
-        run.transformer.train()
+        policy's soft update; returns ``(grad norms, skipped steps)`` and adds the loss
+        statistics to ``metrics``."""
         weight = self._sample_weight(rollouts.chunks)
         names = ("loss/policy", "loss/kl", "train/old_deviation", "train/r_mean")
         sums = {name: [] for name in names}
-        epochs = run.config.grpo.num_inner_epochs if weight else 0
+        epochs = self.grpo.num_inner_epochs if weight else 0
         grad_norms, skipped = [], 0
         for epoch in range(epochs):
             stepped, grad_norm = self._epoch(step, epoch, rollouts, weight, sums)
-            if stepped and run.ema is not None:
-                run.ema.update()
             skipped += not stepped  # a NaN/inf never reaches the weights
             grad_norms.append(grad_norm)
-        run.advance_lr_schedule()
         eta = self.settings.eta(step)
         self.old.soft_update(eta)
-        state.pop_density()
-        metrics["perf/train_s"] = time.perf_counter() - t0
         # (sample, level) terms of all ranks: num_processes / weight per epoch
-        metrics.update(self._means(sums, epochs * run.acc.num_processes / weight if epochs else 1))
+        processes = self.policy.acc.num_processes
+        metrics.update(self._means(sums, epochs * processes / weight if epochs else 1))
         metrics["train/old_policy_eta"] = eta
-        run.log_optimizer_steps(metrics, rollouts, grad_norms, skipped)
+        return grad_norms, skipped
 
     def _epoch(self, step: int, epoch: int, rollouts, weight: float, sums: dict) -> tuple:
         """One optimizer step over every (chunk, noise level) pass; ``(stepped, grad norm)``."""
-        run, kl_beta = self.run, self.run.config.grpo.kl_beta
+        policy, kl_beta = self.policy, self.grpo.kl_beta
         keys = _chunk_draw_keys(rollouts, by_group=self.settings.group_noise)
         draws = [self._draws(step, epoch, chunk_keys) for chunk_keys in keys]
         work = [  # a chunk's passes in level order: its generators draw one noise per pass
@@ -290,29 +295,24 @@ class NFTUpdate:
             for chunk, chunk_draws in zip(rollouts.chunks, draws, strict=True)
             for level in range(self.num_levels)
         ]
-        run.optimizer.zero_grad(set_to_none=True)
+        policy.optimizer.zero_grad(set_to_none=True)
         for index, (chunk, draws, level) in enumerate(work):
             last = index == len(work) - 1
             kept = chunk.valid.float()  # a dropped reward's sample is not trained on
-            with engines.accumulation_context(run.acc, run.transformer, last):
+            with engines.accumulation_context(policy.acc, policy.model, last):
                 losses = self._pass_losses(chunk, draws, level)
                 total = ((losses[0] + kl_beta * losses[1]) * kept).sum() * weight
-                engines.backward(run.acc, total, last)
+                engines.backward(policy.acc, total, last)
             for name, value in zip(sums, losses, strict=True):
                 sums[name].append((value.detach() * kept).sum())
-        stepped, grad_norm = engines.finish_update(
-            run.acc, run.optimizer, run.params, run.config.train.max_grad_norm, sums["loss/policy"]
-        )
-        run.optimizer.zero_grad(set_to_none=True)
-        return stepped, grad_norm
+        return policy.optimizer_step(sums["loss/policy"])
 
     def _draws(self, step: int, epoch: int, indices: list[int]) -> _Draws:
         """The noise levels of a chunk's samples (global indices ``indices``) and their noise
         generators: K distinct sigmas of the rollout schedule (not its final 0) or K uniform
         ones per sample."""
-        seed, run = self.run.config.seed, self.run
         generators = [
-            torch.Generator().manual_seed(_draw_seed(seed, step, epoch, i)) for i in indices
+            torch.Generator().manual_seed(_draw_seed(self.seed, step, epoch, i)) for i in indices
         ]
         if self.settings.timestep_sampling == "schedule":
             levels = self.levels
@@ -325,21 +325,20 @@ class NFTUpdate:
             rows = [
                 low + (high - low) * torch.rand(self.num_levels, generator=g) for g in generators
             ]
-        return _Draws(torch.stack(rows).float().to(run.device), generators)
+        return _Draws(torch.stack(rows).float().to(self.policy.acc.device), generators)
 
     def _pass_losses(self, chunk, draws: _Draws, level: int) -> tuple[Tensor, ...]:
         """Per sample of the chunk at its ``level``-th noise level: the NFT loss, the velocity
         MSE to the reference (0 without one), the squared distance of v_theta to v_old and r."""
-        run, settings = self.run, self.settings
+        policy, settings = self.policy, self.settings
         x0 = chunk.latents[-1]  # [b, C, T, H, W] float32, the rollouts' clean samples
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws.generators])
         noise, sigma = noise.to(x0.device), draws.sigmas[:, level]
         column = sigma.reshape(-1, *[1] * (x0.ndim - 1))
         x = (1.0 - column) * x0 + column * noise
-        velocity = run.velocity_fn(chunk.condition)
-        with torch.no_grad(), self.old.active():
-            v_old = velocity(x, sigma).float()
-        v_theta = velocity(x, sigma).float()
+        with torch.no_grad(), self.old.active() as old:  # guidance-free (RunConfig checks)
+            v_old = old.velocity(x, sigma, chunk.condition).float()
+        v_theta = policy.bundle.velocity(x, sigma, chunk.condition).float()
         r = optimality_probability(chunk.advantages, settings.advantage_scale)
         loss = nft_loss(
             v_theta, v_old, noise - x0, sigma, r,
@@ -347,9 +346,9 @@ class NFTUpdate:
         )  # fmt: skip
         dims = tuple(range(1, x0.ndim))
         kl = torch.zeros_like(loss)
-        if run.reference is not None:
-            with torch.no_grad(), run.reference():
-                v_reference = velocity(x, sigma).float()
+        if policy.reference is not None:
+            with torch.no_grad(), policy.reference.active() as reference:
+                v_reference = reference.velocity(x, sigma, chunk.condition).float()
             kl = (v_theta - v_reference).square().mean(dims)
         return loss, kl, (v_theta.detach() - v_old).square().mean(dims), r
 
@@ -357,17 +356,16 @@ class NFTUpdate:
         """The factor of a pass's summed loss that makes the update the mean over every kept
         sample of all ranks and its K passes (DDP then averages over ranks); 0 when no rank
         kept a sample."""
-        acc = self.run.acc
+        acc = self.policy.acc
         kept = torch.tensor([float(sum(int(c.valid.sum()) for c in chunks))], device=acc.device)
         total = float(acc.reduce(kept, reduction="sum").item())
         return acc.num_processes / (total * self.num_levels) if total else 0.0
 
     def _means(self, sums: dict, count: float) -> dict:
         """Means of the logged per-pass sums of every rank over their ``count`` terms."""
-        acc, device = self.run.acc, self.run.device
-        totals = torch.stack(
-            [torch.stack(v).sum() if v else torch.zeros((), device=device) for v in sums.values()]
-        )
+        acc = self.policy.acc
+        zero = torch.zeros((), device=acc.device)
+        totals = torch.stack([torch.stack(v).sum() if v else zero for v in sums.values()])
         totals = acc.reduce(totals.float(), reduction="sum")
         return {name: float(total) / count for name, total in zip(sums, totals, strict=True)}
 

@@ -1,0 +1,191 @@
+"""Rollouts: one RL step's videos with their trajectories and log-probs (a part of the trainer).
+
+:class:`RolloutSampler` runs the ``sampler`` section: SDE (or CPS, ODE) sampling of this rank's
+prompts (vsa2_rl.sampling), in chunks of ``grpo.train_batch_size`` that the update reuses (so
+its first probability ratio is 1); the SDE window is fixed or drawn per step, and with one noise
+per group the steps before the window run once per group, which branches at the window
+(Flow-GRPO-Fast). Every random draw is a pure function of (seed, step, global sample index), so
+any number of ranks and a resumed run draw the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vsa2_rl.config import SamplerConfig
+from vsa2_rl.models.conditioning import final_latents
+from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule
+
+
+class RolloutDiverged(RuntimeError):
+    """The rollouts' videos hold NaN or inf: the model (or the sampler) diverged."""
+
+
+@dataclass
+class Rollout:
+    """One chunk of rollouts on this rank (all tensors on the training device)."""
+
+    condition: Any  # what the model is conditioned on: text [b, L, D_text] (+ image)
+    latents: torch.Tensor  # [N + 1, b, C, T, H, W] float32
+    log_probs: torch.Tensor  # [N, b] float32
+    advantages: torch.Tensor | None = None  # [b]
+    kl_penalty: torch.Tensor | None = None  # [b], grpo.kl_mode=reward: sum_j log p - log p_ref
+    valid: torch.Tensor | None = None  # bool [b]: False where rewards.on_error dropped the sample
+
+
+@dataclass
+class StepRollouts:
+    """What one step's rollout phase hands to scoring and the update (this rank's samples)."""
+
+    prompt_indices: list[int]
+    group_ids: list[int]
+    prompts: list[str]
+    global_index: list[int]  # each sample's index in the step's global batch
+    chunks: list[Rollout]
+    videos: torch.Tensor  # [n, T, C, H, W] float32, decoded
+    stochastic: torch.Tensor  # bool [N]: the steps that drew noise (and may be trained)
+    pending: list  # rewards.async_scoring: each chunk's future RewardOutput, in order
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """A seed per (run seed, step, global sample index): independent of rank count and resume."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
+
+
+def chunk_slices(n: int, size: int) -> list[slice]:
+    """``n`` samples cut into consecutive chunks of at most ``size``."""
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def initial_noise(
+    settings: SamplerConfig, seed: int, group_size: int, step: int, latent_shape: tuple,
+    global_index: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """The rollouts' starting latents: one seed per sample, or per group with
+    ``sampler.same_noise_per_group`` (then every sample of a group starts from its group's
+    noise; samples are laid out group after group, see ``GroupedPromptSampler``)."""
+    if settings.same_noise_per_group:
+        global_index = [i // group_size * group_size for i in global_index]
+    return seeded_noise(latent_shape, [sample_seed(seed, step, i) for i in global_index])
+
+
+def _group_prefix(condition_of, velocity_fn, noise, group_ids, sigmas, batch_size):
+    """The ODE steps ``sigmas`` (the ones before the SDE window) run once per group on one
+    sample of it (all of a group's samples share their noise), expanded to every sample.
+
+    Returns ``(latents [len(sigmas), n, ...], number of groups)``.
+    """
+    first = {}
+    for index, group in enumerate(group_ids):
+        first.setdefault(group, index)
+    leaders = list(first.values())
+    parts = []
+    for chunk in chunk_slices(len(leaders), batch_size):
+        rows = leaders[chunk]
+        trajectory = sample(
+            velocity_fn(condition_of(rows)), noise[rows], sigmas, kind="ode", noise_level=0.0
+        )
+        parts.append(trajectory.latents)
+    shared = torch.cat(parts, dim=1)
+    of_group = {group: slot for slot, group in enumerate(first)}
+    index = torch.tensor([of_group[group] for group in group_ids], device=shared.device)
+    return shared[:, index], len(leaders)
+
+
+@dataclass
+class SampledChunks:
+    """This rank's rollouts of a step as :meth:`RolloutSampler.sample_chunks` returns them."""
+
+    chunks: list[Rollout]
+    videos: list[torch.Tensor]  # per chunk [b, T, C, H, W], decoded
+    stochastic: torch.Tensor  # bool [N]
+    evaluations: int  # velocity evaluations this rank ran
+
+
+class RolloutSampler:
+    """The ``sampler`` section's rollouts for a bundle: sigma schedule, guidance and noise.
+
+    ``batch_size`` is ``grpo.train_batch_size``, ``group_size`` ``grpo.group_size``, ``seed``
+    the run's seed, ``device`` where the latents live; ``bundle`` encodes the negative prompt
+    once when guidance is on.
+    """
+
+    def __init__(
+        self, settings: SamplerConfig, bundle, *, batch_size: int, group_size: int, seed: int,
+        device: torch.device,
+    ):  # fmt: skip
+        self.settings, self.batch_size, self.device = settings, batch_size, device
+        self.group_size, self.seed = group_size, seed
+        self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
+        guided = settings.guidance_scale > 1
+        self.uncond = bundle.encode_prompts([settings.negative_prompt]) if guided else None
+
+    def velocity_fn(self, bundle, condition) -> Callable:
+        """``bundle``'s velocity for samples conditioned on ``condition``, with the sampler's
+        classifier-free guidance."""
+        return cfg_velocity(bundle.velocity, condition, self.uncond, self.settings.guidance_scale)
+
+    def sample_chunks(
+        self, bundle, step: int, group_ids: list[int], global_index: list[int],
+        condition_of: Callable, latent_shape: tuple, on_chunk: Callable | None = None,
+    ) -> SampledChunks:  # fmt: skip
+        """Rolls out this rank's samples (``condition_of(rows)`` conditions the samples at
+        positions ``rows``) chunk by chunk; ``on_chunk(videos, part)`` sees each chunk's
+        decoded videos as soon as they exist (rewards.async_scoring)."""
+        samp, device = self.settings, self.device
+        noise = initial_noise(
+            samp, self.seed, self.group_size, step, latent_shape, global_index
+        ).to(device)
+        generators = [  # per-sample SDE noise: the same whatever the number of ranks
+            torch.Generator(device=device).manual_seed(sample_seed(self.seed + 1, step, i))
+            for i in global_index
+        ]
+        window = samp.window_at(self.seed, step)
+        start = window[0] if window and samp.same_noise_per_group else 0
+        prefix, evaluations = None, len(global_index) * (len(self.sigmas) - 1 - start)
+        if start:
+            with torch.no_grad():
+                prefix, groups = _group_prefix(
+                    condition_of, lambda c: self.velocity_fn(bundle, c), noise, group_ids,
+                    self.sigmas[: start + 1], self.batch_size,
+                )  # fmt: skip
+            evaluations += groups * start
+        chunks, videos = [], []
+        for part in chunk_slices(len(global_index), self.batch_size):
+            with torch.no_grad():
+                condition = condition_of(list(range(part.start, part.stop)))
+                trajectory = sample(
+                    self.velocity_fn(bundle, condition),
+                    noise[part] if prefix is None else prefix[-1, part],
+                    self.sigmas[start:],
+                    kind=samp.kind,
+                    noise_level=samp.noise_level,
+                    sde_window=(window[0] - start, window[1] - start) if window else None,
+                    generator=generators[part],
+                )
+                videos.append(bundle.decode(final_latents(condition, trajectory.latents[-1])))
+            if on_chunk is not None:
+                on_chunk(videos[-1], part)
+            latents, log_probs = trajectory.latents, trajectory.log_probs
+            if prefix is not None:  # the shared steps: deterministic, log-prob 0
+                latents = torch.cat([prefix[:-1, part], latents])
+                log_probs = torch.cat([log_probs.new_zeros(start, log_probs.shape[1]), log_probs])
+            chunks.append(Rollout(condition, latents, log_probs))
+        stochastic = torch.cat([torch.zeros(start, dtype=torch.bool), trajectory.stochastic])
+        return SampledChunks(chunks, videos, stochastic, evaluations)
+
+
+__all__ = [
+    "Rollout",
+    "RolloutDiverged",
+    "RolloutSampler",
+    "SampledChunks",
+    "StepRollouts",
+    "chunk_slices",
+    "initial_noise",
+    "sample_seed",
+]
