@@ -12,6 +12,12 @@ accumulation is timed) with ``triton.testing.do_bench`` medians at Wan2.1 shapes
   ``topk`` and, with ``--router-modes topk,topp``, ``topp`` at top_p 0.9 (the recipes' mode;
   on random scores it keeps the whole budget, so the two rows differ only in the router).
 
+``--bwd two_pass,fused`` times our rows once per backward path of the fine stage (issue 37):
+``two_pass`` (the default, deterministic) keeps the plain names, other paths add a suffix
+(``ours-fine-kv16-fused``) and skip the forward-only row (the forward is the same kernel).
+``fused:R`` forces R key ranges of the fused backward (``VSA2_RL_BWD_KEY_RANGES``; without it the
+launcher picks R from the L2 size).
+
 Selections are random by default: each query tile keeps ``round((1 - s) * NSEG)`` distinct
 segments (the anchors' setting, and the worst case for the L2 cache: every tile gathers blocks
 no neighbour shares). ``--selection local`` keeps the same number of segments nearest to each
@@ -22,12 +28,16 @@ Prints a markdown table and writes it to ``--out``.
 
     python benchmarks/bench_attention.py --out bench.md            # full run
     python benchmarks/bench_attention.py --quick --out quick.md    # 480p, fewer kernels
+    python benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 --sparsities 0.95 \
+        --no-flex --no-fastvideo --router-modes topp --bwd two_pass,fused   # backward A/B
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import os
 import sys
 import traceback
 
@@ -65,10 +75,11 @@ def bench(fn, heavy: bool) -> float:
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def time_fwd_bwd(table, shape, method, sparsity, fwd, inputs, go, flops):
-    """fwd() -> out; times fwd alone and fwd + grad w.r.t. ``inputs``."""
-    with torch.no_grad():
-        table.add(shape, method, sparsity, "fwd", bench(fwd, False), flops)
+def time_fwd_bwd(table, shape, method, sparsity, fwd, inputs, go, flops, with_fwd=True):
+    """fwd() -> out; times fwd alone (unless not ``with_fwd``) and fwd + grad w.r.t. ``inputs``."""
+    if with_fwd:
+        with torch.no_grad():
+            table.add(shape, method, sparsity, "fwd", bench(fwd, False), flops)
 
     def fwd_bwd():
         torch.autograd.grad(fwd(), inputs, go)
@@ -171,28 +182,52 @@ def run_fastvideo(table, tag, s, q, k, v, go):
     time_fwd_bwd(table, tag, "fastvideo-vsa", f"{s}", fwd, (q, k, v), go, flops)
 
 
-def run_ours(args, table, tag, s, kvb, q, k, v, go):
-    from vsa2_rl.kernels.ops import block_sparse_attention
+@contextlib.contextmanager
+def backward_path(entry):
+    """``(bwd, name suffix)`` of a ``--bwd`` entry, ``path`` or ``fused:R``; sets
+    ``VSA2_RL_BWD_KEY_RANGES`` to R meanwhile."""
+    bwd, _, ranges = entry.partition(":")
+    old = os.environ.pop("VSA2_RL_BWD_KEY_RANGES", None)
+    if ranges:
+        os.environ["VSA2_RL_BWD_KEY_RANGES"] = ranges
+    try:
+        yield bwd, ("" if bwd == "two_pass" else f"-{bwd}") + (f"-r{ranges}" if ranges else "")
+    finally:
+        os.environ.pop("VSA2_RL_BWD_KEY_RANGES", None)
+        if old is not None:
+            os.environ["VSA2_RL_BWD_KEY_RANGES"] = old
 
+
+def run_ours(args, table, tag, s, kvb, q, k, v, go):
+    """Our rows at sparsity s and kv_block kvb, once per ``--bwd`` entry, one selection."""
     B, H, S, D = q.shape
     NQ, NSEG = S // 64, S // kvb
     keep = max(1, round((1 - s) * NSEG))
     ids, counts = select_segments(args.selection, B, H, NQ, NSEG, keep, q.device)
     bias = (0.1 * torch.randn(B, H, NQ, keep, device=q.device)).requires_grad_()
-    flops = 4 * B * H * S * keep * kvb * D
-    fwd = lambda: block_sparse_attention(q, k, v, ids, counts, bias, kv_block=kvb)[0]
-    method = f"ours-fine-kv{kvb}" + ("-local" if args.selection == "local" else "")
-    time_fwd_bwd(table, tag, method, f"{s}", fwd, (q, k, v, bias), go, flops)
+    selection = (ids, counts, bias, 4 * B * H * S * keep * kvb * D)
+    for i, entry in enumerate(args.bwd):
+        with backward_path(entry) as (bwd, suffix):
+            run_ours_path(args, table, tag, s, kvb, q, k, v, go, selection, bwd, suffix, i == 0)
+
+
+def run_ours_path(args, table, tag, s, kvb, q, k, v, go, selection, bwd, suffix, with_fwd):
+    from vsa2_rl.kernels.ops import block_sparse_attention
+
+    ids, counts, bias, flops = selection
+    fwd = lambda: block_sparse_attention(q, k, v, ids, counts, bias, kv_block=kvb, bwd=bwd)[0]
+    method = f"ours-fine-kv{kvb}" + ("-local" if args.selection == "local" else "") + suffix
+    time_fwd_bwd(table, tag, method, f"{s}", fwd, (q, k, v, bias), go, flops, with_fwd)
     if args.profile:
         profile_kernels(
-            lambda: torch.autograd.grad(fwd(), (q, k, v, bias), go), f"{tag} s={s} kv{kvb}"
+            lambda: torch.autograd.grad(fwd(), (q, k, v, bias), go), f"{tag} s={s} {method}"
         )
     if args.full:
         for router_mode in args.router_modes:
-            run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops)
+            run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops, bwd, suffix, with_fwd)
 
 
-def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops):
+def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops, bwd, suffix, with_fwd):
     try:
         from vsa2_rl.kernels import vsa2_attention
     except ImportError as e:
@@ -205,6 +240,7 @@ def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops):
         "dense_threshold": 0.99,
     }  # fmt: skip
     method = f"ours-full-kv{kvb}" if router_mode == "topk" else f"ours-full-{router_mode}-kv{kvb}"
+    method += suffix
     tile_len = torch.full((S // 64,), 64, device=q.device, dtype=torch.int32)
     seg_len = torch.full((S // kvb,), kvb, device=q.device, dtype=torch.int32)
     # as in the model: a non-zero router-bias scale and per-element gates (Linear outputs of
@@ -219,13 +255,13 @@ def run_full(table, tag, s, kvb, router_mode, q, k, v, go, flops):
     def fwd():
         out, _ = vsa2_attention(
             q, k, v, tile_lengths=tile_len, seg_lengths=seg_len, sparsity=s, alpha=alpha,
-            gate_coarse=gate_c, gate_fine=gate_f, num_valid_segments=S // kvb, **settings,
+            gate_coarse=gate_c, gate_fine=gate_f, num_valid_segments=S // kvb, bwd=bwd, **settings,
         )  # fmt: skip
         return out
 
     try:
         inputs = (q, k, v, alpha, gate_c, gate_f)
-        time_fwd_bwd(table, tag, method, f"{s}", fwd, inputs, go, flops)
+        time_fwd_bwd(table, tag, method, f"{s}", fwd, inputs, go, flops, with_fwd)
     except Exception:
         print(f"full VSA2 op failed at {tag} s={s} kv{kvb} {router_mode}:")
         traceback.print_exc()
@@ -238,11 +274,16 @@ def profile_kernels(fn, label):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    from vsa2_rl.kernels import block_sparse
+    from vsa2_rl.kernels import block_sparse, block_sparse_fused
 
     print(f"-- kernels of {label} --")
-    for name in ("_bsa_fwd_kernel", "_bsa_bwd_dq_kernel", "_bsa_bwd_dkv_kernel"):
-        print(f"{name} best config: {getattr(block_sparse, name).best_config}")
+    for module, name in (
+        (block_sparse, "_bsa_fwd_kernel"),
+        (block_sparse, "_bsa_bwd_dq_kernel"),
+        (block_sparse, "_bsa_bwd_dkv_kernel"),
+        (block_sparse_fused, "_bsa_bwd_fused_kernel"),
+    ):
+        print(f"{name} best config: {getattr(getattr(module, name), 'best_config', None)}")
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60)
     )
@@ -270,9 +311,25 @@ def main(argv=None):
         default="random",
         help="segments each query tile keeps in the fine-stage and FlexAttention rows",
     )
+    p.add_argument(
+        "--bwd",
+        default="two_pass",
+        help="comma list of fine-stage backward paths for our rows: two_pass, fused, fused:R "
+        "(R key ranges forced)",
+    )
     p.add_argument("--profile", action="store_true", help="print per-kernel times of our fwd+bwd")
     p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--dry-run", action="store_true", help="parse the arguments and stop (CPU)")
     args = p.parse_args(argv)
+    args.bwd = args.bwd.split(",")
+    from vsa2_rl.kernels.block_sparse import BWD_PATHS
+
+    bad = [e for e in args.bwd if e.partition(":")[0] not in BWD_PATHS]
+    if bad:
+        p.error(f"--bwd entries must be one of {BWD_PATHS} (or fused:R), got {bad}")
+    if args.dry_run:
+        print(f"arguments parsed: {vars(args)}")
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device")
     if args.quick:

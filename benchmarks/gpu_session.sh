@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [ddp]
-#     [ab] [host_ab] [profile] [gluon] [wan] [resume_toy] [gpu1] [engines] [resume]
+#     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
@@ -85,6 +85,18 @@ for part in "${parts[@]}"; do
           --router-modes ${ROUTER_MODES:-topk} --out "$OUT/ab_$tree.md" > /dev/null 2>&1
         echo "-- $tree"; grep "ours\|cudnn" "$OUT/ab_$tree.md"
       done ;;
+    bwd_tests)  # issue 37: GPU tests of the fused backward (bf16 against float64, CUDA graphs)
+      timeout 240 python3 -P -m pytest -q -m gpu --tb=short -k "fused or cuda_graph" \
+        tests/test_block_sparse_attention.py tests/test_vsa2_attention.py > "$OUT/bwd_tests.log" 2>&1
+      tail -15 "$OUT/bwd_tests.log" ;;
+    bwd_ab)  # issue 37: fine stage and full op (topp), fwd+bwd, two-pass vs fused backward, 720p
+      # s=0.95, kv_block 16 then 64 (BWD_PATHS: --bwd entries, e.g. two_pass,fused,fused:1);
+      # per-kernel device times (--profile) in the log
+      timeout 290 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks ${BWD_KV:-16,64} \
+        --sparsities 0.95 --no-flex --no-fastvideo --router-modes topp \
+        --bwd ${BWD_PATHS:-two_pass,fused} --profile --out "$OUT/bwd_ab.md" > "$OUT/bwd_ab.log" 2>&1
+      echo "bwd_ab rc=$?"; grep "^720p" "$OUT/bwd_ab.log"
+      grep -A 18 "^-- kernels of" "$OUT/bwd_ab.log" | grep -v "^-\{20\}" | cut -c1-125 ;;
     host_ab)  # wall / host-issue / device time of the full op, last commit vs this tree
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site_base .whl_base/*.whl || exit 1

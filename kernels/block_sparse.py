@@ -19,7 +19,8 @@ and for 16- or 32-key segments accumulates dK^T / dV^T (head-dim major) so that 
 keeps M >= 64, the smallest Hopper tensor-core tile.
 
 The kv-major index is built on the device with a stable sort (no host sync, deterministic order);
-see :func:`build_kv_major_index`. Index conventions follow FlexAttention's ``BlockMask``
+see :func:`build_kv_major_index`. ``bsa_backward(..., bwd="fused")`` runs the single-pass
+backward of :mod:`.block_sparse_fused` instead (atomic dK/dV; built for kv_block 16). Index conventions follow FlexAttention's ``BlockMask``
 (``kv_num_blocks`` / ``kv_indices``) with per-row counts.
 """
 
@@ -847,6 +848,34 @@ def _dq_pass(
     )  # fmt: skip
 
 
+BWD_PATHS = ("two_pass", "fused")
+
+
+def _two_pass_dkv(
+    dout, q, k, v, lse, delta, kv_indices, kv_counts, bias, lens, *,
+    q_tile: int, kv_block: int, scale: float, has_bias: bool, has_len: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The key-major dK/dV pass of the two-pass backward: build the kv-major index, launch."""
+    B, H, S, D = q.shape
+    NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
+    NSEG = S // kv_block
+    dk = torch.empty((B, H, S, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, H, S, D), device=q.device, dtype=v.dtype)
+    offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
+    (desc_q, desc_do), tma = _tma_descriptors(q_tile, q, dout)
+    _bsa_bwd_dkv_kernel[(NSEG, B * H)](
+        q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv,
+        offsets, pairs, bias, lens,
+        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
+        scale * LOG2E, scale,
+        H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX,
+        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
+        HAS_BIAS=has_bias, HAS_LEN=has_len, DOT_PREC=_dot_precision(q.dtype),
+        DIM_MAJOR=kv_block < 64, TMA=tma,
+    )  # fmt: skip
+    return dk, dv
+
+
 def bsa_backward(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -862,12 +891,15 @@ def bsa_backward(
     q_tile: int,
     kv_block: int,
     scale: float,
+    bwd: str = "two_pass",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the dQ/d(bias) pass, build the kv-major index, launch the dK/dV pass."""
+    """Gradients (dq, dk, dv, d(bias) or None) by one of ``BWD_PATHS``: ``"two_pass"`` (the dQ /
+    d(bias) pass, then the key-major dK/dV pass; deterministic) or ``"fused"`` (one query-major
+    pass adding dK/dV atomically, :mod:`.block_sparse_fused`; faster at kv_block 16, not
+    bit-reproducible)."""
+    if bwd not in BWD_PATHS:
+        raise ValueError(f"bwd must be one of {BWD_PATHS}, got {bwd!r}")
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
-    B, H, S, D = q.shape
-    NQ, KMAX = kv_indices.shape[2], kv_indices.shape[3]
-    NSEG = S // kv_block
     device = q.device
     kv_indices = kv_indices.contiguous()
     kv_counts = kv_counts.contiguous()
@@ -876,29 +908,27 @@ def bsa_backward(
     bias = block_bias.contiguous() if has_bias else _dummy(device, torch.float32)
     lens = kv_lengths.contiguous() if kv_lengths is not None else _dummy(device, torch.int32)
     dlse_arg = dlse.contiguous() if dlse is not None else _dummy(device, torch.float32)
+    flags = dict(has_bias=has_bias, has_len=kv_lengths is not None, has_dlse=dlse is not None)
 
-    dq, delta, dbias, mass = _dq_pass_outputs(q, bias, has_bias)
-    dk = torch.empty((B, H, S, D), device=device, dtype=k.dtype)
-    dv = torch.empty((B, H, S, D), device=device, dtype=v.dtype)
-    prec = _dot_precision(q.dtype)
+    if bwd == "fused":
+        from .block_sparse_fused import bsa_backward_fused
 
-    _dq_pass(
-        dout, q, k, v, out, lse, dlse_arg, kv_indices, kv_counts, bias, lens,
-        (dq, delta, dbias, mass), q_tile=q_tile, kv_block=kv_block, scale=scale,
-        has_bias=has_bias, has_len=kv_lengths is not None, has_dlse=dlse is not None,
-    )  # fmt: skip
+        descs, tma = _tma_descriptors(kv_block, k, v)
+        dq, dk, dv, dbias, mass = bsa_backward_fused(
+            dout, dlse_arg, q, k, v, out, lse, kv_indices, kv_counts, bias, lens, descs,
+            q_tile=q_tile, kv_block=kv_block, scale=scale, dot_prec=_dot_precision(q.dtype),
+            tma=tma, **flags,
+        )  # fmt: skip
+    else:
+        dq, delta, dbias, mass = _dq_pass_outputs(q, bias, has_bias)
+        _dq_pass(
+            dout, q, k, v, out, lse, dlse_arg, kv_indices, kv_counts, bias, lens,
+            (dq, delta, dbias, mass), q_tile=q_tile, kv_block=kv_block, scale=scale, **flags,
+        )  # fmt: skip
+        dk, dv = _two_pass_dkv(
+            dout, q, k, v, lse, delta, kv_indices, kv_counts, bias, lens, q_tile=q_tile,
+            kv_block=kv_block, scale=scale, has_bias=has_bias, has_len=flags["has_len"],
+        )  # fmt: skip
     if has_bias:
         dbias = _restore_softmax_identity(dbias, mass, lse, dlse, q_tile)
-    offsets, pairs = build_kv_major_index(kv_indices, kv_counts, NSEG)
-    (desc_q, desc_do), tma = _tma_descriptors(q_tile, q, dout)
-    _bsa_bwd_dkv_kernel[(NSEG, B * H)](
-        q, k, v, dout, desc_q, desc_do, lse, delta, dk, dv,
-        offsets, pairs, bias, lens,
-        *_bhs_strides(q), *_bhs_strides(k), *_bhs_strides(v), *_bhs_strides(dout),
-        scale * LOG2E, scale,
-        H=H, S=S, NQ=NQ, NSEG=NSEG, KMAX=KMAX,
-        Q_TILE=q_tile, KV_BLOCK=kv_block, HEAD_DIM=D,
-        HAS_BIAS=has_bias, HAS_LEN=kv_lengths is not None, DOT_PREC=prec,
-        DIM_MAJOR=kv_block < 64, TMA=tma,
-    )  # fmt: skip
     return dq, dk, dv, (dbias if has_bias else None)

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .block_sparse import bsa_backward, bsa_forward
+from .block_sparse import BWD_PATHS, bsa_backward, bsa_forward
 from .naive import block_sparse_attention_torch
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch"]
@@ -45,14 +45,18 @@ def _bsa_fwd_op(
     q_tile: int,
     kv_block: int,
     scale: float,
+    bwd: str = "two_pass",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # bwd only travels to the backward (through the autograd context)
     return bsa_forward(
         q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale
     )
 
 
 @_bsa_fwd_op.register_fake
-def _bsa_fwd_fake(q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale):
+def _bsa_fwd_fake(
+    q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale, bwd="two_pass"
+):
     B, H, S, D = q.shape
     return q.new_empty((B, H, S, D)), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -73,10 +77,11 @@ def _bsa_bwd_op(
     q_tile: int,
     kv_block: int,
     scale: float,
+    bwd: str = "two_pass",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dbias = bsa_backward(
         dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths,
-        q_tile, kv_block, scale,
+        q_tile, kv_block, scale, bwd,
     )  # fmt: skip
     # custom ops cannot return None: an empty tensor stands for "no bias"
     return dq, dk, dv, (dbias if dbias is not None else q.new_empty((0,), dtype=torch.float32))
@@ -85,7 +90,7 @@ def _bsa_bwd_op(
 @_bsa_bwd_op.register_fake
 def _bsa_bwd_fake(
     dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths,
-    q_tile, kv_block, scale,
+    q_tile, kv_block, scale, bwd="two_pass",
 ):  # fmt: skip
     dbias = (
         torch.empty_like(block_bias)
@@ -96,10 +101,10 @@ def _bsa_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale = inputs
+    q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale, bwd = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths)
-    ctx.q_tile, ctx.kv_block, ctx.scale = q_tile, kv_block, scale
+    ctx.q_tile, ctx.kv_block, ctx.scale, ctx.bwd = q_tile, kv_block, scale, bwd
     # an unused lse (the common case) then arrives as None and costs nothing in the backward
     ctx.set_materialize_grads(False)
 
@@ -110,7 +115,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = _bsa_bwd_op(
         dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_bias, kv_lengths,
-        ctx.q_tile, ctx.kv_block, ctx.scale,
+        ctx.q_tile, ctx.kv_block, ctx.scale, ctx.bwd,
     )  # fmt: skip
     return (
         dq,
@@ -119,6 +124,7 @@ def _backward(ctx, dout, dlse):
         None,
         None,
         (dbias if block_bias is not None else None),
+        None,
         None,
         None,
         None,
@@ -293,6 +299,7 @@ def block_sparse_attention(
     kv_lengths: torch.Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    bwd: str = "two_pass",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each ``q_tile``-row query tile over its selected ``kv_block``-key segments.
 
@@ -311,11 +318,16 @@ def block_sparse_attention(
         scale: logit scale, default 1 / sqrt(D).
         backend: "triton", "torch" (reference) or "auto" (Triton on CUDA or under
             TRITON_INTERPRET=1, else torch).
+        bwd: backward of the Triton path: "two_pass" (query-major dQ pass + key-major dK/dV
+            pass; deterministic) or "fused" (one query-major pass with float32 atomic dK/dV;
+            built for kv_block 16, sums in run-dependent order). The torch backend ignores it.
 
     Returns:
         out [B, H, S, D] in q's dtype and lse float32 [B, H, S] (natural log, -inf for empty rows).
     """
     backend = resolve_backend(backend, q)
+    if bwd not in BWD_PATHS:
+        raise ValueError(f"bwd must be one of {BWD_PATHS}, got {bwd!r}")
     _check_shapes(q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, backend)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -326,5 +338,5 @@ def block_sparse_attention(
             q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale
         )
     return _bsa_fwd_op(
-        q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale
+        q, k, v, kv_indices, kv_counts, block_bias, kv_lengths, q_tile, kv_block, scale, bwd
     )

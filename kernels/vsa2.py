@@ -333,6 +333,7 @@ def vsa2_attention(
     dense_threshold: float,
     backend: str = "auto",
     num_valid_segments: int | None = None,
+    bwd: str = "two_pass",
 ) -> tuple[torch.Tensor, VSA2Stats]:
     """VSA2 attention of tile-ordered q, k, v (RoPE applied).
 
@@ -358,6 +359,8 @@ def vsa2_attention(
         num_valid_segments: segments with length > 0, as a python int. None counts them from
             ``seg_lengths``: free on the CPU, one host sync on the device. Pass it with
             device-resident lengths to keep the sparse path free of host syncs.
+        bwd: the fine stage's backward on the Triton path, ``"two_pass"`` (deterministic) or
+            ``"fused"`` (faster at kv_block 16, atomic sums): ``block_sparse_attention``'s.
 
     Returns:
         ``(out, VSA2Stats)``: ``out`` ``[B, H, S, D]`` in q's dtype. Rows of padded query tokens
@@ -412,6 +415,7 @@ def vsa2_attention(
             kv_block=kv_block,
             kv_lengths=seg_lengths,
             backend=backend,
+            bwd=bwd,
         )
         stats = VSA2Stats(routing.density, routing.kv_counts)
 

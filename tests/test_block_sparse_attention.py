@@ -18,7 +18,8 @@ import torch
 
 import vsa2_rl.kernels
 import vsa2_rl.kernels.ops
-from vsa2_rl.kernels.block_sparse import build_kv_major_index
+from vsa2_rl.kernels.block_sparse import BWD_PATHS, build_kv_major_index
+from vsa2_rl.kernels.block_sparse_fused import key_range_bounds
 from vsa2_rl.kernels.ops import block_sparse_attention
 
 
@@ -84,8 +85,9 @@ def loss_of(out, lse, g_out, g_lse):
 
 
 def run_case(
-    B, H, S, D, q_tile, kv_block, KMAX, dtype, backend, *, bias=True, lens=True, device="cpu"
-):
+    B, H, S, D, q_tile, kv_block, KMAX, dtype, backend, *, bias=True, lens=True, device="cpu",
+    bwd="two_pass",
+):  # fmt: skip
     NQ, NSEG = S // q_tile, S // kv_block
     qkv = [torch.randn(B, H, S, D, device=device).to(dtype) for _ in range(3)]
     ids, counts = make_selection(B, H, NQ, NSEG, KMAX, device)
@@ -112,6 +114,7 @@ def run_case(
         kv_block=kv_block,
         kv_lengths=seg_len,
         backend=backend,
+        bwd=bwd,
     )
     assert out.dtype == dtype and lse.dtype == torch.float32
     grads = torch.autograd.grad(
@@ -200,14 +203,79 @@ def test_dkv_pass_gathering_two_query_tiles_matches_float64_reference(kv_block, 
     check(got, ref, counts, 1e-5, 64)
 
 
+# -- the fused backward (bwd="fused"): one query-major pass, dK/dV by float32 atomic adds -------
+
+
 @pytest.mark.nan_empty
-def test_all_rows_empty_gives_zeros():
+@pytest.mark.parametrize("B,H,S,D,q_tile,kv_block,KMAX,dtype,bias,lens", CPU_CASES)
+def test_fused_backward_matches_float64_reference(
+    B, H, S, D, q_tile, kv_block, KMAX, dtype, bias, lens
+):
+    got, ref, counts = run_case(
+        B, H, S, D, q_tile, kv_block, KMAX, dtype, "triton", bias=bias, lens=lens, bwd="fused"
+    )
+    check(got, ref, counts, 1e-5 if dtype == torch.float32 else 4e-3, q_tile)
+
+
+@pytest.mark.nan_empty
+@pytest.mark.parametrize(
+    "kv_block,ranges,dtype",
+    [
+        (16, 3, torch.float32),
+        (32, 2, torch.float32),
+        (64, 4, torch.float32),
+        (16, 5, torch.float16),
+    ],
+)
+def test_fused_backward_over_key_ranges_matches_float64_reference(
+    kv_block, ranges, dtype, monkeypatch
+):
+    # on the GPU the launcher splits the keys into ranges that fit L2: rows sorted by segment id,
+    # dQ added atomically over the ranges, d(bias) scattered back to the given slot order; the
+    # selection is unsorted, with variable counts, an empty row and a full one
+    monkeypatch.setenv("VSA2_RL_BWD_KEY_RANGES", str(ranges))
+    KMAX = 6 if kv_block < 64 else 4
+    got, ref, counts = run_case(2, 2, 384, 64, 64, kv_block, KMAX, dtype, "triton", bwd="fused")
+    check(got, ref, counts, 1e-5 if dtype == torch.float32 else 4e-3, 64)
+
+
+@pytest.mark.nan_empty
+def test_fused_backward_pointer_gather_path_without_tma(monkeypatch):
+    # kv_block 64 loads each segment by TMA where it can; pointer gathers elsewhere
+    import vsa2_rl.kernels.block_sparse as block_sparse
+
+    monkeypatch.setattr(block_sparse, "_tma_descriptors", lambda rows, *tensors: (tensors, False))
+    got, ref, counts = run_case(1, 2, 320, 64, 64, 64, 5, torch.float32, "triton", bwd="fused")
+    check(got, ref, counts, 1e-5, 64)
+
+
+def test_key_range_bounds_split_each_sorted_row_by_segment_id():
+    B, H, NQ, NSEG, KMAX, R = 2, 2, 5, 13, 6, 3
+    ids, counts = make_selection(B, H, NQ, NSEG, KMAX)
+    got_ids, order, bounds = key_range_bounds(ids, counts, NSEG, R)
+    assert bounds.shape == (R + 1, B * H * NQ) and bounds.dtype == torch.int32
+    edges = [r * NSEG // R for r in range(R + 1)]
+    for i, (row, n) in enumerate(zip(ids.reshape(-1, KMAX), counts.reshape(-1), strict=True)):
+        used = sorted(row[:n].tolist())
+        assert got_ids.reshape(-1, KMAX)[i, :n].tolist() == used
+        # order maps each sorted slot to the given slot holding the same id
+        assert row[order.reshape(-1, KMAX)[i, :n]].tolist() == used
+        assert bounds[:, i].tolist() == [sum(x < e for x in used) for e in edges]
+    # one range: the selection as given, slots [0, count)
+    same_ids, no_order, one = key_range_bounds(ids, counts, NSEG, 1)
+    assert same_ids is ids and no_order is None
+    assert torch.equal(one, torch.stack([torch.zeros_like(counts), counts]).reshape(2, -1))
+
+
+@pytest.mark.nan_empty
+@pytest.mark.parametrize("bwd", BWD_PATHS)
+def test_all_rows_empty_gives_zeros(bwd):
     B, H, S, D = 1, 1, 128, 16
     q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
     ids = torch.zeros(B, H, 2, 3, dtype=torch.int32)
     counts = torch.zeros(B, H, 2, dtype=torch.int32)
     bias = torch.randn(B, H, 2, 3, requires_grad=True)
-    out, lse = block_sparse_attention(q, k, v, ids, counts, bias, backend="triton")
+    out, lse = block_sparse_attention(q, k, v, ids, counts, bias, backend="triton", bwd=bwd)
     assert (out == 0).all() and torch.isneginf(lse).all()
     grads = torch.autograd.grad(out.sum(), (q, k, v, bias))
     assert all((g == 0).all() for g in grads)
@@ -336,6 +404,7 @@ def _valid_args():
             r"kv_lengths must have shape",
         ),
         (None, dict(backend="cuda"), r"backend must be .* got 'cuda'"),
+        (None, dict(bwd="atomic"), r"bwd must be one of .* got 'atomic'"),
         ("seq", dict(), r"S=120 must be a multiple of q_tile=64"),
     ],
 )
@@ -363,11 +432,12 @@ def test_bad_inputs_raise_value_error_naming_argument(change, kwargs, match):
 
 
 def chunked_reference(
-    q, k, v, ids, counts, bias, lens, q_tile, kv_block, g_out, g_lse, chunk_tiles=16
-):
-    """float32 dense reference, query tiles in chunks; returns out, lse, dq, dk, dv, dbias."""
-    leaves = [x.float().requires_grad_() for x in (q, k, v)]
-    b_leaf = bias.float().requires_grad_() if bias is not None else None
+    q, k, v, ids, counts, bias, lens, q_tile, kv_block, g_out, g_lse, chunk_tiles=16,
+    dtype=torch.float32,
+):  # fmt: skip
+    """Dense reference in ``dtype``, query tiles in chunks; returns out, lse, dq, dk, dv, dbias."""
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    b_leaf = bias.to(dtype).requires_grad_() if bias is not None else None
     scale = 1.0 / math.sqrt(q.shape[-1])
     NQ = ids.shape[2]
     outs, lses = [], []
@@ -375,8 +445,8 @@ def chunked_reference(
         t1 = min(NQ, t0 + chunk_tiles)
         o, l = dense_reference(*leaves, ids, counts, b_leaf, lens, q_tile, kv_block, scale, t0, t1)
         rows = slice(t0 * q_tile, t1 * q_tile)
-        loss = (o * g_out[:, :, rows]).sum() + torch.where(
-            torch.isfinite(l), l * g_lse[:, :, rows], 0.0
+        loss = (o * g_out[:, :, rows].to(dtype)).sum() + torch.where(
+            torch.isfinite(l), l * g_lse[:, :, rows].to(dtype), 0.0
         ).sum()
         loss.backward()
         outs.append(o.detach())
@@ -385,12 +455,10 @@ def chunked_reference(
     return torch.cat(outs, 2), torch.cat(lses, 2), grads
 
 
-@pytest.mark.gpu
-@pytest.mark.nan_empty
-@pytest.mark.parametrize(
-    "kv_block,S,density", [(16, 4096, 0.1), (32, 8192, 0.05), (64, 8192, 0.125)]
-)
-def test_gpu_bf16_real_size(kv_block, S, density):
+def _gpu_bf16_case(kv_block, S, density, bwd, ref_dtype):
+    """The op in bf16 at a real size (B=1, H=4, D=128) with a per-pair bias, partial segments
+    and empty rows, against the chunked dense reference in ``ref_dtype``. Returns (got, ref,
+    counts, grads_again): ``grads_again()`` reruns the op's backward on the same inputs."""
     B, H, D, q_tile = 1, 4, 128, 64
     dev = "cuda"
     NQ, NSEG = S // q_tile, S // kv_block
@@ -402,33 +470,58 @@ def test_gpu_bf16_real_size(kv_block, S, density):
     lens[-4:] = torch.tensor([0, 1, kv_block // 2, kv_block], device=dev, dtype=torch.int32)
     g_out = torch.randn(B, H, S, D, device=dev)
     g_lse = torch.randn(B, H, S, device=dev)
-
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     b_leaf = bias.clone().requires_grad_()
-    out, lse = block_sparse_attention(
-        *leaves, ids, counts, b_leaf, kv_block=kv_block, kv_lengths=lens
-    )
-    loss = (out.float() * g_out).sum() + torch.where(torch.isfinite(lse), lse * g_lse, 0.0).sum()
-    grads = torch.autograd.grad(loss, [*leaves, b_leaf])
-    ref_out, ref_lse, ref_grads = chunked_reference(
-        q, k, v, ids, counts, bias, lens, q_tile, kv_block, g_out, g_lse
-    )
-    check((out, lse, grads), (ref_out, ref_lse, ref_grads), counts.cpu(), 2e-2, q_tile)
 
-    # run-to-run determinism of the backward (the kv-major pass has no atomics)
-    def grads_again():
-        o, l = block_sparse_attention(
-            *leaves, ids, counts, b_leaf, kv_block=kv_block, kv_lengths=lens
+    def run():
+        out, lse = block_sparse_attention(
+            *leaves, ids, counts, b_leaf, kv_block=kv_block, kv_lengths=lens, bwd=bwd
         )
-        loss = (o.float() * g_out).sum() + torch.where(torch.isfinite(l), l * g_lse, 0.0).sum()
-        return torch.autograd.grad(loss, [*leaves, b_leaf])
+        lse_term = torch.where(torch.isfinite(lse), lse * g_lse, 0.0).sum()
+        loss = (out.float() * g_out).sum() + lse_term
+        return out, lse, torch.autograd.grad(loss, [*leaves, b_leaf])
 
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads_again(), strict=True))
+    ref = chunked_reference(
+        q, k, v, ids, counts, bias, lens, q_tile, kv_block, g_out, g_lse, dtype=ref_dtype
+    )
+    return run(), ref, counts.cpu(), lambda: run()[2]
 
 
 @pytest.mark.gpu
+@pytest.mark.nan_empty
+@pytest.mark.parametrize(
+    "kv_block,S,density", [(16, 4096, 0.1), (32, 8192, 0.05), (64, 8192, 0.125)]
+)
+def test_gpu_bf16_real_size(kv_block, S, density):
+    got, ref, counts, grads_again = _gpu_bf16_case(kv_block, S, density, "two_pass", torch.float32)
+    check(got, ref, counts, 2e-2, 64)
+    # run-to-run determinism of the backward (the kv-major pass has no atomics)
+    assert all(torch.equal(a, b) for a, b in zip(got[2], grads_again(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.nan_empty
+@pytest.mark.parametrize(
+    "kv_block,S,density,ranges",
+    [(16, 8192, 0.05, None), (16, 4096, 0.1, 3), (32, 8192, 0.05, None), (64, 8192, 0.125, 2)],
+)
+def test_gpu_fused_backward_bf16_real_size_matches_float64(
+    kv_block, S, density, ranges, monkeypatch
+):
+    # ranges: the key ranges forced (sorted rows, atomic dQ); None lets the L2 size decide
+    if ranges is not None:
+        monkeypatch.setenv("VSA2_RL_BWD_KEY_RANGES", str(ranges))
+    got, ref, counts, grads_again = _gpu_bf16_case(kv_block, S, density, "fused", torch.float64)
+    check(got, ref, counts, 2e-2, 64)
+    # atomic adds land in run-dependent order: a rerun agrees to float32 rounding, not bitwise
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[2], grads_again(), strict=True):
+        assert rel_rms(a, b) < 1e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bwd", BWD_PATHS)
 @pytest.mark.parametrize("kv_block", [16, 64])  # on Hopper: Gluon forward, kv64 also its dQ
-def test_gpu_cuda_graph_capture_has_no_host_sync(kv_block):
+def test_gpu_cuda_graph_capture_has_no_host_sync(kv_block, bwd):
     B, H, S, D = 1, 2, 2048, 128
     dev = "cuda"
     NQ, NSEG, KMAX = S // 64, S // kv_block, 12
@@ -441,7 +534,7 @@ def test_gpu_cuda_graph_capture_has_no_host_sync(kv_block):
     g = torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16)
 
     def step():
-        out, _ = block_sparse_attention(q, k, v, ids, counts, bias, kv_block=kv_block)
+        out, _ = block_sparse_attention(q, k, v, ids, counts, bias, kv_block=kv_block, bwd=bwd)
         return (out, *torch.autograd.grad(out, (q, k, v, bias), g))
 
     side = torch.cuda.Stream()
@@ -461,12 +554,14 @@ def test_gpu_cuda_graph_capture_has_no_host_sync(kv_block):
     torch.cuda.synchronize()
     eager = step()
     for a, b in zip(captured, eager, strict=True):
-        assert torch.equal(a, b)
+        # the fused backward's atomic adds make its sums' last bits run-dependent
+        assert torch.equal(a, b) if bwd == "two_pass" else rel_rms(a, b) < 1e-3
 
 
+@pytest.mark.parametrize("bwd", BWD_PATHS)
 @pytest.mark.parametrize("kv_block", [16, 64])
 def test_bias_gradient_matches_float64_per_pair_and_its_fixup_mends_the_tile_sums(
-    kv_block, monkeypatch
+    kv_block, bwd, monkeypatch
 ):
     """Per-pair d(bias) of fp16 inputs against the float64 reference, with and without the
     backward's fix-up (``_restore_softmax_identity``). Without it, rounding of O breaks each
@@ -481,7 +576,7 @@ def test_bias_gradient_matches_float64_per_pair_and_its_fixup_mends_the_tile_sum
             if not fixup:
                 patch.setattr(block_sparse, "_restore_softmax_identity", lambda d, *a: d)
             got, ref, _ = run_case(2, 2, 256, 32, 64, kv_block, 128 // kv_block, torch.float16,
-                                   "triton")  # fmt: skip
+                                   "triton", bwd=bwd)  # fmt: skip
         return got[2][3].double(), ref[2][3]
 
     (fixed, ref), (raw, ref_raw) = bias_grads(True), bias_grads(False)

@@ -177,6 +177,25 @@ def test_sparse_path_and_gradients_match_float64_reference(backend, dtype, mode)
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+def test_fused_fine_stage_backward_gives_the_two_pass_gradients():
+    # bwd="fused" reaches the fine stage: every gradient equals the default path's to fp32
+    tile_lengths, seg_lengths = _layout([64, 50, 64, 21], 64, 16)
+    q, k, v = _inputs(1, 2, 256, 32, torch.float32)
+    alpha = torch.tensor([0.7, -1.3], requires_grad=True)
+    config = _settings(backend="triton", top_p=0.6)
+    weights = torch.randn(1, 2, 256, 32)
+    grads = {}
+    for bwd in ("two_pass", "fused"):
+        out, _ = vsa2_attention(
+            q, k, v, tile_lengths=tile_lengths, seg_lengths=seg_lengths, sparsity=0.5,
+            alpha=alpha, bwd=bwd, **config,
+        )  # fmt: skip
+        grads[bwd] = torch.autograd.grad((out * weights).sum(), (q, k, v, alpha))
+    for name, a, b in zip("qkva", grads["two_pass"], grads["fused"], strict=True):
+        assert a.abs().max() > 0, name
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"d{n}: {m}")
+
+
 @pytest.mark.nan_empty
 def test_broadcast_coarse_gate_without_fine_gate_matches_float64_reference():
     """A scalar g_c (broadcast over [B, H, S, D]) and g_f = None on the fused Triton path."""
