@@ -85,11 +85,11 @@ for part in "${parts[@]}"; do
           --router-modes ${ROUTER_MODES:-topk} --out "$OUT/ab_$tree.md" > /dev/null 2>&1
         echo "-- $tree"; grep "ours\|cudnn" "$OUT/ab_$tree.md"
       done ;;
-    bwd_tests)  # issue 37: GPU tests of the fused backward (bf16 against float64, CUDA graphs)
+    bwd_tests)  # GPU tests of the fused backward (bf16 against float64, CUDA graphs)
       timeout 240 python3 -P -m pytest -q -m gpu --tb=short -k "fused or cuda_graph" \
         tests/test_block_sparse_attention.py tests/test_vsa2_attention.py > "$OUT/bwd_tests.log" 2>&1
       tail -15 "$OUT/bwd_tests.log" ;;
-    bwd_ab)  # issue 37: fine stage and full op (topp), fwd+bwd, two-pass vs fused backward, 720p
+    bwd_ab)  # fine stage and full op (topp), fwd+bwd, two-pass vs fused backward, 720p
       # s=0.95, kv_block 16 then 64 (BWD_PATHS: --bwd entries, e.g. two_pass,fused,fused:1);
       # per-kernel device times (--profile) in the log
       timeout 290 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks ${BWD_KV:-16,64} \
