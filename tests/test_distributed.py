@@ -336,3 +336,33 @@ def test_two_experts_train_under_every_engine_as_on_one_process(two_expert_runs,
     weights = load_file(root / engine / "checkpoints" / "step_2" / "model.safetensors")
     assert any(k.startswith("high_noise.") for k in weights)
     assert any(k.startswith("low_noise.") for k in weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_two_experts_train_under_deepspeed_as_on_one_process(tmp_path, monkeypatch, stage):
+    """DeepSpeed (one GPU, one process, float32) wraps both experts of a tiny Wan2.2 A14B: the
+    rewards, losses and gradient norms equal a plain run's, and both experts' weights in its
+    checkpoint equal the plain run's (the low-noise expert trains at sigma 2/3, the high-noise
+    one at sigma 1, so each backward leaves one expert without gradients)."""
+    pytest.importorskip("deepspeed")
+    from wan_folders import save_wan_folder
+
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")  # the installed package, not the checkout's folder
+    wan = [
+        "model.kind=wan", f"model.path={save_wan_folder(tmp_path / 'a14b', 'wan22_a14b_t2v')}",
+        "model.num_frames=5", "model.height=32", "model.width=32", "device=cuda",
+        "model.dtype=float32",
+        *EVERY_STEP_TRAINS,
+    ]  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              f"configs/accelerate/{stage}.yaml", "--mixed_precision", "no",
+              "--num_processes", "1"]  # fmt: skip
+    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", *wan)
+    engine = _run([*launch, "train_rl.py"], tmp_path / stage, *wan)
+    _assert_same_metrics(engine, one, rel=1e-4)
+    _assert_same_weights(tmp_path / stage, tmp_path / "one", rel=1e-3)
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / stage / "checkpoints" / "step_2" / "model.safetensors")
+    assert {key.split(".")[0] for key in weights} == {"high_noise", "low_noise"}
