@@ -29,16 +29,12 @@ from pathlib import Path
 import torch
 
 from vsa2_rl.config import load_config
-from vsa2_rl.data.prompts import toy_prompts
-from vsa2_rl.data.synthetic import pretraining_batch, render_batch
-from vsa2_rl.models.toy import (
-    draw_samples,
-    flow_matching_loss,
-    load_toy_bundle,
-    pixels_to_latents,
-    score_samples,
-)
 from vsa2_rl.rewards import get_reward
+from vsa2_rl.toy.build import flow_matching_loss
+from vsa2_rl.toy.data import pretraining_batch, render_batch
+from vsa2_rl.toy.model import load_toy_bundle, pixels_to_latents
+from vsa2_rl.toy.prompts import toy_prompts
+from vsa2_rl.toy.report import draw_samples, score_samples
 
 MODES = ("captioned", "filtered", "own")
 

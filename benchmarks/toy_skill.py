@@ -3,7 +3,7 @@
 For a toy checkpoint (``scripts/build_toy_model.py``), on the held-out eval prompts:
 
 1. dense ODE samples (``--seeds`` per prompt, the eval's steps): the detector's figures
-   (``vsa2_rl.models.toy.score_samples``) and a table of the prompted direction against the
+   (``vsa2_rl.toy.report.score_samples``) and a table of the prompted direction against the
    direction the shape really moved (the largest component of its tracked displacement, or
    "still" below ``MOVING_DISTANCE``);
 2. rollouts at the settings of a run config (default: the embedded default's): its sampler (SDE
@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from vsa2_rl.config import load_config
-from vsa2_rl.data.prompts import toy_prompts
-from vsa2_rl.data.synthetic import DIRECTIONS, ShapeSpec
-from vsa2_rl.models.toy import draw_samples, load_toy_bundle, score_samples
-from vsa2_rl.rewards.shapes import MOVING_DISTANCE, blob_displacement, shape_frames
+from vsa2_rl.toy.data import DIRECTIONS, ShapeSpec
+from vsa2_rl.toy.model import load_toy_bundle
+from vsa2_rl.toy.prompts import toy_prompts
+from vsa2_rl.toy.report import draw_samples, score_samples
+from vsa2_rl.toy.rewards import MOVING_DISTANCE, blob_displacement, shape_frames
 
 MOVED = (*DIRECTIONS, "still")
 

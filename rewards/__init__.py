@@ -10,9 +10,13 @@ weights), ``subject_consistency`` and ``background_consistency`` (VBench, DINO /
 ``image_quality`` (weight-free sharpness, colourfulness, exposure, gated by a noise estimate),
 ``image_consistency`` (image-to-video: SSIM of the first frames to the condition image),
 ``prompt_motion``, ``prompt_direction`` and ``shape_fidelity`` (the toy task's known-answer
-motion rewards and shape guard), ``vlm_judge`` (a local transformers video-language model's
-yes/no log-odds or scalar head) and ``random`` (the control of RL experiments).
+motion rewards and shape guard, defined with the task in :mod:`vsa2_rl.toy.rewards`),
+``vlm_judge`` (a local transformers video-language model's yes/no log-odds or scalar head) and
+``random`` (the control of RL experiments).
 """
+
+# The toy task keeps its rewards with its other parts; importing them registers their names.
+import vsa2_rl.toy.rewards  # noqa: F401
 
 from . import (  # noqa: F401
     aesthetic,
@@ -22,7 +26,6 @@ from . import (  # noqa: F401
     image_consistency,
     image_quality,
     motion,
-    shapes,
     vlm_judge,
 )
 from .mixing import RewardMixer, RewardOutput, combine_advantages

@@ -61,8 +61,8 @@ def layer_errors(sparsity: float) -> dict:
 
 def model_errors(sparsity: float) -> dict:
     """The toy model (4 blocks, 4 heads) on a 3 x 6 x 10 latent: 3 x 3 x 5 = 45 tokens."""
-    from vsa2_rl.models.toy import load_toy_bundle
     from vsa2_rl.models.wan import enable_sequence_parallel
+    from vsa2_rl.toy.model import load_toy_bundle
 
     config = VSA2Config(kv_block=16, mode="topp", top_p=0.9, backend="torch")
     bundle = load_toy_bundle(config, "cpu", torch.float32)

@@ -9,13 +9,9 @@ import torch
 from PIL import Image
 
 from vsa2_rl.config import ConfigError, load_config
-from vsa2_rl.data.prompts import (
-    PromptRecord,
-    load_condition_image,
-    read_prompt_records,
-    toy_prompts,
-)
+from vsa2_rl.data.prompts import PromptRecord, load_condition_image, read_prompt_records
 from vsa2_rl.runtime import load_prompt_records, load_prompts, read_prompt_file
+from vsa2_rl.toy.prompts import toy_prompts
 
 KEY = "prompts.file"
 RED, BLUE = (255, 0, 0), (0, 0, 255)

@@ -197,7 +197,7 @@ def _blur(videos, kernel=5, sigma=1.0):
 
 
 def test_image_quality_prefers_clean_frames_to_noisy_and_blurred_ones():
-    from vsa2_rl.data.synthetic import random_specs, render_batch
+    from vsa2_rl.toy.data import random_specs, render_batch
 
     generator = torch.Generator().manual_seed(1)
     shapes = render_batch(random_specs(8, generator), list(range(8)), 4, 32, 32)

@@ -269,7 +269,7 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
 
 def test_videos_that_turn_nan_stop_the_run_by_name(tmp_path, monkeypatch, capsys):
     from vsa2_rl.cli import main
-    from vsa2_rl.models.toy import ToyBundle
+    from vsa2_rl.toy.model import ToyBundle
 
     real_decode = ToyBundle.decode
 

@@ -8,7 +8,8 @@ import os
 import torch
 
 from vsa2_rl.config import ConfigError, ModelConfig, RunConfig
-from vsa2_rl.data.prompts import PromptRecord, read_prompt_records, toy_prompts
+from vsa2_rl.data.prompts import PromptRecord, read_prompt_records
+from vsa2_rl.toy.prompts import toy_prompts
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,7 +88,7 @@ def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
     a video size the model cannot make (``bundle.latent_shape``) is a config error."""
     model: ModelConfig = config.model
     if model.kind == "toy":
-        from vsa2_rl.models.toy import load_toy_bundle
+        from vsa2_rl.toy.model import load_toy_bundle
 
         bundle = load_toy_bundle(config.attention, device=device, dtype=dtype, path=model.path)
     else:

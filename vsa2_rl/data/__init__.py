@@ -1,22 +1,5 @@
-"""Prompt files and condition images, and the data of the embedded default: synthetic
-moving-shape videos and their prompt sets."""
+"""Prompt files and condition images (the toy task's own data is in :mod:`vsa2_rl.toy`)."""
 
-from vsa2_rl.data.prompts import (
-    PromptRecord,
-    load_condition_image,
-    read_prompt_records,
-    toy_prompts,
-)
-from vsa2_rl.data.synthetic import ShapeSpec, all_specs, random_specs, render_batch, render_video
+from vsa2_rl.data.prompts import PromptRecord, load_condition_image, read_prompt_records
 
-__all__ = [
-    "PromptRecord",
-    "ShapeSpec",
-    "all_specs",
-    "load_condition_image",
-    "random_specs",
-    "read_prompt_records",
-    "render_batch",
-    "render_video",
-    "toy_prompts",
-]
+__all__ = ["PromptRecord", "load_condition_image", "read_prompt_records"]

@@ -1,19 +1,12 @@
-"""Prompt sets: prompt files (plain text, or JSON Lines with image-to-video condition images),
-their condition images, and the built-in prompts of the embedded default.
+"""Prompt files (plain text, or JSON Lines with image-to-video condition images) and their
+condition images.
 
 A prompt file whose name ends in ``.jsonl`` holds one JSON object per non-empty line,
 ``{"prompt": "<text>", "image": "<path>"}`` ("image" optional, relative paths resolved against
 the file's folder; every record carries one or none does); any other file holds one prompt per
 non-empty line. :func:`load_condition_image` reads a condition image at the video size: RGB,
-resized (Lanczos, no crop: what diffusers' Wan image-to-video pipeline does).
-
-The built-in prompts are the 144 captions "a <color> <shape> moving <direction> <speed>" of the
-synthetic moving-shape videos (:mod:`vsa2_rl.data.synthetic`), split into disjoint sets, so that
-evaluation measures generalisation to unseen combinations, not memorisation: ``toy_prompts("eval")``
-holds the 24 combinations whose index sum ``color + shape + direction + 3 * speed`` is a multiple of
-6 (every colour occurs 4 times, every shape 8, every direction 6 and each speed 12, in other company
-than in training), ``toy_prompts("train")`` the other 120. The eval prompts come in a fixed shuffled
-order, so that the first N (``eval.num_prompts``) mix all attribute values.
+resized (Lanczos, no crop: what diffusers' Wan image-to-video pipeline does). Without a prompt
+file a run uses the toy task's built-in prompts (:mod:`vsa2_rl.toy.prompts`).
 """
 
 from __future__ import annotations
@@ -27,35 +20,6 @@ import torch
 from PIL import Image, ImageOps
 
 from vsa2_rl.config import ConfigError
-from vsa2_rl.data.synthetic import COLORS, DIRECTIONS, SHAPES, TRAVEL, ShapeSpec, all_specs
-
-SPLITS = ("train", "eval")
-HELD_OUT_MODULUS = 6  # 1 combination in 6 is held out for evaluation
-_EVAL_ORDER_SEED = 0
-
-
-def is_held_out(spec: ShapeSpec) -> bool:
-    """Whether ``spec``'s combination belongs to the evaluation split."""
-    index = (
-        list(COLORS).index(spec.color)
-        + SHAPES.index(spec.shape)
-        + list(DIRECTIONS).index(spec.direction)
-        + 3 * list(TRAVEL).index(spec.speed)
-    )
-    return index % HELD_OUT_MODULUS == 0
-
-
-def toy_prompts(split: str = "train") -> list[str]:
-    """Prompts of the toy motion task for ``split`` ("train" or "eval"), disjoint sets."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    held_out = split == "eval"
-    specs = [spec for spec in all_specs() if is_held_out(spec) == held_out]
-    if held_out:
-        generator = torch.Generator().manual_seed(_EVAL_ORDER_SEED)
-        order = torch.randperm(len(specs), generator=generator)
-        specs = [specs[i] for i in order.tolist()]
-    return [spec.prompt for spec in specs]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ decay 0.999 the update ``(1 - decay) * (param - shadow)`` would round to zero.
 With updates every k steps the averaging horizon is about ``k / (1 - decay)`` optimizer steps.
 ``warmup=True`` uses the usual warm-up of the decay, ``min(decay, (1 + n) / (10 + n))`` at the
 n-th update (n from 0), so that a short run averages its own steps rather than its start (the toy
-model build, :func:`vsa2_rl.models.toy.build_toy_model`, ends each stage on such an EMA).
+model build, :func:`vsa2_rl.toy.build.build_toy_model`, ends each stage on such an EMA).
 Parameters sharded by DeepSpeed ZeRO-3 must be gathered by the caller before :meth:`EMA.update`.
 """
 

@@ -5,8 +5,8 @@ known in closed form."""
 import pytest
 import torch
 
-from vsa2_rl.data.prompts import toy_prompts
-from vsa2_rl.data.synthetic import (
+from vsa2_rl.rewards import RewardError, get_reward
+from vsa2_rl.toy.data import (
     COLORS,
     DIRECTIONS,
     MOTIONS,
@@ -18,8 +18,8 @@ from vsa2_rl.data.synthetic import (
     render_batch,
     render_video,
 )
-from vsa2_rl.rewards import RewardError, get_reward
-from vsa2_rl.rewards.shapes import (
+from vsa2_rl.toy.prompts import toy_prompts
+from vsa2_rl.toy.rewards import (
     blob_displacement,
     detect_blobs,
     follows_direction,

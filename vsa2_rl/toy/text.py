@@ -1,9 +1,9 @@
 """Tiny built-in text encoder of the toy model: word-level tokenizer + small transformer.
 
 Stands in for Wan's UMT5 in the embedded default, so nothing is downloaded. The tokenizer maps
-lower-cased words of the synthetic prompt vocabulary (:mod:`vsa2_rl.data.synthetic`) to ids, any
+lower-cased words of the synthetic prompt vocabulary (:mod:`vsa2_rl.toy.data`) to ids, any
 other word to ``<unk>``; the encoder is a token + position embedding and one pre-norm transformer
-layer, trained jointly with the toy DiT by ``scripts/build_toy_model.py``. Like the Wan pipeline,
+layer, trained jointly with the toy DiT by :mod:`vsa2_rl.toy.build`. Like the Wan pipeline,
 the output is zero past each prompt's last token, padded to a fixed length.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vsa2_rl.data.synthetic import COLORS, DIRECTIONS, SHAPES, TRAVEL
+from vsa2_rl.toy.data import COLORS, DIRECTIONS, SHAPES, TRAVEL
 
 PAD, UNK = "<pad>", "<unk>"
 

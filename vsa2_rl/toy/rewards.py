@@ -1,7 +1,7 @@
 """Rewards of the toy motion task with a known answer: the prompted motion, and shape fidelity.
 
 Both read prompts of the synthetic task ("a red square moving left fast",
-:mod:`vsa2_rl.data.synthetic`) and find the shape in each frame with one detector:
+:mod:`vsa2_rl.toy.data`) and find the shape in each frame with one detector:
 
 - **Detector** (:func:`detect_blobs`): foreground = pixels whose brightest channel exceeds
   ``threshold`` (the background is black); the largest 4-connected component of the foreground
@@ -11,7 +11,7 @@ Both read prompts of the synthetic task ("a red square moving left fast",
 - ``prompt_motion``: the prompted shape's displacement over the clip, a least-squares line
   through the blob's centroids in the frames where the blob *is* the shape (prompted colour,
   area within ``area_tolerance`` of the shape's), against the displacement the prompt asks for
-  (direction and speed, ``synthetic.TRAVEL``). Frames where the shape is not found do not count,
+  (direction and speed, ``data.TRAVEL``). Frames where the shape is not found do not count,
   so a policy cannot buy motion by fraying the shape into fragments whose largest piece jumps
   about (an RL run on the untracked blob did just that); with fewer than 2 such frames there is
   no shape to track and the score is 0, as for a static one. :func:`motion_score` maps the
@@ -41,9 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vsa2_rl.data.synthetic import COLORS, ShapeSpec, render_video
-
-from .registry import RewardError, RewardFn, register_reward
+from vsa2_rl.rewards.registry import RewardError, RewardFn, register_reward
+from vsa2_rl.toy.data import COLORS, ShapeSpec, render_video
 
 MAX_SIDE = 64
 FOREGROUND_THRESHOLD = 0.5

@@ -1,0 +1,489 @@
+"""Build the toy task's base model: progressive flow-matching pretraining and sparse rebasing.
+
+:func:`build_toy_model` trains the toy model (:mod:`vsa2_rl.toy.model`) with rectified-flow
+matching (Liu et al. 2022; the velocity is noise - data and the timestep sigma * 1000, as in
+Wan2.1) from DiT's adaLN-Zero initialisation (:func:`adaln_zero_init`) on synthetic
+moving-shape videos (:mod:`vsa2_rl.toy.data`), half of which move opposite to their caption
+(``ToyBuildConfig.mirrored_captions``), in stages (:class:`ToyBuildConfig`): dense attention at
+16x16 px; sparse rebasing to VSA2 (:mod:`vsa2_rl.models.rebase`) with the sparsity annealed from
+0 to the target, then drawn from the RL range; finally every sparsity from dense to the
+rollouts'. Each stage ends on the EMA of its weights and is saved, so a build cut short can be
+resumed. After each stage the validation flow-matching loss and the detector's figures of ODE
+samples of the held-out prompts (:func:`vsa2_rl.toy.report.sample_report`: shape fidelity,
+motion score, share of videos with the prompted motion and direction, share of prompts whose
+samples both follow and miss the direction, spread within a prompt's group) are logged and kept
+in the checkpoint's json. The shipped ``assets/toy/`` was built on one H200 GPU
+(``--device cuda``, about 6 minutes); on 2 CPU cores it takes hours.
+
+:func:`main` is the command line (``scripts/build_toy_model.py`` runs it)::
+
+    python scripts/build_toy_model.py [--out assets/toy] [--seed 0] [--device cuda]
+    python scripts/build_toy_model.py --steps-scale 0.01 --out /tmp/toy   # a quick smoke run
+    python scripts/build_toy_model.py --resume-from DIR ...   # continue a build cut short
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from vsa2_rl.attention import SparsityState
+from vsa2_rl.config import VSA2Config
+from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
+from vsa2_rl.rl.ema import EMA
+from vsa2_rl.toy.data import COLORS, pretraining_batch, render_batch
+from vsa2_rl.toy.model import (
+    ASSET_DIR,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ToyBundle,
+    make_toy_text_encoder,
+    make_toy_transformer,
+    pixels_to_latents,
+    save_toy_checkpoint,
+    split_state,
+    toy_transformer_config,
+    toy_velocity,
+)
+from vsa2_rl.toy.prompts import toy_prompts
+from vsa2_rl.toy.report import sample_report
+from vsa2_rl.toy.text import ToyTextEncoder, WordTokenizer
+
+
+@torch.no_grad()
+def adaln_zero_init(transformer: nn.Module) -> nn.Module:
+    """DiT's adaLN-Zero start (Peebles & Xie, 2023): every block and the output are zero.
+
+    Zeroes the timestep projection that produces all shift/scale/gate modulations, the blocks'
+    and the output's modulation tables and the output projection, so the untrained network is
+    the identity on its residual stream and predicts 0; training from scratch is faster and
+    steadier than from diffusers' random modulation tables.
+    """
+    for param in (
+        transformer.condition_embedder.time_proj.weight,
+        transformer.condition_embedder.time_proj.bias,
+        transformer.scale_shift_table,
+        transformer.proj_out.weight,
+        transformer.proj_out.bias,
+    ):
+        param.zero_()
+    for block in transformer.blocks:
+        block.scale_shift_table.zero_()
+    return transformer
+
+
+@dataclass
+class ToyStage:
+    """One stage of the progressive training."""
+
+    size: int  # height = width in pixels
+    num_frames: int
+    steps: int
+    batch_size: int
+    vsa2: bool  # False = dense attention; True = VSA2 (rebased at the first such stage)
+    # VSA2 sparsity per step, drawn uniformly from this range (after the rebasing ramp).
+    sparsity_range: tuple[float, float] = (0.0, 0.0)
+    lr_scale: float = 1.0  # peak learning rate = ToyBuildConfig.lr * lr_scale
+
+
+@dataclass
+class ToyBuildConfig:
+    """Recipe of the shipped toy checkpoint (see the module docstring)."""
+
+    seed: int = 0
+    stages: list[ToyStage] = field(
+        default_factory=lambda: [
+            ToyStage(16, 8, steps=5000, batch_size=64, vsa2=False),
+            # Sparse rebasing: the ramp to the target sparsity, then the RL rollout range;
+            # a gentler learning rate so the fresh optimizer does not undo stage 0.
+            ToyStage(16, 8, 600, 64, vsa2=True, sparsity_range=(0.5, 0.9), lr_scale=0.3),
+            # Every sparsity that RL and evaluation use, from dense (0) to the rollouts' 0.9.
+            ToyStage(16, 8, 400, 64, vsa2=True, sparsity_range=(0.0, 0.9), lr_scale=0.1),
+        ]
+    )
+    lr: float = 1e-3
+    # Noise levels of training samples: "uniform" in (0, 1), or "logit_normal" (SD3: more of the
+    # middle noise levels, where a sample's layout is decided).
+    sigma_sampling: str = "logit_normal"
+    adaln_zero: bool = True  # start from DiT's adaLN-Zero init (see adaln_zero_init)
+    # the input's frame-position channel (see vsa2_rl.toy.model); False = RoPE's relative time only
+    frame_positions: bool = True
+    warmup_lr_steps: int = 100
+    ema_decay: float = 0.999  # each stage ends on the EMA of its weights (DiT's sampling weights)
+    # Share of pretraining videos moving opposite to their caption (data.pretraining_batch):
+    # the base model knows a motion word's axis but picks its sign by chance, which RL is to fix.
+    mirrored_captions: float = 0.5
+    # Colours whose videos always move as captioned: the base learns to follow direction words
+    # for these and not for the others (a skill RL can carry over to every colour).
+    faithful_colors: tuple[str, ...] = ()
+    target_sparsity: float = 0.9
+    rebase_steps: int = 300  # density 1 -> 1 - target_sparsity at the first VSA2 stage's start
+    vsa2: VSA2Config = field(default_factory=lambda: VSA2Config(backend="torch"))
+    val_videos: int = 64
+    eval_sparsities: tuple[float, ...] = (0.0, 0.5, 0.75, 0.9)
+    # Detector figures (sample_report) after each stage: eval prompts x seeds, dense ODE steps.
+    report_seeds: int = 4
+    report_steps: int = 10
+
+
+def flow_matching_loss(
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    text_emb: torch.Tensor,
+    sigma: torch.Tensor,
+    noise: torch.Tensor,
+    frame_positions: bool,
+) -> torch.Tensor:
+    """MSE between predicted and true velocity (noise - data) at noise levels ``sigma`` [B]."""
+    s = sigma.view(-1, 1, 1, 1, 1)
+    noisy = (1.0 - s) * latents + s * noise
+    pred = toy_velocity(transformer, noisy, sigma, text_emb, frame_positions)
+    return (pred - (noise - latents)).pow(2).mean()
+
+
+def _training_videos(
+    config: ToyBuildConfig, stage: ToyStage, count: int, generator: torch.Generator, device
+) -> tuple[list[str], torch.Tensor]:
+    """Captions and latents [B, C, T, H, W] of pretraining videos (with caption noise)."""
+    specs, seeds, moves = pretraining_batch(
+        count, generator, config.mirrored_captions, config.faithful_colors
+    )
+    videos = render_batch(specs, seeds, stage.num_frames, stage.size, stage.size, moves, device)
+    return [s.prompt for s in specs], pixels_to_latents(videos)
+
+
+def _validation_set(config: ToyBuildConfig, stage: ToyStage, device):
+    generator = torch.Generator().manual_seed(config.seed + 10_000)
+    prompts, latents = _training_videos(config, stage, config.val_videos, generator, "cpu")
+    latents = latents.to(device)
+    noise = torch.randn(latents.shape, generator=generator).to(device)
+    # Evenly spread noise levels so the loss covers the whole trajectory.
+    sigma = ((torch.arange(config.val_videos) + 0.5) / config.val_videos).to(device)
+    return prompts, latents, noise, sigma
+
+
+@torch.no_grad()
+def validation_losses(
+    transformer: nn.Module,
+    text_encoder: ToyTextEncoder,
+    tokenizer: WordTokenizer,
+    state: SparsityState | None,
+    config: ToyBuildConfig,
+    stage: ToyStage,
+) -> dict[str, float]:
+    """Flow-matching loss on a fixed validation batch, dense and (if enabled) per sparsity."""
+    device = next(transformer.parameters()).device
+    prompts, latents, noise, sigma = _validation_set(config, stage, device)
+    ids, mask = tokenizer(prompts)
+    text_emb = text_encoder(ids.to(device), mask.to(device))
+    inputs = (latents, text_emb, sigma, noise, config.frame_positions)
+    if state is None:
+        return {"dense": flow_matching_loss(transformer, *inputs).item()}
+    losses = {}
+    for sparsity in config.eval_sparsities:
+        with state.at(sparsity):
+            losses[f"vsa2@{sparsity}"] = flow_matching_loss(transformer, *inputs).item()
+        losses[f"density@{sparsity}"] = state.pop_density()
+    return losses
+
+
+def _stage_report(
+    transformer: nn.Module,
+    text_encoder: ToyTextEncoder,
+    tokenizer: WordTokenizer,
+    state: SparsityState | None,
+    config: ToyBuildConfig,
+    stage: ToyStage,
+) -> dict[str, dict[str, float]]:
+    """:func:`sample_report` on the held-out eval prompts, dense and at each eval sparsity."""
+    bundle = ToyBundle(
+        transformer,
+        state or SparsityState(),
+        text_encoder,
+        tokenizer,
+        frame_positions=config.frame_positions,
+    )
+    settings = [None] if state is None else list(config.eval_sparsities)
+    report = {}
+    for sparsity in settings:
+        if state is not None:
+            state.sparsity = sparsity
+        label = "dense" if sparsity is None else f"vsa2@{sparsity}"
+        report[label] = sample_report(
+            bundle,
+            toy_prompts("eval"),
+            seeds_per_prompt=config.report_seeds,
+            num_steps=config.report_steps,
+            num_frames=stage.num_frames,
+            size=stage.size,
+        )
+        if state is not None:
+            state.pop_density()
+    return report
+
+
+def _draw_sigma(config: ToyBuildConfig, count: int, generator: torch.Generator) -> torch.Tensor:
+    if config.sigma_sampling == "uniform":
+        return torch.rand(count, generator=generator)
+    return torch.sigmoid(torch.randn(count, generator=generator))
+
+
+def _train_stage(
+    index: int,
+    stage: ToyStage,
+    modules: tuple[nn.Module, ToyTextEncoder, WordTokenizer],
+    state: SparsityState | None,
+    schedule: RebaseSchedule | None,
+    config: ToyBuildConfig,
+    generator: torch.Generator,
+    log: Callable[[str], None],
+) -> None:
+    """One stage of flow matching (AdamW, warm-up + cosine); ends on the stage's EMA weights."""
+    transformer, text_encoder, tokenizer = modules
+    device = next(transformer.parameters()).device
+    params = list(transformer.parameters()) + list(text_encoder.parameters())
+    optimizer = torch.optim.AdamW(params, lr=config.lr * stage.lr_scale, weight_decay=0.0)
+    warmup = config.warmup_lr_steps
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, stage.steps - warmup)))
+
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    ema = EMA(params, config.ema_decay, warmup=True)
+    start = time.time()
+    for step in range(stage.steps):
+        if state is not None:
+            if schedule is not None and step < schedule.steps:
+                schedule.apply(state, step)
+            else:
+                low, high = stage.sparsity_range
+                state.sparsity = low + (high - low) * torch.rand((), generator=generator).item()
+        prompts, latents = _training_videos(config, stage, stage.batch_size, generator, device)
+        noise = torch.randn(latents.shape, generator=generator).to(device)
+        sigma = _draw_sigma(config, stage.batch_size, generator).to(device)
+        ids, mask = tokenizer(prompts)
+        text_emb = text_encoder(ids.to(device), mask.to(device))
+        # bf16 autocast on CUDA (float32 weights and optimizer); plain float32 on the CPU
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            loss = flow_matching_loss(
+                transformer, latents, text_emb, sigma, noise, config.frame_positions
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        lr_schedule.step()
+        ema.update()
+        if state is not None:
+            state.pop_density()
+        if step % 250 == 0 or step == stage.steps - 1:
+            sparsity = f" sparsity {state.sparsity:.2f}" if state is not None else ""
+            log(
+                f"stage {index} step {step:5d} loss {loss.item():.4f}{sparsity} "
+                f"({time.time() - start:.0f}s)"
+            )
+    ema.copy_to_params()
+
+
+def _resume_build(
+    path: Path, config: ToyBuildConfig, transformer: nn.Module, text_encoder: ToyTextEncoder
+) -> tuple[dict, SparsityState | None]:
+    """Weights and info of a partial build in ``path`` whose finished stages are ``config``'s
+    first stages; returns (info, sparsity state or None when no VSA2 stage ran yet)."""
+    saved = json.loads((path / CONFIG_FILE).read_text())["training"]
+    done = [entry["stage"] for entry in saved["stages"]]
+    expected = json.loads(json.dumps([asdict(stage) for stage in config.stages[: len(done)]]))
+    if not done or done != expected:
+        raise ValueError(
+            f"resume_from={str(path)!r}: its finished stages {done} are not the first stages "
+            f"of this recipe {expected}; build from scratch or use the recipe it was built with"
+        )
+    state = None
+    if any(stage["vsa2"] for stage in done):
+        state = SparsityState()
+        rebase_to_vsa2(transformer, config.vsa2, state)
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    transformer.load_state_dict(split_state(tensors, "transformer."))
+    text_encoder.load_state_dict(split_state(tensors, "text_encoder."))
+    info = {"recipe": asdict(config), "stages": saved["stages"]}
+    info["resumed_after_seconds"] = saved.get("build_seconds", saved.get("resumed_after_seconds"))
+    return info, state
+
+
+def build_toy_model(
+    out_dir: str | Path,
+    config: ToyBuildConfig | None = None,
+    log: Callable[[str], None] | None = None,
+    device: torch.device | str = "cpu",
+    resume_from: str | Path | None = None,
+) -> dict:
+    """Train the toy model per ``config`` on ``device`` and save it to ``out_dir`` (after every
+    stage); returns the training info (per stage: validation losses and the detector's report).
+
+    Stage i draws its data and initialises what it adds from seed ``config.seed + 1000 * i``, so
+    ``resume_from`` (a folder this function wrote, with the first stages of ``config`` done)
+    continues as the uninterrupted build would. ``log`` receives progress lines (default: print,
+    flushed). Weights train in float32 (bf16 autocast and TF32 products on CUDA).
+    """
+    log = log or functools.partial(print, flush=True)
+    config = config or ToyBuildConfig()
+    device = torch.device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(config.seed)
+    transformer = make_toy_transformer(toy_transformer_config(config.frame_positions))
+    if config.adaln_zero:
+        adaln_zero_init(transformer)
+    tokenizer, text_encoder = make_toy_text_encoder()
+    state: SparsityState | None = None
+    info: dict = {"recipe": asdict(config), "stages": []}
+    if resume_from is not None:
+        info, state = _resume_build(Path(resume_from), config, transformer, text_encoder)
+        log(f"resumed from {resume_from} after stage {len(info['stages']) - 1}")
+    transformer.to(device)
+    text_encoder.to(device)
+    start = time.time()
+    for index, stage in enumerate(config.stages):
+        if index < len(info["stages"]):
+            continue
+        torch.manual_seed(config.seed + 1000 * index)
+        generator = torch.Generator().manual_seed(config.seed + 1000 * index)
+        schedule = None
+        if stage.vsa2 and state is None:
+            state = SparsityState()
+            rebase_to_vsa2(transformer, config.vsa2, state)
+            transformer.to(device)
+            schedule = RebaseSchedule(config.target_sparsity, config.rebase_steps)
+            log(f"stage {index}: rebased to VSA2, sparsity 0 -> {config.target_sparsity}")
+        modules = (transformer, text_encoder, tokenizer)
+        _train_stage(index, stage, modules, state, schedule, config, generator, log)
+        transformer.eval()
+        losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
+        report = _stage_report(transformer, text_encoder, tokenizer, state, config, stage)
+        transformer.train()
+        log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses}")
+        log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)}")
+        info["stages"].append({"stage": asdict(stage), "validation": losses, "samples": report})
+        info["build_seconds"] = round(time.time() - start, 1)
+        save_toy_checkpoint(out_dir, transformer, text_encoder, info)  # kept if a later stage dies
+    # The dense reference at the final resolution: the same weights without the VSA2 layers.
+    final = config.stages[-1]
+    dense = make_toy_transformer(toy_transformer_config(config.frame_positions)).to(device).eval()
+    dense.load_state_dict({k: v for k, v in transformer.state_dict().items() if ".vsa2." not in k})
+    info["final_dense_without_vsa2"] = validation_losses(
+        dense, text_encoder, tokenizer, None, config, final
+    )["dense"]
+    info["final_dense_samples"] = _stage_report(dense, text_encoder, tokenizer, None, config, final)
+    info["build_seconds"] = round(time.time() - start, 1)
+    info["build_device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    log(f"dense attention (VSA2 layers removed): {info['final_dense_without_vsa2']:.4f}")
+    log(f"dense samples: {json.dumps(info['final_dense_samples'])}")
+    save_toy_checkpoint(out_dir, transformer, text_encoder, info)
+    log(f"saved to {out_dir} after {info['build_seconds']}s")
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def _table(info: dict) -> str:
+    """Markdown: per stage, the validation loss and the detector's figures per attention."""
+    rows = ["| stage | attention | val. loss | shape fidelity | motion score | motion match "
+            "| direction match | direction mixed | group sd |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    stages = [(str(i), s["validation"], s["samples"]) for i, s in enumerate(info["stages"])]
+    final = {"dense": info["final_dense_without_vsa2"]}
+    stages.append(("final, VSA2 layers removed", final, info["final_dense_samples"]))
+    for name, losses, samples in stages:
+        for attention, figures in samples.items():
+            loss = losses.get(attention, losses.get("dense", float("nan")))
+            rows.append(
+                f"| {name} | {attention} | {loss:.4f} | {figures['shape_fidelity']:.3f} | "
+                f"{figures['prompt_motion']:.3f} | {figures['motion_match']:.3f} | "
+                f"{figures['direction_match']:.3f} | {figures['direction_mixed']:.3f} | "
+                f"{figures['group_std']:.3f} |"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The build's command line (module docstring): train, then print the per-stage table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ASSET_DIR, help="output folder")
+    parser.add_argument("--seed", type=int, default=0, help="training seed")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="a partial build's folder (its first stages done): continue with the next stage",
+    )
+    parser.add_argument(
+        "--steps-scale",
+        type=float,
+        default=1.0,
+        help="multiply every stage's steps (and the rebasing ramp) by this; 1 = the recipe",
+    )
+    parser.add_argument(
+        "--mirrored-captions",
+        type=float,
+        default=None,
+        help="share of pretraining videos moving opposite to their caption (default: recipe's)",
+    )
+    parser.add_argument(
+        "--faithful-colors",
+        default=None,
+        help="comma-separated colours whose videos always move as captioned (default: none)",
+    )
+    parser.add_argument(
+        "--size", type=int, default=None, help="frame height = width of every stage (px)"
+    )
+    parser.add_argument(
+        "--no-frame-positions",
+        action="store_true",
+        help="ablation: no frame-position input channel (time only from the relative RoPE)",
+    )
+    args = parser.parse_args(argv)
+    if args.steps_scale <= 0:
+        parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
+    torch.set_num_threads(args.threads)
+    config = ToyBuildConfig(seed=args.seed, frame_positions=not args.no_frame_positions)
+    if args.mirrored_captions is not None:
+        config.mirrored_captions = args.mirrored_captions
+    if args.faithful_colors:
+        config.faithful_colors = tuple(args.faithful_colors.split(","))
+        unknown = sorted(set(config.faithful_colors) - set(COLORS))
+        if unknown:
+            parser.error(f"--faithful-colors: unknown {unknown}; known: {','.join(COLORS)}")
+    if args.size is not None:
+        config.stages = [dataclasses.replace(s, size=args.size) for s in config.stages]
+    if args.steps_scale != 1.0:
+
+        def scaled(steps: int) -> int:
+            return max(1, round(steps * args.steps_scale))
+
+        config.stages = [dataclasses.replace(s, steps=scaled(s.steps)) for s in config.stages]
+        config.rebase_steps = scaled(config.rebase_steps)
+        config.warmup_lr_steps = scaled(config.warmup_lr_steps)
+    info = build_toy_model(args.out, config, device=args.device, resume_from=args.resume_from)
+    print(_table(info))
+    print(json.dumps({"build_seconds": info["build_seconds"], "device": info["build_device"]}))
+
+
+if __name__ == "__main__":
+    main()
