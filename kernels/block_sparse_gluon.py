@@ -42,6 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .block_sparse import _selected_row
+
 BLOCK = 64  # query rows per tile = keys per segment
 
 
@@ -270,10 +272,8 @@ def _bsa_fwd_gluon_kernel(
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
 
-    n_sel = gl.load(KV_CNT + i_row)
+    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     n_grp = (n_sel + G - 1) // G
-    p_idx = KV_IDX + i_row * KMAX
-    p_bias = BIAS + i_row * KMAX
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
     _fill_ring(k_desc, k_ring, k_bars, p_idx, i_b, i_h, n_sel, K_STAGES, KV_BLOCK)
@@ -458,10 +458,8 @@ def _bsa_bwd_dq_gluon_kernel(
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
 
-    n_sel = gl.load(KV_CNT + i_row)
+    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     n_grp = (n_sel + G - 1) // G
-    p_idx = KV_IDX + i_row * KMAX
-    p_bias = BIAS + i_row * KMAX
     p_dbias = DBIAS + i_row * KMAX
     p_mass = MASS + i_row * KMAX
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
