@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from vsa2_rl.cli import main
-from vsa2_rl.config import ConfigError, RunConfig, help_lines, load_config
+from vsa2_rl.config import ConfigError, RunConfig, help_lines, load_config, load_eval_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,7 +147,7 @@ def test_folders_that_are_not_what_a_key_needs(tmp_path):
     with pytest.raises(ConfigError, match=r"train.resume: .*empty is not a checkpoint \(no COMP"):
         load_config(None, [f"train.resume={empty}"])
     with pytest.raises(ConfigError, match=r"checkpoint: .*empty is not a checkpoint folder"):
-        load_config(None, [f"checkpoint={empty}"])
+        load_eval_config(None, [f"checkpoint={empty}"])
 
 
 def test_help_shows_the_values_a_plain_run_uses():

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from vsa2_rl.config import ConfigError, load_config
+from vsa2_rl.config import ConfigError, load_config, load_eval_config
 from vsa2_rl.eval import evaluate, sweep_model
 from vsa2_rl.rewards import RewardError, get_reward
 from vsa2_rl.runtime import build_bundle
@@ -107,9 +107,11 @@ def test_run_dir_without_checkpoints_is_rejected(tmp_path):
     run_dir = tmp_path / "run"
     os.makedirs(run_dir / "checkpoints" / ".tmp-step_3-x")
     (run_dir / "config.yaml").write_text("seed: 0\n")
-    config = load_config(None, [*SMALL, f"run_dir={run_dir}", f"out_dir={tmp_path / 'out'}"])
+    config, targets = load_eval_config(
+        None, [*SMALL, f"run_dir={run_dir}", f"out_dir={tmp_path / 'out'}"]
+    )
     with pytest.raises(ConfigError, match="run_dir: no complete checkpoint"):
-        evaluate(config)
+        evaluate(config, targets)
     assert not (tmp_path / "out").exists()
 
 
@@ -156,16 +158,16 @@ def test_runs_with_the_same_folder_name_get_their_own_rows_and_samples(tmp_path)
     train(load_config(None, [*TINY, "train.num_steps=1", f"out_dir={first}"]))
     shutil.copytree(first, second)
     out = tmp_path / "eval"
-    config = load_config(
+    config, targets = load_eval_config(
         None, [*SMALL, f"run_dirs=[{first},{second}]", f"out_dir={out}", "eval.sparsities=[0.9]"]
     )
-    assert [row["run"] for row in evaluate(config)] == ["A/run", "B/run"]
+    assert [row["run"] for row in evaluate(config, targets)] == ["A/run", "B/run"]
     assert [row["run"] for row in json.loads((out / "eval.json").read_text())] == ["A/run", "B/run"]
     assert (out / "samples" / "A" / "run" / "sparsity_0.9.png").exists()
     assert (out / "samples" / "B" / "run" / "sparsity_0.9.png").exists()
 
 
 def test_a_run_given_twice_is_refused(tmp_path):
-    config = load_config(None, [*SMALL, f"run_dirs=[{tmp_path},{tmp_path}/]"])
+    config, targets = load_eval_config(None, [*SMALL, f"run_dirs=[{tmp_path},{tmp_path}/]"])
     with pytest.raises(ConfigError, match=r"^run_dirs: .* is given twice"):
-        evaluate(config)
+        evaluate(config, targets)

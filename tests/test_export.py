@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from test_trainer import TINY as TRAINER_TINY
 
 from vsa2_rl.cli import main
-from vsa2_rl.config import ConfigError, load_config
+from vsa2_rl.config import ConfigError, load_config, load_eval_config
 from vsa2_rl.export import ADAPTER_WEIGHTS, VSA2_WEIGHTS, export
 from vsa2_rl.rl.checkpoint import find_latest
 from vsa2_rl.rl.trainer import train
@@ -45,7 +45,9 @@ def _trained(tmp_path, *extra):
     expected = _velocity(load_model(run, "cpu", torch.float32, checkpoint=checkpoint), run)
     base = _velocity(build_bundle(run, torch.device("cpu"), torch.float32), run)
     assert (expected - base).abs().max() > 1e-4  # the run changed the model
-    folder = export(load_config(None, [f"run_dir={tmp_path / 'run'}", f"out_dir={tmp_path / 'x'}"]))
+    folder = export(
+        *load_eval_config(None, [f"run_dir={tmp_path / 'run'}", f"out_dir={tmp_path / 'x'}"])
+    )
     return run, folder, expected
 
 
@@ -100,7 +102,9 @@ def test_export_refuses_a_folder_that_is_not_empty_and_writes_nothing(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"^out_dir: .* is not empty"):
-        export(load_config(None, [f"run_dir={tmp_path / 'run'}", f"out_dir={tmp_path / 'x'}"]))
+        export(
+            *load_eval_config(None, [f"run_dir={tmp_path / 'run'}", f"out_dir={tmp_path / 'x'}"])
+        )
     assert os.listdir(tmp_path / "x") == ["notes.txt"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".export-")]
 
@@ -163,7 +167,7 @@ def test_a_checkpoint_moved_out_of_its_run_exports_with_its_own_settings(tmp_pat
     train(run)
     moved = tmp_path / "elsewhere" / "step_1"
     shutil.copytree(find_latest(tmp_path / "run" / "checkpoints"), moved)
-    folder = export(load_config(None, [f"checkpoint={moved}", f"out_dir={tmp_path / 'x'}"]))
+    folder = export(*load_eval_config(None, [f"checkpoint={moved}", f"out_dir={tmp_path / 'x'}"]))
     with open(os.path.join(folder, "vsa2_attention.json"), encoding="utf-8") as handle:
         settings = json.load(handle)
     assert settings["attention"]["kv_block"] == 64 and settings["attention"]["mode"] == "topk"
@@ -195,7 +199,9 @@ def test_an_export_gets_the_permissions_the_umask_gives(
 ):
     before = os.umask(umask)
     try:
-        folder = export(load_config(None, [f"run_dir={trained_run}", f"out_dir={tmp_path / 'x'}"]))
+        folder = export(
+            *load_eval_config(None, [f"run_dir={trained_run}", f"out_dir={tmp_path / 'x'}"])
+        )
     finally:
         os.umask(before)
     modes = _modes(folder)

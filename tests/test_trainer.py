@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vsa2_rl.config import ConfigError, load_config
+from vsa2_rl.config import ConfigError, load_config, load_eval_config
 from vsa2_rl.rl import engines
 from vsa2_rl.rl import policy as policy_module
 from vsa2_rl.rl import rollout as rollout_module
@@ -160,7 +160,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     weights = tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated, its COMPLETE marker still there
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoints \(step_2: model"):
-        (target,) = resolve_targets(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
+        (target,) = resolve_targets(*load_eval_config(None, [f"run_dir={tmp_path / 'run'}"]))
     assert target.checkpoint.endswith("step_1")
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoints \(step_2: model"):
         train(_config(tmp_path, "train.num_steps=3", "train.checkpoint_every=1"))

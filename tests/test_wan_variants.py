@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from vsa2_rl.config import ConfigError, VSA2Config, load_config
+from vsa2_rl.config import ConfigError, VSA2Config, load_config, load_eval_config
 from vsa2_rl.models.conditioning import encode_condition, final_latents
 from vsa2_rl.models.experts import WanExperts, frozen_copy
 from vsa2_rl.models.wan_bundle import load_wan_bundle
@@ -229,7 +229,9 @@ def test_lora_on_one_expert_trains_saves_resumes_and_exports_that_expert(tmp_pat
     for key, value in _checkpoint(resumed.out_dir)["model"].items():
         torch.testing.assert_close(value, state["model"][key], rtol=0, atol=0)
 
-    folder = export(load_config(None, [f"run_dir={whole.out_dir}", f"out_dir={tmp_path / 'x'}"]))
+    folder = export(
+        *load_eval_config(None, [f"run_dir={whole.out_dir}", f"out_dir={tmp_path / 'x'}"])
+    )
     assert sorted(os.listdir(folder)) == ["transformer_2", "vsa2_attention.json"]
     with open(os.path.join(folder, "vsa2_attention.json")) as handle:
         assert json.load(handle)["experts"] == ["low_noise"]

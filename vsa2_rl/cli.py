@@ -1,8 +1,10 @@
 """The ``vsa2-rl`` console script: ``vsa2-rl train``, ``eval``, ``export`` and ``serve-reward``.
 
-Both take ``--config FILE`` (default ``configs/default.yaml``) and OmegaConf dotlist overrides
-(``train.num_steps=2 out_dir=runs/x``). A configuration problem (missing file, unknown key,
-wrong type, missing local model path) prints one ``error:`` line and exits with status 2 before
+All but ``serve-reward`` take ``--config FILE`` (default ``configs/default.yaml``) and OmegaConf
+dotlist overrides (``train.num_steps=2 out_dir=runs/x``); ``eval`` and ``export`` also take the
+models they work on, given like keys (``run_dir=DIR``, ``"run_dirs=[A,B]"``, ``checkpoint=DIR``:
+:class:`vsa2_rl.config.EvalTargets`). A configuration problem (missing file, unknown key, wrong
+type, missing local model path) prints one ``error:`` line and exits with status 2 before
 anything is written; a failing reward prints one ``error:`` line naming it and exits with 1.
 """
 
@@ -11,7 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vsa2_rl.config import DEFAULT_CONFIG, ConfigError, help_lines, load_config
+from vsa2_rl.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    EvalTargets,
+    help_lines,
+    load_config,
+    load_eval_config,
+)
 from vsa2_rl.rewards import RewardError
 
 _EPILOG = """Overrides are KEY=VALUE pairs (OmegaConf dotlist), e.g.
@@ -19,6 +28,7 @@ _EPILOG = """Overrides are KEY=VALUE pairs (OmegaConf dotlist), e.g.
 
 Keys (default, meaning):
 """
+_TARGETS = "\nThe models to take, given like keys (vsa2_rl.config.EvalTargets, not run settings):"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,10 +47,11 @@ def _parser() -> argparse.ArgumentParser:
         "config's out_dir is a training run's folder, never an export's).",
     }
     for name, description in descriptions.items():
+        targets = [_TARGETS, *help_lines(EvalTargets, path=None)] if name != "train" else []
         command = commands.add_parser(
             name,
             description=description,
-            epilog=_EPILOG + "\n".join(help_lines()),
+            epilog=_EPILOG + "\n".join(help_lines() + targets),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command.add_argument(
@@ -203,19 +214,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{bad[0]}: overrides must be KEY=VALUE (e.g. train.num_steps=2)")
         if args.command == "export":
             _refuse_export_without_out_dir(args.overrides)
-        config = load_config(args.config, args.overrides)
         if args.command == "train":
             from vsa2_rl.rl.trainer import train
 
-            train(config)
+            train(load_config(args.config, args.overrides))  # paths checked: nothing written yet
         elif args.command == "eval":
             from vsa2_rl.eval import evaluate
 
-            evaluate(config)
+            evaluate(*load_eval_config(args.config, args.overrides))
         else:
             from vsa2_rl.export import export
 
-            print(f"exported to {export(config)}")
+            print(f"exported to {export(*load_eval_config(args.config, args.overrides))}")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from vsa2_rl.config import ConfigError, RunConfig
+from vsa2_rl.config import ConfigError, EvalTargets, RunConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 VSA2_WEIGHTS = "vsa2.safetensors"
@@ -110,15 +110,16 @@ def _check_out_dir(out_dir: str) -> None:
         raise ConfigError(f"out_dir: {out_dir} is not empty; export into a new folder")
 
 
-def export(config: RunConfig) -> str:
-    """Writes the export of ``config``'s run (see the module docstring); returns the folder."""
+def export(config: RunConfig, targets: EvalTargets) -> str:
+    """Writes the export of the one run ``targets`` names (see the module docstring) into
+    ``config.out_dir``; returns the folder."""
     from vsa2_rl.eval.sweep import resolve_targets
     from vsa2_rl.runtime import load_model
 
-    if not (config.run_dir or config.checkpoint) or config.run_dirs:
+    if targets.run_dirs or bool(targets.run_dir) + bool(targets.checkpoint) != 1:
         raise ConfigError("run_dir: export takes one run (run_dir=DIR or checkpoint=DIR)")
     _check_out_dir(config.out_dir)
-    (target,) = resolve_targets(config)
+    (target,) = resolve_targets(config, targets)
     trained = target.config
     bundle = load_model(trained, torch.device("cpu"), torch.float32, checkpoint=target.checkpoint)
     parent = os.path.dirname(os.path.abspath(config.out_dir))

@@ -29,7 +29,15 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from vsa2_rl.config import ConfigError, RunConfig, config_from_tree, load_config
+from vsa2_rl.config import (
+    ConfigError,
+    EvalTargets,
+    RunConfig,
+    check_model_paths,
+    check_target_paths,
+    config_from_tree,
+    load_recorded_config,
+)
 from vsa2_rl.eval.media import condition_images_of, save_video_grid
 from vsa2_rl.models.conditioning import encode_condition, final_latents
 from vsa2_rl.runtime import (
@@ -73,7 +81,7 @@ def _checkpoint_config(checkpoint: str, command_line: RunConfig) -> RunConfig:
     run_dir = os.path.dirname(os.path.dirname(os.path.normpath(checkpoint)))
     saved = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(saved):
-        return load_config(saved)
+        return load_recorded_config(saved, "checkpoint")
     print(
         f"warning: checkpoint {checkpoint} records no config and is not in its run folder: "
         "using this command's model, attention and sparsity settings",
@@ -105,12 +113,16 @@ def _refuse_repeated_runs(run_dirs: list[str]) -> None:
         seen.add(os.path.abspath(run_dir))
 
 
-def resolve_targets(config: RunConfig) -> list[EvalTarget]:
-    """The models to evaluate, each labelled (table rows, sample folders) by the shortest end of
-    its path that tells it apart from the others (:func:`run_labels`)."""
+def resolve_targets(config: RunConfig, targets: EvalTargets | None = None) -> list[EvalTarget]:
+    """The models ``targets`` names (none: the plain model of ``config.model``), each with the
+    config it was trained with and labelled (table rows, sample folders) by the shortest end of
+    its path that tells it apart from the others (:func:`run_labels`). The folders are checked
+    before any model loads: each target's, and those loading its model reads."""
     from vsa2_rl.rl.checkpoint import find_latest
 
-    run_dirs = list(config.run_dirs) + ([config.run_dir] if config.run_dir else [])
+    targets = targets or EvalTargets()
+    check_target_paths(targets)
+    run_dirs = targets.run_folders
     _refuse_repeated_runs(run_dirs)
     found = []  # (path, the config it was trained with, checkpoint)
     for run_dir in run_dirs:
@@ -126,14 +138,18 @@ def resolve_targets(config: RunConfig) -> list[EvalTarget]:
                 f"run_dir: no complete checkpoint under {os.path.join(run_dir, 'checkpoints')} "
                 "(train longer or point checkpoint= at a checkpoint folder)"
             )
-        found.append((run_dir, load_config(saved), str(latest)))
-    if config.checkpoint:
-        if not os.path.isdir(config.checkpoint):
-            raise ConfigError(f"checkpoint: folder not found: {config.checkpoint}")
-        trained = _checkpoint_config(config.checkpoint, config)
-        found.append((config.checkpoint, trained, config.checkpoint))
+        found.append((run_dir, load_recorded_config(saved, "run_dir"), str(latest)))
+    if targets.checkpoint:
+        trained = _checkpoint_config(targets.checkpoint, config)
+        found.append((targets.checkpoint, trained, targets.checkpoint))
     if not found:  # the plain model of config.model (model.path= or the shipped toy)
+        check_model_paths(config)
         return [EvalTarget(os.path.basename(config.model.path or "toy"), config, None)]
+    for path, trained, _ in found:
+        try:
+            check_model_paths(trained)
+        except ConfigError as error:  # the folders it was trained with moved since
+            raise ConfigError(f"{error} (recorded by {path})") from None
     labels = run_labels([path for path, _, _ in found])
     return [
         EvalTarget(label, trained, checkpoint)
@@ -313,16 +329,17 @@ def plot_sweep(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def evaluate(config: RunConfig) -> list[dict]:
-    """Runs the sweep of ``config.eval`` over every target; writes and returns the table rows."""
+def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict]:
+    """Runs the sweep of ``config.eval`` over the models ``targets`` names (none: the plain model
+    of ``config.model``); writes and returns the table rows."""
     check_output_dir(config.out_dir)  # before the sweep, whose results would be lost
-    targets = resolve_targets(config)
+    models = resolve_targets(config, targets)
     rewards = _reward_fns(config)
     records = config.eval.select_prompts(load_prompt_records(config, "eval"))
     prompts, images = [r.text for r in records], [r.image for r in records]
     device = resolve_device(config.device)
     rows, previews = [], {}
-    for target in targets:
+    for target in models:
         trained = target.config
         dtype = resolve_dtype(trained.model.dtype, device)
         check_condition_images(image_scheme(trained), images, prompt_file_key(config, "eval"))

@@ -32,7 +32,14 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from vsa2_rl.config import ConfigError, RunConfig, check_resume, config_tree, to_yaml
+from vsa2_rl.config import (
+    ConfigError,
+    RunConfig,
+    check_paths,
+    check_resume,
+    config_tree,
+    to_yaml,
+)
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.models.conditioning import encode_condition
 from vsa2_rl.models.experts import trains_level
@@ -321,6 +328,7 @@ class RLTrainer:
     def train(self) -> dict:
         """Runs the RL fine-tuning; returns a summary (start and end rewards, out_dir)."""
         config = self.config
+        check_paths(config)  # a config built in code skips the loader's checks of the disk
         with RunFolder(config.out_dir) as folder:  # one run per out_dir; a failed start leaves none
             self.build(folder)
             start_step = self.resume()

@@ -1,0 +1,101 @@
+"""File-system checks of a config: the folders and files its keys name are there and are what
+the key needs.
+
+The config dataclasses check values alone, so that a config constructs the same on any machine
+(a recorded one included, whose model folder may live elsewhere now). These functions look at
+the disk; the loaders call them (``load_config``, ``load_eval_config``) and so do the commands'
+entry points where a config may come from code, each before anything loads or is written. Every
+failure is a :class:`ConfigError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from vsa2_rl.config.checks import _check
+
+if TYPE_CHECKING:
+    from vsa2_rl.config.run import RunConfig
+    from vsa2_rl.config.targets import EvalTargets
+
+# The file a complete checkpoint folder holds (vsa2_rl.rl.checkpoint writes it last).
+COMPLETE_MARKER = "COMPLETE"
+
+
+def _is_checkpoint(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, COMPLETE_MARKER))
+
+
+def _is_adapter_folder(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "adapter_config.json")) and os.path.isfile(
+        os.path.join(folder, "adapter_model.safetensors")
+    )
+
+
+def check_model_paths(config: RunConfig) -> None:
+    """What loading ``config``'s model reads: ``model.path`` and ``model.lora.init_from``."""
+    model = config.model
+    if model.path:
+        hint = (
+            "put a local diffusers Wan2.1 folder there, e.g. Wan2.1-T2V-1.3B-Diffusers"
+            if model.kind == "wan"
+            else "leave empty for the shipped toy model"
+        )
+        _check(
+            os.path.isdir(model.path), "model.path", f"directory not found: {model.path} ({hint})"
+        )
+        _check(
+            bool(os.listdir(model.path)),
+            "model.path",
+            f"{model.path} is an empty folder; point it at the model's files",
+        )
+    init_from = model.lora.init_from
+    if init_from:
+        # one adapter folder, or a two-expert export with one per expert (Wan2.2 A14B)
+        folders = [init_from] + [
+            os.path.join(init_from, expert) for expert in ("transformer", "transformer_2")
+        ]
+        _check(
+            any(_is_adapter_folder(folder) for folder in folders),
+            "model.lora.init_from",
+            f"{init_from} is not a peft adapter folder (adapter_config.json + "
+            "adapter_model.safetensors, as vsa2-rl export writes)",
+        )
+
+
+def check_paths(config: RunConfig) -> None:
+    """Every file and folder ``config`` names: the model's (:func:`check_model_paths`), the
+    prompt files and the checkpoint ``train.resume`` names."""
+    check_model_paths(config)
+    for key in ("file", "eval_file"):
+        path = getattr(config.prompts, key)
+        if path:
+            _check(os.path.isfile(path), f"prompts.{key}", f"file not found: {path}")
+    resume = config.train.resume
+    if resume not in ("auto", "none"):
+        _check(
+            os.path.isdir(resume),
+            "train.resume",
+            f"checkpoint folder not found: {resume} (use auto, none or a folder)",
+        )
+        _check(
+            _is_checkpoint(resume),
+            "train.resume",
+            f"{resume} is not a checkpoint (no COMPLETE marker); give a checkpoints/step_N "
+            "folder of a run, or auto",
+        )
+
+
+def check_target_paths(targets: EvalTargets) -> None:
+    """The checkpoint folder ``targets`` names is one (the run folders are read, and checked,
+    by ``vsa2_rl.eval.sweep.resolve_targets``, which finds their newest checkpoints)."""
+    checkpoint = targets.checkpoint
+    if checkpoint:
+        _check(os.path.isdir(checkpoint), "checkpoint", f"folder not found: {checkpoint}")
+        _check(
+            _is_checkpoint(checkpoint),
+            "checkpoint",
+            f"{checkpoint} is not a checkpoint folder (no COMPLETE marker); give a run's "
+            "checkpoints/step_N folder, or run_dir= for its newest",
+        )

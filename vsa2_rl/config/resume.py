@@ -1,0 +1,60 @@
+"""Which settings a resumed run may change (``train.resume``), and the check that refuses the
+others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vsa2_rl.config.checks import ConfigError
+from vsa2_rl.config.loading import _flatten, config_tree
+from vsa2_rl.config.run import RunConfig
+from vsa2_rl.config.targets import TARGET_KEYS
+
+# What a resumed run may change: how long it runs and what it logs, evaluates and keeps. Every
+# other key changes the model, the optimizer, the rollouts or the schedule the checkpoint was
+# trained with.
+RESUMABLE_KEYS = (
+    "out_dir",
+    "device",
+    "train.num_steps",
+    "train.resume",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.sample_every",
+    "rewards.num_workers",
+    "rewards.on_error",
+    "rewards.timeout_s",
+    "rewards.device",
+    "rewards.async_scoring",
+    "prompts.eval_file",
+)
+RESUMABLE_SECTIONS = ("eval.", "logging.")
+
+
+def check_resume(saved: dict[str, Any], config: RunConfig, source: str) -> None:
+    """Refuses to resume ``source`` (a checkpoint, trained with the config tree ``saved``) under
+    a config that changes anything outside ``RESUMABLE_KEYS`` / ``RESUMABLE_SECTIONS``. A key
+    the checkpoint does not record (added to the schema after it was written) counts as
+    unchanged while it holds its schema default, the behaviour the run had before the key
+    existed. The EvalTargets keys that checkpoints recorded before they left RunConfig hold are
+    no settings of the run and are ignored."""
+    was = {key: value for key, value in _flatten(saved).items() if key not in TARGET_KEYS}
+    now = _flatten(config_tree(config))
+    absent = "<absent>"
+    defaults = _flatten(config_tree(RunConfig()))
+    changed = [
+        key
+        for key in sorted(set(was) | set(now))
+        if key not in RESUMABLE_KEYS
+        and not key.startswith(RESUMABLE_SECTIONS)
+        and was.get(key, absent) != now.get(key, absent)
+        and not (key not in was and now.get(key) == defaults.get(key, absent))
+    ]
+    if changed:
+        key = changed[0]
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])})" if changed[1:] else ""
+        raise ConfigError(
+            f"{key}: changed since the checkpoint (was {was.get(key, absent)!r}, now "
+            f"{now.get(key, absent)!r}){more}; resume {source} with its settings, or start a "
+            "new run in a new out_dir"
+        )
