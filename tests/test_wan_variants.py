@@ -4,10 +4,12 @@ checkpoints, resumes and exports only the experts ``model.train_experts`` names.
 
 import json
 import os
+import re
 import sys
 
 import pytest
 import torch
+from torch import nn
 
 from vsa2_rl.config import ConfigError, VSA2Config, load_config, load_eval_config
 from vsa2_rl.models.conditioning import encode_condition, final_latents
@@ -386,3 +388,56 @@ def test_the_wan22_recipes_run_one_step_on_a_tiny_model_of_their_kind(
     with open(os.path.join(config.out_dir, "metrics.jsonl")) as handle:
         (row,) = [json.loads(line) for line in handle]
     assert row["step"] == 1 and row["sparsity/rollout"] == config.sparsity.train == 0.9
+
+
+def _grpo_update(model, fraction: float, sigmas):
+    from types import SimpleNamespace
+
+    from vsa2_rl.rl.update import FlowGRPOUpdate
+
+    policy = SimpleNamespace(model=model, reference=None)
+    grpo = SimpleNamespace(timestep_fraction=fraction, kl_mode="loss")
+    return FlowGRPOUpdate(policy, SimpleNamespace(sigmas=sigmas), grpo, seed=0)
+
+
+def test_every_grpo_update_trains_each_expert_the_config_names():
+    """timestep_fraction is drawn per expert: with one step in four trained, an update of two
+    experts trains one step of each (5 high-noise steps, sigma >= 0.5, and 3 low-noise ones);
+    one transformer draws as one group, exactly as torch.randperm over all its steps."""
+    sigmas = torch.linspace(1.0, 0.0, 9)
+    high, low = {0, 1, 2, 3, 4}, {5, 6, 7}
+    both = _grpo_update(WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5), 0.25, sigmas)
+    low_only = WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5, train_experts=("low_noise",))
+    one = _grpo_update(nn.Linear(1, 1), 0.25, sigmas)
+    for seed in range(20):
+        chosen = both._trained_timesteps(list(range(8)), torch.Generator().manual_seed(seed))
+        assert len(chosen) == 2 and len(set(chosen) & high) == 1 and len(set(chosen) & low) == 1
+        chosen = _grpo_update(low_only, 0.5, sigmas)._trained_timesteps(
+            list(range(8)), torch.Generator().manual_seed(seed)
+        )
+        assert len(chosen) == 2 and set(chosen) <= low
+        expected = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[:2]
+        chosen = one._trained_timesteps(list(range(8)), torch.Generator().manual_seed(seed))
+        assert chosen == sorted(expected.tolist())
+
+
+@pytest.mark.parametrize(
+    ("zero3", "algorithm", "refused"),
+    [(True, "flow_grpo", "ZeRO-3"), (False, "nft", "grpo.algorithm=nft"), (False, "flow_grpo", "")],
+)
+def test_deepspeed_refuses_two_experts_where_it_would_step_them_apart(
+    monkeypatch, zero3, algorithm, refused
+):
+    from vsa2_rl.rl import engines
+
+    monkeypatch.setattr(engines, "uses_deepspeed", lambda acc: True)
+    monkeypatch.setattr(engines, "shards_parameters", lambda acc: zero3)
+    config = load_config(None, [f"grpo.algorithm={algorithm}"])
+    both = WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5)
+    one = WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5, train_experts=("high_noise",))
+    engines.check_trained_experts(None, one, config)  # one expert: every engine steps it alike
+    if not refused:
+        engines.check_trained_experts(None, both, config)
+        return
+    with pytest.raises(ConfigError, match=rf"^model\.train_experts: {re.escape(refused)}"):
+        engines.check_trained_experts(None, both, config)

@@ -195,7 +195,9 @@ class GRPOConfig:
         default="loss",
     )
     timestep_fraction: float = _doc(
-        "Fraction of the stochastic steps trained per rollout (random subset).", default=1.0
+        "Fraction of the stochastic steps trained per rollout (a random subset of each "
+        "trained expert's steps).",
+        default=1.0,
     )
     num_inner_epochs: int = _doc("Passes over each rollout batch.", default=1)
     train_batch_size: int = _doc(

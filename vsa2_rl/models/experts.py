@@ -124,14 +124,21 @@ def trained_prefixes(model: nn.Module) -> tuple[str, ...]:
     return ("",)
 
 
+def expert_at(model: nn.Module, sigma: float) -> str:
+    """The name of the expert that denoises at noise level ``sigma`` ("" for one transformer)."""
+    model = getattr(model, "module", model)
+    if not isinstance(model, WanExperts):
+        return ""
+    return "high_noise" if sigma * 1000.0 >= model.boundary_timestep else "low_noise"
+
+
 def trains_level(model: nn.Module, sigma: float) -> bool:
     """Whether the expert that denoises at noise level ``sigma`` trains (always, for one
     transformer): an update at another level would have nothing to change."""
-    model = getattr(model, "module", model)
-    if not isinstance(model, WanExperts):
+    unwrapped = getattr(model, "module", model)
+    if not isinstance(unwrapped, WanExperts):
         return True
-    expert = "high_noise" if sigma * 1000.0 >= model.boundary_timestep else "low_noise"
-    return expert in model.train_experts
+    return expert_at(unwrapped, sigma) in unwrapped.train_experts
 
 
 def trained_sigma_range(model: nn.Module) -> tuple[float, float] | None:

@@ -36,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vsa2_rl.config import ConfigError, RunConfig
+from vsa2_rl.models.experts import trained_modules
 from vsa2_rl.runtime import trained_state
 
 # a checkpoint folder holding an engine's own files of the optimizer and weight shards: its engine
@@ -107,6 +108,31 @@ def check_options(acc, config: RunConfig) -> None:
             "grpo.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
             f"which {engine} cannot make from sharded parameters; set grpo.kl_beta=0, enable "
             f"model.lora (the reference is then the model with adapters off) or use {whole}"
+        )
+
+
+def check_trained_experts(acc, model, config: RunConfig) -> None:
+    """DeepSpeed with both experts of a Wan2.2 A14B in training, refused where its engine
+    would step an expert differently from the update rule (a run of one expert is fine).
+
+    An expert that saw no noise level of an update still moves under DeepSpeed (it steps every
+    parameter; Adam's momentum and, as measured, the gradients of its last update), where the
+    update rule leaves it untouched: Flow-GRPO draws its timesteps per expert so that this does
+    not happen, DiffusionNFT's noise levels cannot promise it. Under ZeRO-3 an update whose experts
+    receive their gradients in different backward passes departs from the plain one (measured
+    on one GPU: the second update's gradient norm is 0.138 against 0.110; ZeRO-2 matches)."""
+    if not uses_deepspeed(acc) or len(trained_modules(model)) < 2:
+        return
+    one_expert = "set model.train_experts=[high_noise] or [low_noise]"
+    if shards_parameters(acc):
+        raise ConfigError(
+            f"model.train_experts: ZeRO-3 trains one expert per run; {one_expert}, or launch "
+            "with configs/accelerate/zero2.yaml, ddp_2gpu.yaml or fsdp2.yaml"
+        )
+    if config.grpo.algorithm == "nft":
+        raise ConfigError(
+            f"model.train_experts: grpo.algorithm=nft under DeepSpeed trains one expert per "
+            f"run; {one_expert}, or launch with configs/accelerate/ddp_2gpu.yaml or fsdp2.yaml"
         )
 
 

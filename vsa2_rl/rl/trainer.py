@@ -154,6 +154,7 @@ class _Setup:
         self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
             self.bundle = build_bundle(config, self.device, self.dtype)
+        engines.check_trained_experts(self.accelerator, self.bundle.transformer, config)
         if self.sequence_parallel is not None:
             from vsa2_rl.models.wan import enable_sequence_parallel
 

@@ -1,7 +1,8 @@
 """Flow-GRPO's policy update (``grpo.algorithm=flow_grpo``; a part of the trainer).
 
 For each inner epoch (``grpo.num_inner_epochs``) :class:`FlowGRPOUpdate` draws a random
-``grpo.timestep_fraction`` of the stochastic steps whose expert trains, recomputes each chunk's
+``grpo.timestep_fraction`` of the stochastic steps whose expert trains (of each trained expert's
+steps, so that every optimizer step trains every expert the config names), recomputes each chunk's
 transition log-prob at those steps under the current policy, and accumulates the PPO-clip loss
 (+ ``grpo.kl_beta`` times the KL to the reference) into one optimizer step in which every sample
 and step weighs the same, however ``grpo.train_batch_size`` cuts the samples and over any number
@@ -16,7 +17,7 @@ import contextlib
 import torch
 
 from vsa2_rl.config import GRPOConfig
-from vsa2_rl.models.experts import trains_level
+from vsa2_rl.models.experts import expert_at, trains_level
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import gaussian_kl, grpo_loss
 from vsa2_rl.rl.policy import Policy
@@ -99,19 +100,12 @@ class FlowGRPOUpdate:
         """``grpo.num_inner_epochs`` optimizer steps; returns ``(grad norms, skipped steps)``
         and adds the loss statistics to ``metrics``."""
         grpo, policy, acc = self.grpo, self.policy, self.policy.acc
-        sigmas = self.sampler.sigmas
-        trainable_steps = [  # the stochastic steps whose expert trains
-            j
-            for j in torch.nonzero(rollouts.stochastic).flatten().tolist()
-            if trains_level(policy.model, float(sigmas[j]))
-        ]
+        stochastic = torch.nonzero(rollouts.stochastic).flatten().tolist()
         step_gen = torch.Generator().manual_seed(sample_seed(self.seed + 2, step, 0))
-        num_train = max(1, round(grpo.timestep_fraction * len(trainable_steps)))
         sums = {name: [] for name in ("loss/policy", "loss/kl", *LOGGED_STATS.values())}
         first_ratio_dev, grad_norms, count, skipped = [], [], 0.0, 0
         for _epoch in range(grpo.num_inner_epochs):
-            order = torch.randperm(len(trainable_steps), generator=step_gen)[:num_train]
-            timesteps = sorted(trainable_steps[i] for i in order.tolist())
+            timesteps = self._trained_timesteps(stochastic, step_gen)
             kl_loss_beta = 0.0 if self.kl_in_reward else grpo.kl_beta
             work, weight = _update_plan(acc, rollouts.chunks, timesteps, kl_loss_beta)
             if not work:
@@ -145,6 +139,23 @@ class FlowGRPOUpdate:
         x, x_next = chunk.latents[j], chunk.latents[j + 1]
         sigma = torch.full((x.shape[0],), float(sigmas[j]), device=x.device)
         return x, sigma, (x, x_next, float(sigmas[j]), float(sigmas[j + 1]), samp.kind)
+
+    def _trained_timesteps(self, stochastic: list[int], generator: torch.Generator) -> list[int]:
+        """A random ``grpo.timestep_fraction`` (at least one) of the ``stochastic`` steps of
+        each trained expert, sorted. Drawn per expert, every optimizer step trains every expert
+        the config names: one that sat out an update would still move under Adam's momentum
+        with DeepSpeed (which steps every parameter) and not with torch's optimizers (which skip
+        a parameter without a gradient)."""
+        model, sigmas = self.policy.model, self.sampler.sigmas
+        by_expert: dict[str, list[int]] = {}
+        for j in stochastic:
+            if trains_level(model, float(sigmas[j])):
+                by_expert.setdefault(expert_at(model, float(sigmas[j])), []).append(j)
+        chosen = []
+        for steps in by_expert.values():
+            count = max(1, round(self.grpo.timestep_fraction * len(steps)))
+            chosen += [steps[i] for i in torch.randperm(len(steps), generator=generator)[:count]]
+        return sorted(chosen)
 
     def _pass_losses(self, chunk: Rollout, j: int) -> tuple:
         """One chunk's policy loss, KL to the reference (0 without one) and loss statistics at
