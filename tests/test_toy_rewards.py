@@ -2,6 +2,8 @@
 the held-out prompt split, checked on the synthetic generator's own videos, whose true motion is
 known in closed form."""
 
+import math
+
 import pytest
 import torch
 
@@ -95,6 +97,17 @@ def test_prompt_direction_is_one_exactly_for_videos_moving_the_prompted_way(size
     levels = torch.tensor([_level(s, m) for s, m in zip(specs, moves, strict=True)])
     assert all(int((levels == level).sum()) >= 5 for level in range(4))
     assert torch.equal(scores, (levels <= 1).float())
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_prompt_speed_is_the_ratio_of_the_generated_and_asked_travel(size):
+    """Generator videos of known displacement: the speed agreement is min/max of the travelled
+    and the asked distance (TRAVEL), whatever the direction; 0 for a static shape."""
+    videos, prompts, specs, moves = _generated(48, seed=6, size=size)
+    scores = get_reward("prompt_speed")(videos, prompts)
+    for score, spec, move in zip(scores.tolist(), specs, moves, strict=True):
+        travelled, asked = math.hypot(*move), TRAVEL[spec.speed]
+        assert score == pytest.approx(min(travelled, asked) / max(travelled, asked), abs=0.05)
 
 
 def test_follows_direction_closed_form():

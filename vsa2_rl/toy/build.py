@@ -127,14 +127,18 @@ class ToyBuildConfig:
     # Colours whose videos always move as captioned: the base learns to follow direction words
     # for these and not for the others (a skill RL can carry over to every colour).
     faithful_colors: tuple[str, ...] = ()
+    # TOY_TRANSFORMER keys to change (a larger model of the family, e.g. vsa2_rl.toy.testbed)
+    architecture: dict = field(default_factory=dict)
     target_sparsity: float = 0.9
     rebase_steps: int = 300  # density 1 -> 1 - target_sparsity at the first VSA2 stage's start
     vsa2: VSA2Config = field(default_factory=lambda: VSA2Config(backend="torch"))
     val_videos: int = 64
     eval_sparsities: tuple[float, ...] = (0.0, 0.5, 0.75, 0.9)
-    # Detector figures (sample_report) after each stage: eval prompts x seeds, dense ODE steps.
+    # Detector figures (sample_report) after each stage: eval prompts x seeds (0: none), ODE
+    # steps.
     report_seeds: int = 4
     report_steps: int = 10
+    val_every: int = 0  # validation losses every this many steps of a stage (0: at its end only)
 
 
 def flow_matching_loss(
@@ -215,7 +219,9 @@ def _stage_report(
         frame_positions=config.frame_positions,
     )
     settings = [None] if state is None else list(config.eval_sparsities)
-    report = {}
+    report: dict[str, dict[str, float]] = {}
+    if not config.report_seeds:
+        return report
     for sparsity in settings:
         if state is not None:
             state.sparsity = sparsity
@@ -248,8 +254,9 @@ def _train_stage(
     config: ToyBuildConfig,
     generator: torch.Generator,
     log: Callable[[str], None],
-) -> None:
-    """One stage of flow matching (AdamW, warm-up + cosine); ends on the stage's EMA weights."""
+) -> list[dict]:
+    """One stage of flow matching (AdamW, warm-up + cosine); ends on the stage's EMA weights.
+    Returns the validation curve (every ``config.val_every`` steps, of the live weights)."""
     transformer, text_encoder, tokenizer = modules
     device = next(transformer.parameters()).device
     params = list(transformer.parameters()) + list(text_encoder.parameters())
@@ -263,6 +270,7 @@ def _train_stage(
 
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     ema = EMA(params, config.ema_decay, warmup=True)
+    curve = []
     start = time.time()
     for step in range(stage.steps):
         if state is not None:
@@ -289,6 +297,10 @@ def _train_stage(
         ema.update()
         if state is not None:
             state.pop_density()
+        if config.val_every and (step + 1) % config.val_every == 0:
+            sparsity = state.sparsity if state is not None else 0.0
+            losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
+            curve.append({"step": step + 1, "sparsity": sparsity, **losses})
         if step % 250 == 0 or step == stage.steps - 1:
             sparsity = f" sparsity {state.sparsity:.2f}" if state is not None else ""
             log(
@@ -296,6 +308,7 @@ def _train_stage(
                 f"({time.time() - start:.0f}s)"
             )
     ema.copy_to_params()
+    return curve
 
 
 def _resume_build(
@@ -344,7 +357,8 @@ def build_toy_model(
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(config.seed)
-    transformer = make_toy_transformer(toy_transformer_config(config.frame_positions))
+    architecture = toy_transformer_config(config.frame_positions, config.architecture)
+    transformer = make_toy_transformer(architecture)
     if config.adaln_zero:
         adaln_zero_init(transformer)
     tokenizer, text_encoder = make_toy_text_encoder()
@@ -369,19 +383,20 @@ def build_toy_model(
             schedule = RebaseSchedule(config.target_sparsity, config.rebase_steps)
             log(f"stage {index}: rebased to VSA2, sparsity 0 -> {config.target_sparsity}")
         modules = (transformer, text_encoder, tokenizer)
-        _train_stage(index, stage, modules, state, schedule, config, generator, log)
+        curve = _train_stage(index, stage, modules, state, schedule, config, generator, log)
         transformer.eval()
         losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
         report = _stage_report(transformer, text_encoder, tokenizer, state, config, stage)
         transformer.train()
         log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses}")
         log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)}")
-        info["stages"].append({"stage": asdict(stage), "validation": losses, "samples": report})
+        entry = {"stage": asdict(stage), "validation": losses, "samples": report}
+        info["stages"].append({**entry, "curve": curve} if config.val_every else entry)
         info["build_seconds"] = round(time.time() - start, 1)
         save_toy_checkpoint(out_dir, transformer, text_encoder, info)  # kept if a later stage dies
     # The dense reference at the final resolution: the same weights without the VSA2 layers.
     final = config.stages[-1]
-    dense = make_toy_transformer(toy_transformer_config(config.frame_positions)).to(device).eval()
+    dense = make_toy_transformer(architecture).to(device).eval()
     dense.load_state_dict({k: v for k, v in transformer.state_dict().items() if ".vsa2." not in k})
     info["final_dense_without_vsa2"] = validation_losses(
         dense, text_encoder, tokenizer, None, config, final

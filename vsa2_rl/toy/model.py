@@ -57,9 +57,13 @@ TOY_TRANSFORMER = {
 TOY_TEXT = {"dim": 64, "max_length": 8}
 
 
-def toy_transformer_config(frame_positions: bool = True) -> dict:
-    """``TOY_TRANSFORMER``, or its variant without the frame-position input channel."""
-    config = dict(TOY_TRANSFORMER)
+def toy_transformer_config(frame_positions: bool = True, overrides: dict | None = None) -> dict:
+    """``TOY_TRANSFORMER`` with ``overrides`` of its keys (a larger model of the same family),
+    or its variant without the frame-position input channel."""
+    unknown = sorted(set(overrides or {}) - set(TOY_TRANSFORMER))
+    if unknown:
+        raise ValueError(f"architecture overrides {unknown} are not keys of TOY_TRANSFORMER")
+    config = {**TOY_TRANSFORMER, **(overrides or {})}
     config["in_channels"] = config["out_channels"] + int(frame_positions)
     return config
 

@@ -145,10 +145,16 @@ def motion_score(displacement: torch.Tensor, target: torch.Tensor) -> torch.Tens
     target_length = target.norm(dim=-1)
     cosine = (displacement * target).sum(dim=-1) / (length * target_length).clamp_min(1e-8)
     moving = (length / MOVING_DISTANCE).clamp(max=1.0)
-    speed = torch.minimum(length, target_length) / torch.maximum(length, target_length).clamp_min(
+    return 2.0 / 3.0 * moving * (1.0 + cosine) / 2.0 + speed_agreement(displacement, target) / 3.0
+
+
+def speed_agreement(displacement: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``min(|d|, |t|) / max(|d|, |t|)`` in [0, 1] of a displacement [..., 2] and the asked
+    ``target`` [..., 2]: 1 at the asked speed, whatever the direction; 0 for a static shape."""
+    length, target_length = displacement.norm(dim=-1), target.norm(dim=-1)
+    return torch.minimum(length, target_length) / torch.maximum(length, target_length).clamp_min(
         1e-8
     )
-    return 2.0 / 3.0 * moving * (1.0 + cosine) / 2.0 + speed / 3.0
 
 
 def follows_direction(displacement: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -242,6 +248,15 @@ def prompt_direction(
 ) -> RewardFn:
     """1 when the prompted shape moves the prompted way (:func:`follows_direction`), else 0."""
     return _tracked_motion_reward("prompt_direction", follows_direction, threshold, area_tolerance)
+
+
+@register_reward("prompt_speed")
+def prompt_speed(
+    *, threshold: float = FOREGROUND_THRESHOLD, area_tolerance: float = 0.5
+) -> RewardFn:
+    """How close the prompted shape's speed is to the asked one (:func:`speed_agreement`),
+    whatever its direction; [0, 1]."""
+    return _tracked_motion_reward("prompt_speed", speed_agreement, threshold, area_tolerance)
 
 
 @register_reward("shape_fidelity")

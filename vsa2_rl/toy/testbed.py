@@ -1,0 +1,108 @@
+"""The sparsity testbed: the toy task scaled up until sparse attention has something to skip.
+
+The shipped toy model (:mod:`vsa2_rl.toy.model`) sees 512 tokens, eight 64-token cubes: at
+sparsity 0.9 VSA2 keeps one of them, and a 16-key segment is a quarter of a cube. The testbed
+is the same family (diffusers' ``WanTransformer3DModel`` on pixel latents, the toy data and
+prompts) at 64 x 64 px x 16 frames with 4 x 4 px patches: 4,096 tokens, 64 cubes, 256 segments of
+16 keys; 8 blocks of width 384 (6 heads of 64), about 19 M parameters
+(:data:`TESTBED_ARCHITECTURE`).
+
+:func:`testbed_recipe` is its progressive pretraining (:mod:`vsa2_rl.toy.build`): 32 px
+(1,024 tokens), then 64 px, with the attention switch of VSA2's sparse-rebasing claim:
+
+- ``dense``: full attention throughout;
+- ``rebase``: full attention at 32 px, rebased to VSA2 at the resolution change (density
+  annealed from 1 to the target over ``REBASE_STEPS``, then held);
+- ``sparse``: VSA2 at the target sparsity from the first step.
+
+:func:`fine_tune_recipe` adds one flow-matching stage at 64 px to a built base (resumed from its
+folder): the runs of the router and hard-to-easy claims (``benchmarks/sparsity_claims.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vsa2_rl.config import VSA2Config
+from vsa2_rl.toy.build import ToyBuildConfig, ToyStage
+
+TESTBED_ARCHITECTURE = {
+    "patch_size": [1, 4, 4],
+    "num_attention_heads": 6,
+    "attention_head_dim": 64,
+    "ffn_dim": 1536,
+    "num_layers": 8,
+    "freq_dim": 256,
+}
+FRAMES = 16
+LOW_SIZE, HIGH_SIZE = 32, 64
+BATCH = 32
+# Steps of the two pretraining stages and of the rebasing ramp (times --steps-scale).
+LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 3000, 2000, 300
+ATTENTION_SWITCHES = ("dense", "rebase", "sparse")
+EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
+
+
+def _scaled(steps: int, scale: float) -> int:
+    return max(1, round(steps * scale))
+
+
+def testbed_recipe(
+    attention: str,
+    seed: int = 0,
+    sparsity: float = 0.9,
+    steps_scale: float = 1.0,
+    vsa2: VSA2Config | None = None,
+) -> ToyBuildConfig:
+    """The testbed's pretraining with the ``attention`` switch (module docstring); VSA2 runs at
+    ``sparsity`` with the router ``vsa2`` (default: kv_block 16, top-p, Triton on CUDA)."""
+    if attention not in ATTENTION_SWITCHES:
+        raise ValueError(f"attention must be one of {ATTENTION_SWITCHES}, got {attention!r}")
+    sparse_low, sparse_high = attention == "sparse", attention != "dense"
+    held = (sparsity, sparsity)
+    stages = [
+        ToyStage(LOW_SIZE, FRAMES, _scaled(LOW_STEPS, steps_scale), BATCH, vsa2=sparse_low,
+                 sparsity_range=held if sparse_low else (0.0, 0.0)),
+        ToyStage(HIGH_SIZE, FRAMES, _scaled(HIGH_STEPS, steps_scale), BATCH, vsa2=sparse_high,
+                 sparsity_range=held if sparse_high else (0.0, 0.0), lr_scale=0.5),
+    ]  # fmt: skip
+    return ToyBuildConfig(
+        seed=seed,
+        stages=stages,
+        architecture=dict(TESTBED_ARCHITECTURE),
+        target_sparsity=sparsity,
+        rebase_steps=0 if attention == "sparse" else _scaled(REBASE_STEPS, steps_scale),
+        warmup_lr_steps=_scaled(100, steps_scale),
+        vsa2=vsa2 or VSA2Config(),
+        eval_sparsities=EVAL_SPARSITIES,
+        report_seeds=2,
+        val_every=_scaled(100, steps_scale),
+    )
+
+
+def fine_tune_recipe(
+    base: ToyBuildConfig,
+    steps: int,
+    sparsity: float,
+    seed: int,
+    vsa2: VSA2Config | None = None,
+    eval_sparsities: tuple[float, ...] | None = None,
+    report_seeds: int = 0,
+) -> ToyBuildConfig:
+    """``base``'s stages and one more at 64 px: ``steps`` of flow matching at ``sparsity``
+    (0: dense attention), rebased first over ``base.rebase_steps`` where ``base`` has no VSA2
+    layers yet; data and new parameters drawn from ``seed``, the router ``vsa2`` (default
+    ``base``'s)."""
+    has_vsa2 = any(stage.vsa2 for stage in base.stages)
+    stage = ToyStage(HIGH_SIZE, FRAMES, steps, BATCH, vsa2=True,
+                     sparsity_range=(sparsity, sparsity), lr_scale=0.3)  # fmt: skip
+    return dataclasses.replace(
+        base,
+        seed=seed,
+        stages=[*base.stages, stage],
+        vsa2=vsa2 or base.vsa2,
+        target_sparsity=sparsity,
+        rebase_steps=0 if has_vsa2 else base.rebase_steps,
+        eval_sparsities=eval_sparsities or (sparsity,),
+        report_seeds=report_seeds,
+    )
