@@ -39,6 +39,7 @@ LOW_SIZE, HIGH_SIZE = 32, 64
 BATCH = 32
 # Steps of the two pretraining stages and of the rebasing ramp (times --steps-scale).
 LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 3000, 2000, 300
+VAL_EVERY, WARMUP_STEPS = 100, 100
 ATTENTION_SWITCHES = ("dense", "rebase", "sparse")
 EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
 
@@ -72,11 +73,11 @@ def testbed_recipe(
         architecture=dict(TESTBED_ARCHITECTURE),
         target_sparsity=sparsity,
         rebase_steps=0 if attention == "sparse" else _scaled(REBASE_STEPS, steps_scale),
-        warmup_lr_steps=_scaled(100, steps_scale),
+        warmup_lr_steps=_scaled(WARMUP_STEPS, steps_scale),
         vsa2=vsa2 or VSA2Config(),
         eval_sparsities=EVAL_SPARSITIES,
         report_seeds=2,
-        val_every=_scaled(100, steps_scale),
+        val_every=_scaled(VAL_EVERY, steps_scale),
     )
 
 

@@ -1,0 +1,328 @@
+"""VSA2's three quality claims on the sparsity testbed (:mod:`vsa2_rl.toy.testbed`).
+
+Parts, each reading the folders the earlier ones wrote under ``--out`` (a finished run's folder
+is reused, so a part cut short is continued by running it again):
+
+- ``base``: the testbed pretrained three ways, ``dense``, ``rebase`` (VSA2 from the resolution
+  change on) and ``sparse`` (VSA2 from the start): claim 3's validation-loss curves, and the
+  bases of claims 1 and 2;
+- ``claim1``: the dense base rebased to VSA2 at each density (``--densities``) with the
+  fine-grained router (kv_block 16, top-p) and with VSA's (kv_block 64, top-k), fine-tuned for
+  the same steps; flow-matching validation loss at that density, per seed;
+- ``claim2``: the rebase base fine-tuned at sparsity 0.9 and with dense attention for the same
+  steps, each evaluated at sparsity 0, 0.5, 0.75 and 0.9 on the held-out prompts: validation
+  loss, share of videos moving the prompted way, speed error;
+- ``report``: ``claims.md`` (tables, the verdict rules and their results) with ``claim1.png``
+  and ``claim3.png``.
+
+::
+
+    python benchmarks/sparsity_claims.py base claim1 claim2 report --device cuda --out runs/claims
+    python benchmarks/sparsity_claims.py report --out runs/claims   # tables of what has run
+
+``--steps-scale`` multiplies every step count (a quick look: 0.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from vsa2_rl.config import VSA2Config
+from vsa2_rl.toy import testbed
+from vsa2_rl.toy.build import build_toy_model
+from vsa2_rl.toy.model import CONFIG_FILE
+
+PARTS = ("base", "claim1", "claim2", "report")
+# The fine-grained router of the 1.3B recipe and VSA's router (fixed budget of 64-key cubes).
+ROUTERS = {"kv16 top-p": (16, "topp"), "kv64 top-k": (64, "topk")}
+CLAIM1_STEPS, CLAIM2_STEPS = 600, 800
+CLAIM2_TRAIN = {"sparse 0.9": 0.9, "dense": 0.0}
+
+
+def _info(folder: Path) -> dict | None:
+    """The training info of a finished run in ``folder`` (None if it has not finished)."""
+    path = folder / CONFIG_FILE
+    if not path.exists():
+        return None
+    info = json.loads(path.read_text())["training"]
+    return info if "build_device" in info else None
+
+
+def _build(folder: Path, config, args, resume_from: Path | None = None) -> dict:
+    """Runs ``config`` into ``folder`` unless a finished run is there; returns its info."""
+    info = _info(folder)
+    if info is None:
+        print(f"== {folder}", flush=True)
+        info = build_toy_model(folder, config, device=args.device, resume_from=resume_from)
+    return info
+
+
+def _router(args, kv_block: int = 16, mode: str = "topp") -> VSA2Config:
+    return VSA2Config(kv_block=kv_block, mode=mode, backend=args.backend)
+
+
+def _base_recipe(attention: str, args):
+    return testbed.testbed_recipe(attention, steps_scale=args.steps_scale, vsa2=_router(args))
+
+
+def _steps(steps: int, args) -> int:
+    return max(1, round(steps * args.steps_scale))
+
+
+def run_base(args) -> None:
+    for attention in testbed.ATTENTION_SWITCHES:
+        _build(args.out / f"base_{attention}", _base_recipe(attention, args), args)
+
+
+def claim1_folder(out: Path, router: str, density: float, seed: int) -> Path:
+    return out / "claim1" / f"{router.replace(' ', '_')}_d{density}_s{seed}"
+
+
+def run_claim1(args) -> None:
+    base = _base_recipe("dense", args)
+    for seed in args.seeds:
+        for density in args.densities:
+            for router, (kv_block, mode) in ROUTERS.items():
+                config = testbed.fine_tune_recipe(
+                    base, _steps(CLAIM1_STEPS, args), 1.0 - density, seed,
+                    vsa2=_router(args, kv_block, mode),
+                )  # fmt: skip
+                folder = claim1_folder(args.out, router, density, seed)
+                _build(folder, config, args, resume_from=args.out / "base_dense")
+
+
+def claim2_folder(out: Path, trained: str, seed: int) -> Path:
+    return out / "claim2" / f"{trained.replace(' ', '_')}_s{seed}"
+
+
+def run_claim2(args) -> None:
+    base = _base_recipe("rebase", args)
+    for seed in args.seeds:
+        for trained, sparsity in CLAIM2_TRAIN.items():
+            config = testbed.fine_tune_recipe(
+                base, _steps(CLAIM2_STEPS, args), sparsity, seed,
+                eval_sparsities=testbed.EVAL_SPARSITIES, report_seeds=2,
+            )  # fmt: skip
+            _build(claim2_folder(args.out, trained, seed), config, args, args.out / "base_rebase")
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _cell(values: list[float], digits: int = 4) -> str:
+    if not values:
+        return "not run"
+    mean, spread = _stats(values)
+    return f"{mean:.{digits}f} ± {spread:.{digits}f} (n={len(values)})"
+
+
+def verdict(differences: list[float], better: str, claim: str = "beats") -> str:
+    """Paired differences (the claim's side minus the other, per seed) judged against their
+    standard deviation over seeds (the spread). ``better``: "lower" or "higher" favours the
+    claim's side. A claim that its side ``beats`` the other is "reproduced" when the mean
+    favours it by more than the spread, "not reproduced" when it favours the other side by more
+    than that, "inconclusive" otherwise; a claim that it ``matches`` the other is reproduced
+    unless the other side is better by more than the spread. Fewer than 2 seeds: inconclusive."""
+    if len(differences) < 2:
+        return "inconclusive (fewer than 2 seeds)"
+    mean, spread = _stats(differences)
+    signed = -mean if better == "lower" else mean
+    if signed > spread:
+        return "reproduced" if claim == "beats" else "reproduced (better by more than the spread)"
+    if -signed > spread:
+        return "not reproduced"
+    return "inconclusive" if claim == "beats" else "reproduced (within the spread)"
+
+
+def _difference_cell(values: list[float]) -> str:
+    mean, spread = _stats(values)
+    return f"{mean:+.2e} ± {spread:.2e} (n={len(values)})"
+
+
+def _claim1_losses(out: Path, router: str, density: float, seeds) -> dict[int, tuple]:
+    """Per seed that has run: (validation loss, measured density) at the router's density."""
+    found = {}
+    for seed in seeds:
+        info = _info(claim1_folder(out, router, density, seed))
+        if info is not None:
+            validation = info["stages"][-1]["validation"]
+            sparsity = 1.0 - density
+            found[seed] = (validation[f"vsa2@{sparsity}"], validation[f"density@{sparsity}"])
+    return found
+
+
+def claim1_report(args) -> list[str]:
+    lines = ["## Claim 1: the fine-grained router at half the attention of VSA's", "",
+             "Validation flow-matching loss at each density after the same rebasing and "
+             "fine-tuning from the dense base (measured density: keys kept / keys).", "",
+             "| density | " + " | ".join(f"{r} loss | {r} measured density" for r in ROUTERS)
+             + " |", "|---" * (1 + 2 * len(ROUTERS)) + "|"]  # fmt: skip
+    found = {(r, d): _claim1_losses(args.out, r, d, args.seeds) for r in ROUTERS
+             for d in args.densities}  # fmt: skip
+    for density in args.densities:
+        cells = []
+        for router in ROUTERS:
+            runs = found[router, density].values()
+            cells += [_cell([loss for loss, _ in runs]), _cell([d for _, d in runs], 3)]
+        lines.append(f"| {density} | " + " | ".join(cells) + " |")
+    lines += ["", "kv16 top-p at half the density against kv64 top-k, kv16's loss minus kv64's "
+              "per seed (the claim, reaching VSA's loss, is reproduced unless kv16's is higher "
+              "by more than the standard deviation over seeds):", ""]  # fmt: skip
+    for density in args.densities:
+        if density / 2 not in args.densities:
+            continue
+        fine, coarse = found["kv16 top-p", density / 2], found["kv64 top-k", density]
+        paired = [fine[s][0] - coarse[s][0] for s in args.seeds if s in fine and s in coarse]
+        if paired:
+            judged = verdict(paired, "lower", "matches")
+            lines.append(f"- kv16 top-p at {density / 2} vs kv64 top-k at {density}: "
+                         f"{_difference_cell(paired)}: {judged}")  # fmt: skip
+    _plot_claim1(args, found)
+    return lines
+
+
+def _plot_claim1(args, found: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for router in ROUTERS:
+        points = [(d, list(found[router, d].values())) for d in args.densities]
+        points = [(d, runs) for d, runs in points if runs]
+        if not points:
+            continue
+        x = [statistics.fmean(m for _, m in runs) for _, runs in points]
+        y = [_stats([loss for loss, _ in runs]) for _, runs in points]
+        axis.errorbar(x, [m for m, _ in y], yerr=[s for _, s in y], marker="o", label=router)
+    axis.set_xscale("log")
+    axis.set_xlabel("measured attention density")
+    axis.set_ylabel("validation flow-matching loss")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(args.out / "claim1.png", dpi=120)
+    plt.close(figure)
+
+
+def claim2_report(args) -> list[str]:
+    lines = ["## Claim 2: hard-to-easy (trained at 0.9, evaluated easier)", "",
+             "The rebase base fine-tuned at sparsity 0.9 and with dense attention for the same "
+             "steps; held-out prompts, ODE samples (2 per prompt) and the validation set.", "",
+             "| evaluated at | trained | validation loss | direction followed | speed error |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    measures = {}
+    for sparsity in testbed.EVAL_SPARSITIES:
+        for trained in CLAIM2_TRAIN:
+            runs = [_info(claim2_folder(args.out, trained, s)) for s in args.seeds]
+            runs = {s: r["stages"][-1] for s, r in zip(args.seeds, runs, strict=True) if r}
+            key = f"vsa2@{sparsity}"
+            measures[trained, sparsity] = {
+                s: (r["validation"][key], r["samples"][key]["direction_match"],
+                    r["samples"][key]["speed_error"]) for s, r in runs.items()
+            }  # fmt: skip
+            values = list(measures[trained, sparsity].values())
+            cells = [_cell([v[i] for v in values], 3) for i in range(3)]
+            lines.append(f"| {sparsity} | {trained} | " + " | ".join(cells) + " |")
+    lines += ["", "Sparse-trained minus dense-trained, per seed, at each evaluation sparsity "
+              "(loss and speed error: lower is better; direction: higher; reproduced when the "
+             "sparse-trained side is better by more than the standard deviation over seeds):",
+             ""]  # fmt: skip
+    names = (("validation loss", "lower"), ("direction followed", "higher"),
+             ("speed error", "lower"))  # fmt: skip
+    for sparsity in testbed.EVAL_SPARSITIES:
+        sparse, dense = measures["sparse 0.9", sparsity], measures["dense", sparsity]
+        seeds = [s for s in args.seeds if s in sparse and s in dense]
+        for index, (name, better) in enumerate(names):
+            paired = [sparse[s][index] - dense[s][index] for s in seeds]
+            if paired:
+                lines.append(f"- at {sparsity}, {name}: {_difference_cell(paired)}: "
+                             f"{verdict(paired, better)}")  # fmt: skip
+    return lines
+
+
+def claim3_report(args) -> list[str]:
+    lines = ["## Claim 3: sparse rebasing at the resolution change", "",
+             "Validation loss at 64 px at the end of pretraining (32 px, then 64 px), each "
+             "variant at its training attention and dense (sparsity 0).", "",
+             "| variant | at its attention | dense |", "|---|---|---|"]  # fmt: skip
+    curves = {}
+    for attention in testbed.ATTENTION_SWITCHES:
+        info = _info(args.out / f"base_{attention}")
+        if info is None:
+            lines.append(f"| {attention} | not run | not run |")
+            continue
+        final = info["stages"][-1]["validation"]
+        own = final.get("dense", final.get("vsa2@0.9"))
+        dense = final.get("dense", final.get("vsa2@0.0"))
+        lines.append(f"| {attention} | {own:.4f} | {dense:.4f} |")
+        curves[attention] = info["stages"]
+    _plot_claim3(args, curves)
+    return lines
+
+
+def _plot_claim3(args, curves: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for attention, stages in curves.items():
+        x, y, offset = [], [], 0
+        for stage in stages:
+            x += [offset + point["step"] for point in stage["curve"]]
+            y += [point.get("dense", point.get("vsa2@0.9")) for point in stage["curve"]]
+            offset += stage["stage"]["steps"]
+        axis.plot(x, y, label=attention)
+    if curves:
+        switch = next(iter(curves.values()))[0]["stage"]["steps"]
+        axis.axvline(switch, color="grey", linestyle=":", label="32 px -> 64 px")
+    axis.set_yscale("log")
+    axis.set_xlabel("pretraining step")
+    axis.set_ylabel("validation loss (at its training attention)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(args.out / "claim3.png", dpi=120)
+    plt.close(figure)
+
+
+def run_report(args) -> None:
+    lines = ["# VSA2's quality claims on the sparsity testbed", "",
+             f"Steps scale {args.steps_scale}; seeds {args.seeds}; every run's figures are in "
+             "its folder's config.json.", ""]  # fmt: skip
+    for part in (claim1_report, claim2_report, claim3_report):
+        lines += [*part(args), ""]
+    (args.out / "claims.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="+", choices=PARTS, help="what to run, in order")
+    parser.add_argument("--out", type=Path, default=Path("runs/claims"), help="output folder")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--densities", type=float, nargs="+",
+                        default=[0.25, 0.125, 0.0625, 0.03125])  # fmt: skip
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="x every step count")
+    args = parser.parse_args(argv)
+    if args.steps_scale <= 0:
+        parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = {"base": run_base, "claim1": run_claim1, "claim2": run_claim2, "report": run_report}
+    for part in args.parts:
+        runs[part](args)
+
+
+if __name__ == "__main__":
+    main()
