@@ -38,7 +38,7 @@ from vsa2_rl.toy.model import CONFIG_FILE
 PARTS = ("base", "claim1", "claim2", "report")
 # The fine-grained router of the 1.3B recipe and VSA's router (fixed budget of 64-key cubes).
 ROUTERS = {"kv16 top-p": (16, "topp"), "kv64 top-k": (64, "topk")}
-CLAIM1_STEPS, CLAIM2_STEPS = 600, 800
+CLAIM1_STEPS, CLAIM2_STEPS = 300, 600
 CLAIM2_TRAIN = {"sparse 0.9": 0.9, "dense": 0.0}
 
 
@@ -73,8 +73,12 @@ def _steps(steps: int, args) -> int:
 
 
 def run_base(args) -> None:
-    for attention in testbed.ATTENTION_SWITCHES:
-        _build(args.out / f"base_{attention}", _base_recipe(attention, args), args)
+    """The three bases; ``dense`` and ``rebase`` resume from one build of their 32 px stage."""
+    low = args.out / "base_low"
+    _build(low, testbed.low_resolution_recipe(steps_scale=args.steps_scale), args)
+    for attention in ("dense", "rebase"):
+        _build(args.out / f"base_{attention}", _base_recipe(attention, args), args, low)
+    _build(args.out / "base_sparse", _base_recipe("sparse", args), args)
 
 
 def claim1_folder(out: Path, router: str, density: float, seed: int) -> Path:

@@ -63,6 +63,10 @@ def test_every_part_runs_and_the_report_has_each_claim(tmp_path, tiny_testbed):
     # claim 3's curves: a point every 2 steps of both pretraining stages
     info = json.loads((out / "base_rebase" / "config.json").read_text())["training"]
     assert [[p["step"] for p in stage["curve"]] for stage in info["stages"]] == [[2, 4], [2, 4]]
+    # dense and rebase continue one build of the 32 px stage: its figures, carried over
+    low = json.loads((out / "base_low" / "config.json").read_text())["training"]["stages"]
+    dense = json.loads((out / "base_dense" / "config.json").read_text())["training"]["stages"]
+    assert low[0] == dense[0] == info["stages"][0]
 
 
 def test_a_finished_run_is_not_run_again(tmp_path, tiny_testbed, monkeypatch):

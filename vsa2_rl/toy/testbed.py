@@ -15,6 +15,8 @@ prompts) at 64 x 64 px x 16 frames with 4 x 4 px patches: 4,096 tokens, 64 cubes
   annealed from 1 to the target over ``REBASE_STEPS``, then held);
 - ``sparse``: VSA2 at the target sparsity from the first step.
 
+``dense`` and ``rebase`` share their 32 px stage (:func:`low_resolution_recipe`, built once).
+
 :func:`fine_tune_recipe` adds one flow-matching stage at 64 px to a built base (resumed from its
 folder): the runs of the router and hard-to-easy claims (``benchmarks/sparsity_claims.py``).
 """
@@ -38,7 +40,7 @@ FRAMES = 16
 LOW_SIZE, HIGH_SIZE = 32, 64
 BATCH = 32
 # Steps of the two pretraining stages and of the rebasing ramp (times --steps-scale).
-LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 3000, 2000, 300
+LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 2000, 1500, 300
 VAL_EVERY, WARMUP_STEPS = 100, 100
 ATTENTION_SWITCHES = ("dense", "rebase", "sparse")
 EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
@@ -81,6 +83,13 @@ def testbed_recipe(
     )
 
 
+def low_resolution_recipe(seed: int = 0, steps_scale: float = 1.0) -> ToyBuildConfig:
+    """The 32 px dense stage that ``dense`` and ``rebase`` start with, alone: build it once and
+    resume both from its folder."""
+    recipe = testbed_recipe("dense", seed, steps_scale=steps_scale)
+    return dataclasses.replace(recipe, stages=recipe.stages[:1])
+
+
 def fine_tune_recipe(
     base: ToyBuildConfig,
     steps: int,
@@ -91,9 +100,9 @@ def fine_tune_recipe(
     report_seeds: int = 0,
 ) -> ToyBuildConfig:
     """``base``'s stages and one more at 64 px: ``steps`` of flow matching at ``sparsity``
-    (0: dense attention), rebased first over ``base.rebase_steps`` where ``base`` has no VSA2
-    layers yet; data and new parameters drawn from ``seed``, the router ``vsa2`` (default
-    ``base``'s)."""
+    (0: dense attention), the first half of them rebasing (density 1 -> ``1 - sparsity``) where
+    ``base`` has no VSA2 layers yet; data and new parameters drawn from ``seed``, the router
+    ``vsa2`` (default ``base``'s)."""
     has_vsa2 = any(stage.vsa2 for stage in base.stages)
     stage = ToyStage(HIGH_SIZE, FRAMES, steps, BATCH, vsa2=True,
                      sparsity_range=(sparsity, sparsity), lr_scale=0.3)  # fmt: skip
@@ -103,7 +112,7 @@ def fine_tune_recipe(
         stages=[*base.stages, stage],
         vsa2=vsa2 or base.vsa2,
         target_sparsity=sparsity,
-        rebase_steps=0 if has_vsa2 else base.rebase_steps,
+        rebase_steps=0 if has_vsa2 else steps // 2,
         eval_sparsities=eval_sparsities or (sparsity,),
         report_seeds=report_seeds,
     )
