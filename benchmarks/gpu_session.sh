@@ -6,7 +6,7 @@
 #     [e2e_compiled] [rl_compiled] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
-#     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p]
+#     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -178,6 +178,14 @@ for part in "${parts[@]}"; do
         runs="$runs $engine=/tmp/mg/$engine ${engine}_resumed=/tmp/mg/${engine}_resumed"
       done
       python3 benchmarks/compare_runs.py $runs --out "$OUT/resume.md" ;;
+    claims)  # VSA2's quality claims (benchmarks/sparsity_claims.py), CLAIMS="base claim2 ..."
+      # into runs/claims (kept on a warm machine): finished runs are reused, so after a timeout
+      # the same call goes on; claims.md, its plots and the log come back in $OUT
+      timeout ${CLAIMS_S:-540} python3 -P benchmarks/sparsity_claims.py ${CLAIMS:-base} \
+        --device cuda --out runs/claims > "$OUT/claims.log" 2>&1
+      echo "claims rc=$?"; grep "^==\|validation" "$OUT/claims.log" | tail -8
+      python3 -P benchmarks/sparsity_claims.py report --out runs/claims > /dev/null 2>&1
+      cp runs/claims/claims.md runs/claims/*.png "$OUT/" 2>/dev/null ;;
     toy_build)  # the toy model (scripts/build_toy_model.py) into $OUT/toy; TOY_RESUME=DIR
       # continues a build whose first stages are done
       timeout ${TOY_BUILD_S:-570} python3 -P scripts/build_toy_model.py --device cuda \

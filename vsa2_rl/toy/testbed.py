@@ -4,7 +4,7 @@ The shipped toy model (:mod:`vsa2_rl.toy.model`) sees 512 tokens, eight 64-token
 sparsity 0.9 VSA2 keeps one of them, and a 16-key segment is a quarter of a cube. The testbed
 is the same family (diffusers' ``WanTransformer3DModel`` on pixel latents, the toy data and
 prompts) at 64 x 64 px x 16 frames with 4 x 4 px patches: 4,096 tokens, 64 cubes, 256 segments of
-16 keys; 8 blocks of width 384 (6 heads of 64), about 19 M parameters
+16 keys; 8 blocks of width 384 (6 heads of 64), 20.3 M parameters
 (:data:`TESTBED_ARCHITECTURE`).
 
 :func:`testbed_recipe` is its progressive pretraining (:mod:`vsa2_rl.toy.build`): 32 px
@@ -38,10 +38,10 @@ TESTBED_ARCHITECTURE = {
 }
 FRAMES = 16
 LOW_SIZE, HIGH_SIZE = 32, 64
-BATCH = 32
+BATCH = 16
 # Steps of the two pretraining stages and of the rebasing ramp (times --steps-scale).
-LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 2000, 1500, 300
-VAL_EVERY, WARMUP_STEPS = 100, 100
+LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 1500, 1000, 200
+VAL_EVERY, WARMUP_STEPS = 50, 100
 ATTENTION_SWITCHES = ("dense", "rebase", "sparse")
 EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
 
