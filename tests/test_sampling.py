@@ -220,6 +220,24 @@ def test_cfg_velocity_combines_cond_and_uncond():
         cfg_velocity(model_fn, cond, None, 3.0)
 
 
+def test_cfg_velocity_guides_low_noise_samples_with_the_second_scale():
+    """Wan2.2's guidance_scale_2: timesteps (sigma * 1000) below the boundary (875 here) take
+    the second scale, those at or above it the first; both 1 needs no unconditional pass."""
+
+    def model_fn(x, sigma, cond):
+        return x * sigma.view(-1, 1) + cond.sum(dim=(1, 2)).view(-1, 1)
+
+    x, sigma = torch.randn(3, 2), torch.tensor([0.9, 0.875, 0.5])
+    cond, uncond = torch.randn(3, 4, 5), torch.randn(1, 4, 5)
+    v = cfg_velocity(model_fn, cond, uncond, 4.0, low_noise=(875.0, 1.5))(x, sigma)
+    v_c = model_fn(x, sigma, cond)
+    v_u = model_fn(x, sigma, uncond.expand(3, 4, 5))
+    scales = torch.tensor([4.0, 4.0, 1.5]).view(-1, 1)
+    torch.testing.assert_close(v, v_u + scales * (v_c - v_u))
+    plain = cfg_velocity(model_fn, cond, None, 1.0, low_noise=(875.0, 1.0))(x, sigma)
+    torch.testing.assert_close(plain, v_c)
+
+
 def test_sampler_rejects_bad_arguments():
     x, v = _inputs()
     with pytest.raises(ValueError, match="kind"):

@@ -13,7 +13,7 @@ from torch import nn
 
 from vsa2_rl.config import ConfigError, VSA2Config, load_config, load_eval_config
 from vsa2_rl.models.conditioning import encode_condition, final_latents
-from vsa2_rl.models.experts import WanExperts, frozen_copy
+from vsa2_rl.models.experts import WanExperts, frozen_copy, low_noise_guidance
 from vsa2_rl.models.wan_bundle import load_wan_bundle
 from vsa2_rl.sampling import cfg_velocity, sample
 
@@ -77,6 +77,7 @@ CASES = [
     ("wan21_t2v", False, 1.0),
     ("wan21_i2v", True, 3.0),
     ("wan22_a14b_t2v", False, 1.0),
+    ("wan22_a14b_t2v", False, (3.0, 1.5)),  # guidance_scale_2 for the low-noise expert
     ("wan22_a14b_i2v", True, 3.0),
     ("wan22_ti2v", False, 1.0),
     ("wan22_ti2v", True, 1.0),
@@ -88,6 +89,7 @@ def test_dense_sampling_equals_the_diffusers_pipeline(folders, kind, image_to_vi
     from PIL import Image
 
     path, prompts, steps = folders[kind], ["a red square moving right"], 4
+    guidance, guidance_2 = guidance if isinstance(guidance, tuple) else (guidance, None)
     pipe = _pipeline(path, image_to_video)
     pipe.scheduler.set_timesteps(steps)
     sigmas = pipe.scheduler.sigmas.clone()  # the pipeline's noise levels, 1 -> 0
@@ -96,10 +98,11 @@ def test_dense_sampling_equals_the_diffusers_pipeline(folders, kind, image_to_vi
     noise = torch.randn(1, *bundle.latent_shape(*VIDEO), generator=torch.Generator().manual_seed(1))
     images = [folders["image"]] if image_to_video else [None]
     condition = encode_condition(bundle, prompts, images, VIDEO)
-    uncond = bundle.encode_prompts([""]) if guidance > 1 else None
+    uncond = bundle.encode_prompts([""]) if max(guidance, guidance_2 or 1.0) > 1 else None
+    low_noise = low_noise_guidance(bundle.transformer, guidance_2, "sampler.guidance_scale_2")
     with torch.no_grad():
         trajectory = sample(
-            cfg_velocity(bundle.velocity, condition, uncond, guidance), noise, sigmas,
+            cfg_velocity(bundle.velocity, condition, uncond, guidance, low_noise), noise, sigmas,
             kind="ode", noise_level=0.0,
         )  # fmt: skip
     ours = final_latents(condition, trajectory.latents[-1])
@@ -109,6 +112,8 @@ def test_dense_sampling_equals_the_diffusers_pipeline(folders, kind, image_to_vi
         "width": VIDEO[2], "num_inference_steps": steps, "guidance_scale": guidance,
         "latents": noise.clone(), "output_type": "latent",
     }  # fmt: skip
+    if guidance_2 is not None:
+        call["guidance_scale_2"] = guidance_2
     if image_to_video:
         call["image"] = Image.open(folders["image"]).convert("RGB")
     with torch.no_grad():
@@ -337,6 +342,22 @@ def test_image_to_video_runs_show_the_image_to_rewards_and_in_samples(
     sheet = Image.open(os.path.join(config.out_dir, "samples", "step_1.png"))
     frames_only = (VIDEO[0] * (VIDEO[2] * 4 + 2) - 2, 4 * (VIDEO[1] * 4 + 2) - 2)
     assert sheet.size[0] > frames_only[0]  # a column for the condition image
+
+
+def test_a_second_guidance_scale_needs_two_experts_and_is_one_error_line(tmp_path, folders, capsys):
+    from vsa2_rl.cli import main
+
+    for key in ("sampler.guidance_scale_2", "eval.guidance_scale_2"):
+        out_dir = tmp_path / key
+        code = main(["train", *RUN, f"model.path={folders['wan21_t2v']}", f"{key}=2.0",
+                     f"out_dir={out_dir}", "train.num_steps=1"])  # fmt: skip
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"error: {key}: the guidance scale of the low-noise expert's steps needs a model of "
+            "two experts (Wan2.2 A14B); leave it empty"
+        ]
+        assert not out_dir.exists()
 
 
 def test_prompt_images_the_model_cannot_take_are_one_error_line(tmp_path, folders, capsys):

@@ -337,6 +337,7 @@ def cfg_velocity(
     cond: Tensor | Any,
     uncond: Tensor | None,
     guidance_scale: float,
+    low_noise: tuple[float, float] | None = None,
 ) -> VelocityFn:
     """Classifier-free guidance as a ``velocity_fn`` for :func:`sample`.
 
@@ -345,9 +346,12 @@ def cfg_velocity(
     combine as ``v_u + w * (v_c - v_u)``. ``uncond`` may have batch 1 (one negative prompt for
     all samples); with ``guidance_scale == 1`` it is not used and may be None. ``cond`` is a
     text embedding [B, L, D] or a condition object with more than text (an image) that makes
-    its own batch of 2B with ``cond.classifier_free_pair(uncond)``.
+    its own batch of 2B with ``cond.classifier_free_pair(uncond)``. ``low_noise`` =
+    ``(boundary_timestep, scale)`` is Wan2.2 A14B's second scale: a sample whose timestep
+    (sigma * 1000) is below the experts' boundary is guided with ``scale``, as diffusers'
+    ``WanPipeline`` does with ``guidance_scale_2``.
     """
-    if guidance_scale == 1.0:
+    if guidance_scale == 1.0 and (low_noise is None or low_noise[1] == 1.0):
         return lambda x, sigma: model_fn(x, sigma, cond)
     if uncond is None:
         raise ValueError(
@@ -368,6 +372,17 @@ def cfg_velocity(
     def velocity(x: Tensor, sigma: Tensor) -> Tensor:
         v_c, v_u = model_fn(torch.cat([x, x]), torch.cat([sigma, sigma]), both).float().chunk(2)
         # float32: in bf16 the difference v_c - v_u loses most of its mantissa.
-        return v_u + guidance_scale * (v_c - v_u)
+        return v_u + _guidance_scales(sigma, guidance_scale, low_noise, v_c.dim()) * (v_c - v_u)
 
     return velocity
+
+
+def _guidance_scales(
+    sigma: Tensor, scale: float, low_noise: tuple[float, float] | None, dims: int
+) -> Tensor | float:
+    """``scale``, or per sample [B, 1, ...] the ``low_noise`` scale below its boundary."""
+    if low_noise is None:
+        return scale
+    boundary_timestep, low_scale = low_noise
+    high = (sigma.float() * 1000.0 >= boundary_timestep).view(-1, *[1] * (dims - 1))
+    return torch.where(high, torch.tensor(scale), torch.tensor(low_scale)).to(sigma.device)

@@ -42,6 +42,11 @@ class SamplerConfig:
         "same guided velocity, so the trained log-probs are those of the policy that sampled.",
         default=1.0,
     )
+    guidance_scale_2: float | None = _doc(
+        "Wan2.2 A14B: guidance scale of the steps below the experts' boundary (the low-noise "
+        "expert's), as diffusers' guidance_scale_2; empty = sampler.guidance_scale.",
+        default=None,
+    )
     negative_prompt: str = _doc(
         "Prompt of the unconditional branch of guidance (rollouts, training and evaluation); "
         "empty = the empty prompt.",
@@ -91,6 +96,12 @@ class SamplerConfig:
             self.guidance_scale >= 1.0,
             "sampler.guidance_scale",
             f"must be >= 1 (1 disables guidance), got {self.guidance_scale}",
+        )
+        _check(
+            self.guidance_scale_2 is None or self.guidance_scale_2 >= 1.0,
+            "sampler.guidance_scale_2",
+            f"must be >= 1 (1 disables guidance; empty = sampler.guidance_scale), got "
+            f"{self.guidance_scale_2}",
         )
         _check(
             not (self.same_noise_per_group and (self.noise_level == 0 or self.kind == "ode")),

@@ -111,6 +111,12 @@ class EvalConfig:
         "Classifier-free guidance scale of evaluations (ODE); empty = sampler.guidance_scale.",
         default=None,
     )
+    guidance_scale_2: float | None = _doc(
+        "Wan2.2 A14B: evaluations' guidance scale below the experts' boundary; empty = "
+        "sampler.guidance_scale_2 when eval.guidance_scale is empty too, else "
+        "eval.guidance_scale.",
+        default=None,
+    )
     guard_rewards: list[RewardEntry] = _doc(
         "Guard metrics, each {name, kwargs} like rewards.functions (weight unused): scored at "
         "every evaluation (logged as eval/guard/<name>, and by vsa2-rl eval), never trained on, "
@@ -154,6 +160,11 @@ class EvalConfig:
             "eval.guidance_scale",
             f"must be >= 1 (1 disables guidance; empty = sampler.guidance_scale), got "
             f"{self.guidance_scale}",
+        )
+        _check(
+            self.guidance_scale_2 is None or self.guidance_scale_2 >= 1.0,
+            "eval.guidance_scale_2",
+            f"must be >= 1 (1 disables guidance), got {self.guidance_scale_2}",
         )
 
 
@@ -235,7 +246,8 @@ class RunConfig:
         )
         _check(
             not self.sampler.negative_prompt
-            or max(self.sampler.guidance_scale, self.eval_guidance_scale) > 1,
+            or max(self.sampler.guidance_scale, self.eval_guidance_scale) > 1
+            or max(self.sampler.guidance_scale_2 or 1.0, self.eval_guidance_scale_2 or 1.0) > 1,
             "sampler.negative_prompt",
             "is only used by classifier-free guidance, and sampler.guidance_scale and "
             "eval.guidance_scale are both 1; raise one of them or leave it empty",
@@ -276,15 +288,25 @@ class RunConfig:
             "'reward' needs the log-probs of SDE transitions, which nft does not use; with "
             "grpo.algorithm=nft the KL is a loss term (grpo.kl_mode=loss)",
         )
-        _check(
-            self.sampler.guidance_scale == 1.0,
-            "sampler.guidance_scale",
-            "nft trains the conditional velocity alone (CFG-free, as the DiffusionNFT paper), "
-            "so its rollouts must come from that policy: set 1 (eval.guidance_scale may differ)",
-        )
+        for key in ("guidance_scale", "guidance_scale_2"):
+            _check(
+                getattr(self.sampler, key) in (None, 1.0),
+                f"sampler.{key}",
+                "nft trains the conditional velocity alone (CFG-free, as the DiffusionNFT "
+                f"paper), so its rollouts must come from that policy: set 1 (eval.{key} may "
+                "differ)",
+            )
 
     @property
     def eval_guidance_scale(self) -> float:
         """The guidance scale of evaluations: ``eval.guidance_scale``, else the rollouts'."""
         scale = self.eval.guidance_scale
         return self.sampler.guidance_scale if scale is None else scale
+
+    @property
+    def eval_guidance_scale_2(self) -> float | None:
+        """Evaluations' scale below Wan2.2 A14B's boundary (None: ``eval_guidance_scale``):
+        ``eval.guidance_scale_2``, else the rollouts' when evaluation keeps their scale."""
+        if self.eval.guidance_scale_2 is not None:
+            return self.eval.guidance_scale_2
+        return self.sampler.guidance_scale_2 if self.eval.guidance_scale is None else None

@@ -40,6 +40,7 @@ from vsa2_rl.config import (
 )
 from vsa2_rl.eval.media import condition_images_of, save_video_grid
 from vsa2_rl.models.conditioning import encode_condition, final_latents
+from vsa2_rl.models.experts import low_noise_guidance
 from vsa2_rl.runtime import (
     check_condition_images,
     check_output_dir,
@@ -182,19 +183,20 @@ def _reward_fns(config: RunConfig) -> list:
     )
 
 
-def _warm_up(bundle, condition, noise, sigmas, uncond, guidance_scale) -> None:
+def _warm_up(bundle, condition, noise, sigmas, cfg) -> None:
     """One untimed model call at the current sparsity, so that compilation and kernel
     autotuning at a new setting are not counted as its latency."""
     with torch.no_grad():
         sigma = torch.full((noise.shape[0],), float(sigmas[0]), device=noise.device)
-        cfg_velocity(bundle.velocity, condition, uncond, guidance_scale)(noise, sigma)
+        cfg_velocity(bundle.velocity, condition, *cfg)(noise, sigma)
     if noise.device.type == "cuda":
         torch.cuda.synchronize(noise.device)
 
 
 def _sample_videos(bundle, prompts, images, noise, sigmas, *, cfg, batch_size, shape, bar):
     """ODE videos of ``prompts`` (float32, on the CPU) in batches, and the seconds the sampling
-    took (without encoding and decoding); ``cfg`` = (negative embedding, guidance scale)."""
+    took (without encoding and decoding); ``cfg`` = (negative embedding, guidance scale, low-noise
+    guidance) as :func:`vsa2_rl.sampling.cfg_velocity` takes them."""
     device = next(bundle.transformer.parameters()).device
     videos, seconds = [], 0.0
     for start in range(0, len(prompts), batch_size):
@@ -226,6 +228,7 @@ def sweep_model(
     num_steps: int,
     shift: float,
     guidance_scale: float,
+    low_noise: tuple[float, float] | None = None,
     seed: int,
     batch_size: int,
     shape: tuple[int, int, int],
@@ -238,14 +241,18 @@ def sweep_model(
     """ODE-samples ``prompts`` (with their condition ``images`` for image-to-video) at each
     sparsity; returns the rows and, per sparsity, the :class:`Preview` of the first (up to 8)
     videos. The rewards score the videos on ``reward_device`` (``rewards.device`` or the run's
-    device, from the callers) and find each prompt's image in ``metadata["image"]``."""
+    device, from the callers) and find each prompt's image in ``metadata["image"]``.
+    ``low_noise``: Wan2.2 A14B's second guidance scale
+    (:func:`vsa2_rl.models.experts.low_noise_guidance`)."""
     images = list(images) if images is not None else [None] * len(prompts)
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
     noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
     sigmas = sigma_schedule(num_steps, shift)
     device = next(bundle.transformer.parameters()).device
-    uncond = bundle.encode_prompts([negative_prompt]) if guidance_scale > 1 else None
+    guided = max(guidance_scale, low_noise[1] if low_noise else 1.0) > 1
+    uncond = bundle.encode_prompts([negative_prompt]) if guided else None
+    cfg = (uncond, guidance_scale, low_noise)
     rows, previews = [], {}
     bar = tqdm(
         total=len(sparsities) * len(prompts), desc=f"eval {label}".strip(), disable=not progress
@@ -255,10 +262,10 @@ def sweep_model(
         with state.at(sparsity):
             first = slice(0, batch_size)
             condition = encode_condition(bundle, prompts[first], images[first], shape)
-            _warm_up(bundle, condition, noise[first].to(device), sigmas, uncond, guidance_scale)
+            _warm_up(bundle, condition, noise[first].to(device), sigmas, cfg)
             state.pop_density()
             videos, seconds = _sample_videos(
-                bundle, prompts, images, noise, sigmas, cfg=(uncond, guidance_scale),
+                bundle, prompts, images, noise, sigmas, cfg=cfg,
                 batch_size=batch_size, shape=shape, bar=bar,
             )  # fmt: skip
             density = state.pop_density()
@@ -345,6 +352,7 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
         check_condition_images(image_scheme(trained), images, prompt_file_key(config, "eval"))
         bundle = load_model(trained, device, dtype, checkpoint=target.checkpoint)
         shape = (trained.model.num_frames, trained.model.height, trained.model.width)
+        own_scales = config.eval.guidance_scale is None and config.eval.guidance_scale_2 is None
         table, videos = sweep_model(
             bundle,
             prompts,
@@ -357,6 +365,11 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
                 trained.eval_guidance_scale
                 if config.eval.guidance_scale is None
                 else config.eval.guidance_scale
+            ),
+            low_noise=low_noise_guidance(
+                bundle.transformer,
+                trained.eval_guidance_scale_2 if own_scales else config.eval_guidance_scale_2,
+                "eval.guidance_scale_2",
             ),
             negative_prompt=config.sampler.negative_prompt or trained.sampler.negative_prompt,
             seed=config.eval.seed,

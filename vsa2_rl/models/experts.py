@@ -132,6 +132,25 @@ def expert_at(model: nn.Module, sigma: float) -> str:
     return "high_noise" if sigma * 1000.0 >= model.boundary_timestep else "low_noise"
 
 
+def low_noise_guidance(
+    model: nn.Module, scale: float | None, key: str
+) -> tuple[float, float] | None:
+    """``(boundary_timestep, scale)``, the second guidance scale of Wan2.2 A14B's low-noise
+    steps as :func:`vsa2_rl.sampling.cfg_velocity` takes it; None when ``scale`` is None.
+    ``ConfigError`` naming ``key`` for a model of one transformer, which has no boundary."""
+    if scale is None:
+        return None
+    unwrapped = getattr(model, "module", model)
+    if not isinstance(unwrapped, WanExperts):
+        from vsa2_rl.config import ConfigError
+
+        raise ConfigError(
+            f"{key}: the guidance scale of the low-noise expert's steps needs a model of two "
+            "experts (Wan2.2 A14B); leave it empty"
+        )
+    return unwrapped.boundary_timestep, scale
+
+
 def trains_level(model: nn.Module, sigma: float) -> bool:
     """Whether the expert that denoises at noise level ``sigma`` trains (always, for one
     transformer): an update at another level would have nothing to change."""

@@ -18,6 +18,7 @@ import torch
 
 from vsa2_rl.config import SamplerConfig
 from vsa2_rl.models.conditioning import final_latents
+from vsa2_rl.models.experts import low_noise_guidance
 from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule
 
 
@@ -121,13 +122,17 @@ class RolloutSampler:
         self.settings, self.batch_size, self.device = settings, batch_size, device
         self.group_size, self.seed = group_size, seed
         self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
-        guided = settings.guidance_scale > 1
+        self.low_noise = low_noise_guidance(
+            bundle.transformer, settings.guidance_scale_2, "sampler.guidance_scale_2"
+        )
+        guided = max(settings.guidance_scale, settings.guidance_scale_2 or 1.0) > 1
         self.uncond = bundle.encode_prompts([settings.negative_prompt]) if guided else None
 
     def velocity_fn(self, bundle, condition) -> Callable:
         """``bundle``'s velocity for samples conditioned on ``condition``, with the sampler's
         classifier-free guidance."""
-        return cfg_velocity(bundle.velocity, condition, self.uncond, self.settings.guidance_scale)
+        scale = self.settings.guidance_scale
+        return cfg_velocity(bundle.velocity, condition, self.uncond, scale, self.low_noise)
 
     def sample_chunks(
         self, bundle, step: int, group_ids: list[int], global_index: list[int],

@@ -42,7 +42,7 @@ from vsa2_rl.config import (
 )
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.models.conditioning import encode_condition
-from vsa2_rl.models.experts import trains_level
+from vsa2_rl.models.experts import low_noise_guidance, trains_level
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
@@ -128,6 +128,7 @@ class _Setup:
         records = config.eval.select_prompts(load_prompt_records(config, "eval"))
         self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
         scheme = image_scheme(config)  # before any weight loads
+        _check_second_guidance(config)
         check_condition_images(scheme, self.images, prompt_file_key(config, "train"))
         check_condition_images(scheme, self.eval_images, prompt_file_key(config, "eval"))
         self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
@@ -177,6 +178,24 @@ def _ddp_options(config: RunConfig) -> list:
     if read_wan_variant(config.model.path).boundary_ratio is None:
         return []
     return [DistributedDataParallelKwargs(find_unused_parameters=True)]
+
+
+def _check_second_guidance(config: RunConfig) -> None:
+    """Refuses a guidance scale for the low-noise expert's steps without two experts, before
+    any weight loads (``low_noise_guidance`` would, at the first rollout or evaluation)."""
+    for key, scale in (
+        ("sampler.guidance_scale_2", config.sampler.guidance_scale_2),
+        ("eval.guidance_scale_2", config.eval_guidance_scale_2),
+    ):
+        if scale is None:
+            continue
+        from vsa2_rl.models.wan_bundle import read_wan_variant
+
+        if config.model.kind != "wan" or read_wan_variant(config.model.path).boundary_ratio is None:
+            raise ConfigError(
+                f"{key}: the guidance scale of the low-noise expert's steps needs a model of "
+                "two experts (Wan2.2 A14B); leave it empty"
+            )
 
 
 def _check_trained_window(model, sigmas: torch.Tensor, samp) -> None:
@@ -236,6 +255,9 @@ def _evaluate(setup: _Setup, policy: Policy, sparsity: float, step: int, logger)
             num_steps=config.sampler.eval_num_steps,
             shift=config.sampler.shift,
             guidance_scale=config.eval_guidance_scale,
+            low_noise=low_noise_guidance(
+                bundle.transformer, config.eval_guidance_scale_2, "eval.guidance_scale_2"
+            ),
             negative_prompt=config.sampler.negative_prompt,
             seed=config.eval.seed,
             batch_size=config.grpo.train_batch_size,
