@@ -444,9 +444,9 @@ def test_rollouts_and_evaluations_take_their_own_guidance_and_the_negative_promp
     for phase, module in (("train", rollout_module), ("eval", sweep_module)):
         real = module.cfg_velocity
 
-        def recording(model_fn, cond, uncond, scale, phase=phase, real=real):
+        def recording(model_fn, cond, uncond, scale, low_noise=None, *, phase=phase, real=real):
             used[phase].append((scale, uncond))
-            return real(model_fn, cond, uncond, scale)
+            return real(model_fn, cond, uncond, scale, low_noise)
 
         monkeypatch.setattr(module, "cfg_velocity", recording)
     guided = ["sampler.guidance_scale=2.0", "eval.guidance_scale=4.0"]
