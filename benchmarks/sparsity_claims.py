@@ -1,7 +1,9 @@
 """VSA2's three quality claims on the sparsity testbed (:mod:`vsa2_rl.toy.testbed`).
 
-Parts, each reading the folders the earlier ones wrote under ``--out`` (a finished run's folder
-is reused, so a part cut short is continued by running it again):
+Parts; the runs of those given are scheduled together under ``--out``, each as soon as the base
+it continues has finished, ``--jobs`` at once in worker processes (one GPU holds several of
+these runs; each writes its progress to ``<folder>.log``). A finished run's folder is reused, so
+a call cut short is continued by running it again:
 
 - ``base``: the testbed pretrained three ways, ``dense``, ``rebase`` (VSA2 from the resolution
   change on) and ``sparse`` (VSA2 from the start): claim 3's validation-loss curves, and the
@@ -13,11 +15,13 @@ is reused, so a part cut short is continued by running it again):
   steps, each evaluated at sparsity 0, 0.5, 0.75 and 0.9 on the held-out prompts: validation
   loss, share of videos moving the prompted way, speed error;
 - ``report``: ``claims.md`` (tables, the verdict rules and their results) with ``claim1.png``
-  and ``claim3.png``.
+  and ``claim3.png`` (plots) and ``claim2_samples.png`` and ``claim3_samples.png`` (sample
+  grids of the first seed's runs).
 
 ::
 
-    python benchmarks/sparsity_claims.py base claim1 claim2 report --device cuda --out runs/claims
+    python benchmarks/sparsity_claims.py base claim1 claim2 report --device cuda --jobs 6 \
+        --out runs/claims
     python benchmarks/sparsity_claims.py report --out runs/claims   # tables of what has run
 
 ``--steps-scale`` multiplies every step count (a quick look: 0.05).
@@ -26,21 +30,31 @@ Time on one H200 (bf16 autocast), from 60-step probes at batch 32, the Triton tu
 first steps included: 0.12 s a step at 32 px, 0.28 s at 64 px dense, 0.47 s with VSA2 kv16
 top-p and 0.35 s with kv64 top-k at 0.9; a run's validation and sample report about 30 s. At
 the recipe's batch of 16 that puts ``base`` at about 12 minutes, ``claim1`` (24 runs) at about
-16 and ``claim2`` (6 runs) at about 10 (estimates, to be replaced by the measured times). A
-checkpoint (20 M parameters) is too large to keep between machines: a session rebuilds the
-bases it needs from the same seed.
+16 and ``claim2`` (6 runs) at about 10, one run at a time (estimates, to be replaced by the
+measured times; how much running several at once gains is measured with them). A checkpoint
+(20 M parameters) is too large to keep between machines: a session rebuilds the bases it needs
+from the same seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import signal
 import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
+
+import torch
 
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.toy import testbed
-from vsa2_rl.toy.build import build_toy_model
+from vsa2_rl.toy.build import SAMPLES_DIR, ToyBuildConfig, build_toy_model
 from vsa2_rl.toy.model import CONFIG_FILE
 
 PARTS = ("base", "claim1", "claim2", "report")
@@ -48,6 +62,7 @@ PARTS = ("base", "claim1", "claim2", "report")
 ROUTERS = {"kv16 top-p": (16, "topp"), "kv64 top-k": (64, "topk")}
 CLAIM1_STEPS, CLAIM2_STEPS = 200, 400
 CLAIM2_TRAIN = {"sparse 0.9": 0.9, "dense": 0.0}
+TITLE_HEIGHT = 16  # pixels above each grid of a sample sheet
 
 
 def _info(folder: Path) -> dict | None:
@@ -59,13 +74,13 @@ def _info(folder: Path) -> dict | None:
     return info if "build_device" in info else None
 
 
-def _build(folder: Path, config, args, resume_from: Path | None = None) -> dict:
-    """Runs ``config`` into ``folder`` unless a finished run is there; returns its info."""
-    info = _info(folder)
-    if info is None:
-        print(f"== {folder}", flush=True)
-        info = build_toy_model(folder, config, device=args.device, resume_from=resume_from)
-    return info
+@dataclass(frozen=True)
+class Run:
+    """One build into ``folder``, continuing the finished build in ``resume_from`` if given."""
+
+    folder: Path
+    config: ToyBuildConfig
+    resume_from: Path | None = None
 
 
 def _router(args, kv_block: int = 16, mode: str = "topp") -> VSA2Config:
@@ -80,21 +95,22 @@ def _steps(steps: int, args) -> int:
     return max(1, round(steps * args.steps_scale))
 
 
-def run_base(args) -> None:
+def base_runs(args) -> list[Run]:
     """The three bases; ``dense`` and ``rebase`` resume from one build of their 32 px stage."""
     low = args.out / "base_low"
-    _build(low, testbed.low_resolution_recipe(steps_scale=args.steps_scale), args)
+    runs = [Run(low, testbed.low_resolution_recipe(steps_scale=args.steps_scale))]
     for attention in ("dense", "rebase"):
-        _build(args.out / f"base_{attention}", _base_recipe(attention, args), args, low)
-    _build(args.out / "base_sparse", _base_recipe("sparse", args), args)
+        runs.append(Run(args.out / f"base_{attention}", _base_recipe(attention, args), low))
+    return [*runs, Run(args.out / "base_sparse", _base_recipe("sparse", args))]
 
 
 def claim1_folder(out: Path, router: str, density: float, seed: int) -> Path:
     return out / "claim1" / f"{router.replace(' ', '_')}_d{density}_s{seed}"
 
 
-def run_claim1(args) -> None:
+def claim1_runs(args) -> list[Run]:
     base = _base_recipe("dense", args)
+    runs = []
     for seed in args.seeds:
         for density in args.densities:
             for router, (kv_block, mode) in ROUTERS.items():
@@ -103,22 +119,119 @@ def run_claim1(args) -> None:
                     vsa2=_router(args, kv_block, mode),
                 )  # fmt: skip
                 folder = claim1_folder(args.out, router, density, seed)
-                _build(folder, config, args, resume_from=args.out / "base_dense")
+                runs.append(Run(folder, config, args.out / "base_dense"))
+    return runs
 
 
 def claim2_folder(out: Path, trained: str, seed: int) -> Path:
     return out / "claim2" / f"{trained.replace(' ', '_')}_s{seed}"
 
 
-def run_claim2(args) -> None:
+def claim2_runs(args) -> list[Run]:
     base = _base_recipe("rebase", args)
+    runs = []
     for seed in args.seeds:
         for trained, sparsity in CLAIM2_TRAIN.items():
             config = testbed.fine_tune_recipe(
                 base, _steps(CLAIM2_STEPS, args), sparsity, seed,
                 eval_sparsities=testbed.EVAL_SPARSITIES, report_seeds=2,
             )  # fmt: skip
-            _build(claim2_folder(args.out, trained, seed), config, args, args.out / "base_rebase")
+            folder = claim2_folder(args.out, trained, seed)
+            runs.append(Run(folder, config, args.out / "base_rebase"))
+    return runs
+
+
+def log_file(folder: Path) -> Path:
+    """Where a run in a worker process writes its progress: beside its folder."""
+    return folder.parent / f"{folder.name}.log"
+
+
+def _build_in_worker(run: Run, device: str, threads: int) -> None:
+    """A worker process's build of ``run``, its progress and any traceback in :func:`log_file`."""
+    torch.set_num_threads(threads)
+    log_file(run.folder).parent.mkdir(parents=True, exist_ok=True)
+    with log_file(run.folder).open("w") as stream:
+        try:
+            build_toy_model(
+                run.folder, run.config, log=lambda line: print(line, file=stream, flush=True),
+                device=device, resume_from=run.resume_from,
+            )  # fmt: skip
+        except BaseException:
+            traceback.print_exc(file=stream)
+            raise
+
+
+def execute(runs: list[Run], args) -> None:
+    """Builds the unfinished ``runs``: in this process one after another (``--jobs 1``), or in
+    ``--jobs`` worker processes, each run as soon as the run it resumes from has finished. A
+    failed run does not stop the others (those resuming from it are skipped); the failures are
+    raised together at the end."""
+    pending = [run for run in runs if _info(run.folder) is None]
+    scheduled = {run.folder for run in pending}
+    for run in pending:
+        if run.resume_from and run.resume_from not in scheduled and not _info(run.resume_from):
+            raise SystemExit(f"error: {run.folder} continues {run.resume_from}, which has not "
+                             "been built: run the part 'base' first (same --out)")  # fmt: skip
+    if args.jobs == 1:
+        for run in pending:
+            print(f"== {run.folder}", flush=True)
+            build_toy_model(run.folder, run.config, device=args.device,
+                            resume_from=run.resume_from)  # fmt: skip
+        return
+    failed = _run_in_workers(pending, args)
+    if failed:
+        lines = "\n".join(f"  {folder}: {why}" for folder, why in failed.items())
+        raise RuntimeError(f"{len(failed)} run(s) did not finish:\n{lines}")
+
+
+def _ready(pending: list[Run], running: dict, failed: dict[Path, str]) -> list[Run]:
+    """The pending runs whose base has finished; those whose base failed are moved to
+    ``failed``."""
+    for run in [run for run in pending if run.resume_from in failed]:
+        pending.remove(run)
+        failed[run.folder] = f"skipped: {run.resume_from} failed"
+    unfinished = {run.folder for run in pending} | set(running)
+    return [run for run in pending if run.resume_from not in unfinished]
+
+
+def _run_in_workers(pending: list[Run], args) -> dict[Path, str]:
+    """:func:`execute` with ``--jobs`` worker processes; returns why each failed run failed.
+    Leaving early (an error, Ctrl-C, a SIGTERM such as ``timeout``'s) stops the workers still
+    running."""
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    failed: dict[Path, str] = {}
+    running: dict[Path, tuple] = {}  # folder: (process, start time)
+    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        while pending or running:
+            for run in _ready(pending, running, failed)[: args.jobs - len(running)]:
+                pending.remove(run)
+                process = context.Process(target=_build_in_worker,
+                                          args=(run, args.device, threads))  # fmt: skip
+                process.start()
+                running[run.folder] = (process, time.time())
+                print(f"== {run.folder} (log: {log_file(run.folder)})", flush=True)
+            if not running:
+                if pending:
+                    raise RuntimeError(f"runs wait on runs that never start: {pending}")
+                break
+            wait_for_any([process.sentinel for process, _ in running.values()])
+            for folder, (process, start) in list(running.items()):
+                if process.exitcode is None:
+                    continue
+                del running[folder]
+                if process.exitcode:
+                    failed[folder] = f"exit code {process.exitcode}, see {log_file(folder)}"
+                    print(f"== {folder} FAILED ({failed[folder]})", flush=True)
+                else:
+                    print(f"== {folder} done in {time.time() - start:.0f} s", flush=True)
+        return failed
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        for process, _ in running.values():
+            process.terminate()
+            process.join()
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -258,7 +371,11 @@ def claim2_report(args) -> list[str]:
             if paired:
                 lines.append(f"- at {sparsity}, {name}: {_difference_cell(paired)}: "
                              f"{verdict(paired, better)}")  # fmt: skip
-    return lines
+    seed = args.seeds[0]
+    sheets = [(f"trained {trained}, seed {seed}, evaluated at {sparsity}",
+               claim2_folder(args.out, trained, seed) / SAMPLES_DIR / f"vsa2@{sparsity}.png")
+              for sparsity in (0.0, 0.9) for trained in CLAIM2_TRAIN]  # fmt: skip
+    return lines + _sample_sheet(sheets, args.out / "claim2_samples.png")
 
 
 def claim3_report(args) -> list[str]:
@@ -278,7 +395,31 @@ def claim3_report(args) -> list[str]:
         lines.append(f"| {attention} | {own:.4f} | {dense:.4f} |")
         curves[attention] = info["stages"]
     _plot_claim3(args, curves)
-    return lines
+    sheets = [(f"{attention}, at its attention", args.out / f"base_{attention}" / SAMPLES_DIR /
+               ("dense.png" if attention == "dense" else "vsa2@0.9.png"))
+              for attention in testbed.ATTENTION_SWITCHES]  # fmt: skip
+    return lines + _sample_sheet(sheets, args.out / "claim3_samples.png")
+
+
+def _sample_sheet(grids: list[tuple[str, Path]], path: Path) -> list[str]:
+    """The sample grids (PNG, one video a row) that exist among ``grids``, one under the other,
+    each under its title, as ``path``; the report's line pointing at it (none without grids)."""
+    from PIL import Image, ImageDraw
+
+    found = [(title, Image.open(png).convert("RGB")) for title, png in grids if png.exists()]
+    if not found:
+        return []
+    width = max(image.width for _, image in found)
+    height = sum(TITLE_HEIGHT + image.height for _, image in found)
+    sheet = Image.new("RGB", (width, height), "white")
+    top = 0
+    for title, image in found:
+        ImageDraw.Draw(sheet).text((2, top + 2), title, fill="black")
+        sheet.paste(image, (0, top + TITLE_HEIGHT))
+        top += TITLE_HEIGHT + image.height
+    sheet.save(path)
+    return ["", f"Samples (held-out prompts, ODE, first seed): {path.name}; the prompts of the "
+            "rows are in each run's samples/*.txt."]  # fmt: skip
 
 
 def _plot_claim3(args, curves: dict) -> None:
@@ -319,7 +460,7 @@ def run_report(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="+", choices=PARTS, help="what to run, in order")
+    parser.add_argument("parts", nargs="+", choices=PARTS, help="what to run (report last)")
     parser.add_argument("--out", type=Path, default=Path("runs/claims"), help="output folder")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
@@ -327,13 +468,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--densities", type=float, nargs="+",
                         default=[0.25, 0.125, 0.0625, 0.03125])  # fmt: skip
     parser.add_argument("--steps-scale", type=float, default=1.0, help="x every step count")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each in its own process")  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps_scale <= 0:
         parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
+    if args.jobs < 1:
+        parser.error(f"--jobs: must be >= 1, got {args.jobs}")
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = {"base": run_base, "claim1": run_claim1, "claim2": run_claim2, "report": run_report}
-    for part in args.parts:
-        runs[part](args)
+    runs = {"base": base_runs, "claim1": claim1_runs, "claim2": claim2_runs}
+    execute([run for part in args.parts if part in runs for run in runs[part](args)], args)
+    if "report" in args.parts:
+        run_report(args)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
 """benchmarks/sparsity_claims.py at a tiny scale on the CPU: every part runs from the one
-before it, the measured densities of VSA's router are its closed-form budget, and the verdict
-rule judges paired differences against their spread."""
+before it, the measured densities of VSA's router are its closed-form budget, runs in worker
+processes give the figures of runs in one, a failed run skips only the runs that continue it,
+and the verdict rule judges paired differences against their spread."""
 
+import argparse
 import json
 import math
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -53,6 +60,19 @@ def test_every_part_runs_and_the_report_has_each_claim(tmp_path, tiny_testbed):
     assert "not run" not in report
     assert (out / "claim1.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "claim3.png").read_bytes()[:4] == b"\x89PNG"
+    # the sample sheets: each run's grid (one row a prompt) under a title strip
+    grids = [
+        out / f"base_{a}" / "samples" / name
+        for a, name in (
+            ("dense", "dense.png"),
+            ("rebase", "vsa2@0.9.png"),
+            ("sparse", "vsa2@0.9.png"),
+        )
+    ]
+    heights = [Image.open(grid).height for grid in grids]
+    sheet = Image.open(out / "claim3_samples.png")
+    assert sheet.height == sum(heights) + 3 * sparsity_claims.TITLE_HEIGHT
+    assert Image.open(out / "claim2_samples.png").height > 4 * sparsity_claims.TITLE_HEIGHT
     # at 32 px x 4 frames, 8 x 8 x 4 = 256 tokens: 4 cubes of 64 keys; VSA's router keeps
     # ceil(density * 4) of them for every query tile
     for density in (0.5, 0.25):
@@ -80,3 +100,74 @@ def test_a_finished_run_is_not_run_again(tmp_path, tiny_testbed, monkeypatch):
     monkeypatch.setattr(sparsity_claims, "build_toy_model", refuse)
     sparsity_claims.main(["base", "--out", str(out), "--backend", "torch"])
     assert (out / "base_dense" / "config.json").read_text() == before
+
+
+def _validation(folder: Path) -> list[dict]:
+    info = json.loads((folder / "config.json").read_text())["training"]
+    return [stage["validation"] for stage in info["stages"]]
+
+
+def _low_then_dense(out: Path) -> list:
+    """The 32 px stage and the dense base that continues it."""
+    low = out / "low"
+    return [sparsity_claims.Run(low, testbed.low_resolution_recipe()),
+            sparsity_claims.Run(out / "dense", testbed.testbed_recipe("dense"), low)]  # fmt: skip
+
+
+def test_runs_in_worker_processes_give_the_figures_of_one_process(tmp_path, tiny_testbed):
+    for jobs in (1, 2):
+        runs = _low_then_dense(tmp_path / f"jobs{jobs}")
+        sparsity_claims.execute(runs, argparse.Namespace(jobs=jobs, device="cpu"))
+    for name in ("low", "dense"):
+        one, workers = (
+            _validation(tmp_path / "jobs1" / name),
+            _validation(tmp_path / "jobs2" / name),
+        )
+        assert workers == [pytest.approx(stage, rel=1e-4, abs=1e-6) for stage in one]
+        assert "saved to" in (tmp_path / "jobs2" / f"{name}.log").read_text()
+
+
+def test_a_failed_run_skips_only_the_runs_that_continue_it(tmp_path, tiny_testbed):
+    (tmp_path / "low").write_text("a file where the 32 px stage's folder goes")
+    other = sparsity_claims.Run(tmp_path / "other", testbed.low_resolution_recipe(seed=1))
+    with pytest.raises(RuntimeError, match="2 run") as raised:
+        sparsity_claims.execute([*_low_then_dense(tmp_path), other],
+                                argparse.Namespace(jobs=2, device="cpu"))  # fmt: skip
+    assert f"{tmp_path / 'dense'}: skipped: {tmp_path / 'low'} failed" in str(raised.value)
+    assert sparsity_claims._info(tmp_path / "other") is not None
+    assert not (tmp_path / "dense").exists()
+
+
+def test_a_claim_without_its_base_is_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="run the part 'base' first"):
+        sparsity_claims.main(["claim2", "--out", str(tmp_path), "--seeds", "0"])
+    assert not (tmp_path / "claim2").exists()
+
+
+def test_a_sigterm_stops_the_worker_processes_too(tmp_path):
+    """`timeout` stops a call with SIGTERM: no worker may go on writing into the output."""
+    script = tmp_path / "long_runs.py"
+    script.write_text(f"""
+import argparse, sys
+sys.path.insert(0, {str(Path(sparsity_claims.__file__).parent)!r})
+import sparsity_claims
+from vsa2_rl.toy import testbed
+if __name__ == "__main__":
+    runs = [sparsity_claims.Run(sparsity_claims.Path({str(tmp_path)!r}) / f"run{{i}}",
+                                testbed.low_resolution_recipe(seed=i)) for i in range(2)]
+    sparsity_claims.execute(runs, argparse.Namespace(jobs=2, device="cpu"))
+""")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    started = [parent.stdout.readline() for _ in range(2)]
+    assert all(line.startswith("== ") for line in started)
+    children = psutil.Process(parent.pid).children()
+    workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    assert len(workers) == 2
+    time.sleep(2)  # the workers have started (the full-size recipe would take hours on a CPU)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) != 0
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    for orphan in alive:  # left by a failure: not to go on for minutes after the test
+        orphan.kill()
+    assert not alive
+    assert sparsity_claims._info(tmp_path / "run0") is None

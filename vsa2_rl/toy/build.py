@@ -9,11 +9,12 @@ moving-shape videos (:mod:`vsa2_rl.toy.data`), half of which move opposite to th
 0 to the target, then drawn from the RL range; finally every sparsity from dense to the
 rollouts'. Each stage ends on the EMA of its weights and is saved, so a build cut short can be
 resumed. After each stage the validation flow-matching loss and the detector's figures of ODE
-samples of the held-out prompts (:func:`vsa2_rl.toy.report.sample_report`: shape fidelity,
+samples of the held-out prompts (:func:`vsa2_rl.toy.report.score_samples`: shape fidelity,
 motion score, share of videos with the prompted motion and direction, share of prompts whose
 samples both follow and miss the direction, spread within a prompt's group) are logged and kept
-in the checkpoint's json. The shipped ``assets/toy/`` was built on one H200 GPU
-(``--device cuda``, about 6 minutes); on 2 CPU cores it takes hours.
+in the checkpoint's json; grids of those samples (the first seed of the first prompts, PNG and
+GIF) go to the folder's ``samples/``, one per setting. The shipped ``assets/toy/`` was built on
+one H200 GPU (``--device cuda``, about 6 minutes); on 2 CPU cores it takes hours.
 
 :func:`main` is the command line (``scripts/build_toy_model.py`` runs it)::
 
@@ -40,6 +41,7 @@ from torch import nn
 
 from vsa2_rl.attention import SparsityState
 from vsa2_rl.config import VSA2Config
+from vsa2_rl.eval.media import save_video_grid
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.rl.ema import EMA
 from vsa2_rl.toy.data import COLORS, pretraining_batch, render_batch
@@ -57,8 +59,11 @@ from vsa2_rl.toy.model import (
     toy_velocity,
 )
 from vsa2_rl.toy.prompts import toy_prompts
-from vsa2_rl.toy.report import sample_report
+from vsa2_rl.toy.report import draw_samples, score_samples
 from vsa2_rl.toy.text import ToyTextEncoder, WordTokenizer
+
+SAMPLES_DIR = "samples"  # under the output folder: the last stage's sample grids
+GRID_PROMPTS = 8  # eval prompts per sample grid (their first seed)
 
 
 @torch.no_grad()
@@ -134,7 +139,7 @@ class ToyBuildConfig:
     vsa2: VSA2Config = field(default_factory=lambda: VSA2Config(backend="torch"))
     val_videos: int = 64
     eval_sparsities: tuple[float, ...] = (0.0, 0.5, 0.75, 0.9)
-    # Detector figures (sample_report) after each stage: eval prompts x seeds (0: none), ODE
+    # Detector figures (score_samples) after each stage: eval prompts x seeds (0: none), ODE
     # steps.
     report_seeds: int = 4
     report_steps: int = 10
@@ -203,14 +208,16 @@ def validation_losses(
 
 
 def _stage_report(
-    transformer: nn.Module,
-    text_encoder: ToyTextEncoder,
-    tokenizer: WordTokenizer,
+    modules: tuple[nn.Module, ToyTextEncoder, WordTokenizer],
     state: SparsityState | None,
     config: ToyBuildConfig,
     stage: ToyStage,
+    samples_dir: Path | None = None,
 ) -> dict[str, dict[str, float]]:
-    """:func:`sample_report` on the held-out eval prompts, dense and at each eval sparsity."""
+    """:func:`score_samples` of ODE samples of the held-out eval prompts, dense and at each eval
+    sparsity; with ``samples_dir``, a grid of the first seed's videos of the first
+    ``GRID_PROMPTS`` prompts per setting there (``<label>.png`` / ``.gif``)."""
+    transformer, text_encoder, tokenizer = modules
     bundle = ToyBundle(
         transformer,
         state or SparsityState(),
@@ -222,18 +229,25 @@ def _stage_report(
     report: dict[str, dict[str, float]] = {}
     if not config.report_seeds:
         return report
+    prompts = toy_prompts("eval")
     for sparsity in settings:
         if state is not None:
             state.sparsity = sparsity
         label = "dense" if sparsity is None else f"vsa2@{sparsity}"
-        report[label] = sample_report(
+        videos = draw_samples(
             bundle,
-            toy_prompts("eval"),
+            prompts,
             seeds_per_prompt=config.report_seeds,
             num_steps=config.report_steps,
             num_frames=stage.num_frames,
             size=stage.size,
         )
+        report[label] = score_samples(videos, prompts, config.report_seeds)
+        if samples_dir is not None:
+            first_seeds = videos[:: config.report_seeds][:GRID_PROMPTS]
+            scale = max(1, 64 // stage.size)
+            titles = prompts[:GRID_PROMPTS]
+            save_video_grid(first_seeds, str(samples_dir / label), titles=titles, scale=scale)
         if state is not None:
             state.pop_density()
     return report
@@ -386,7 +400,8 @@ def build_toy_model(
         curve = _train_stage(index, stage, modules, state, schedule, config, generator, log)
         transformer.eval()
         losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
-        report = _stage_report(transformer, text_encoder, tokenizer, state, config, stage)
+        samples_dir = Path(out_dir) / SAMPLES_DIR
+        report = _stage_report(modules, state, config, stage, samples_dir)
         transformer.train()
         log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses}")
         log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)}")
@@ -401,7 +416,9 @@ def build_toy_model(
     info["final_dense_without_vsa2"] = validation_losses(
         dense, text_encoder, tokenizer, None, config, final
     )["dense"]
-    info["final_dense_samples"] = _stage_report(dense, text_encoder, tokenizer, None, config, final)
+    info["final_dense_samples"] = _stage_report(
+        (dense, text_encoder, tokenizer), None, config, final
+    )
     info["build_seconds"] = round(time.time() - start, 1)
     info["build_device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     log(f"dense attention (VSA2 layers removed): {info['final_dense_without_vsa2']:.4f}")
