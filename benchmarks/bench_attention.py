@@ -12,7 +12,7 @@ accumulation is timed) with ``triton.testing.do_bench`` medians at Wan2.1 shapes
   ``topk`` and, with ``--router-modes topk,topp``, ``topp`` at top_p 0.9 (the recipes' mode;
   on random scores it keeps the whole budget, so the two rows differ only in the router).
 
-``--bwd two_pass,fused`` times our rows once per backward path of the fine stage (issue 37):
+``--bwd two_pass,fused`` times our rows once per backward path of the fine stage:
 ``two_pass`` (the default, deterministic) keeps the plain names, other paths add a suffix
 (``ours-fine-kv16-fused``) and skip the forward-only row (the forward is the same kernel).
 ``fused:R`` forces R key ranges of the fused backward (``VSA2_RL_BWD_KEY_RANGES``; without it the

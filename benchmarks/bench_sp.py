@@ -1,4 +1,4 @@
-"""Benchmark for several GPUs (issue 25): a Wan-shaped DiT forward under Ulysses sequence
+"""Benchmark for several GPUs: a Wan-shaped DiT forward under Ulysses sequence
 parallelism over all the processes of ``torchrun``, against the same forward on one process.
 
 Each process builds the same transformer (random bf16 weights, VSA2 at the recipe's settings,

@@ -25,7 +25,7 @@ if [ "$(cat /tmp/site/.installed 2>/dev/null)" != "$wheels" ]; then
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-# the Wan-shaped issue-8 runs (benchmarks/wan_shaped_rl.yaml, model from the "wan" part)
+# the Wan-shaped trainer runs (benchmarks/wan_shaped_rl.yaml, model from the "wan" part)
 run="train_rl.py --config benchmarks/wan_shaped_rl.yaml model.path=/tmp/wan1.3b"
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests attention rl e2e ddp)
@@ -50,17 +50,17 @@ for part in "${parts[@]}"; do
       timeout 80 python3 benchmarks/bench_e2e.py --grids 720p --compile off --forward-only --reps 2 \
         --warmup 1 --only "VSA2 0.95 kv64" \
         --out "$OUT/e2e.md" 2>&1 | tail -20 ;;
-    attention_all)  # issue 3's whole table: both Wan shapes, kv 16/32/64, FlexAttention, FastVideo
+    attention_all)  # the whole table: both Wan shapes, kv 16/32/64, FlexAttention, FastVideo
       timeout 420 python3 benchmarks/bench_attention.py --out "$OUT/attention_all.md" \
         > "$OUT/attention_all.log" 2>&1; tail -4 "$OUT/attention_all.log" ;;
-    e2e_all)  # issue 4's table: forward and forward+backward, compiled, 0.875 and 0.95 (GRIDS)
+    e2e_all)  # the DiT table: forward and forward+backward, compiled, 0.875 and 0.95 (GRIDS)
       timeout 500 python3 benchmarks/bench_e2e.py --grids ${GRIDS:-480p 720p} --compile on \
         --reps 2 --warmup 1 --only "VSA2 0.875 kv64" "VSA2 0.95 kv64" \
         --out "$OUT/e2e_all_${GRIDS// /_}.md" > "$OUT/e2e_all.log" 2>&1; tail -8 "$OUT/e2e_all.log" ;;
-    e2e_compiled)  # issue 4 with torch.compile of the blocks: 720p forward
+    e2e_compiled)  # the DiT with torch.compile of the blocks: 720p forward
       timeout 240 python3 benchmarks/bench_e2e.py --grids 720p --compile on --forward-only \
         --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8 ;;
-    rl_compiled)  # issue 6 with torch.compile of the blocks: one RL iteration at 480p
+    rl_compiled)  # the RL iteration with torch.compile of the blocks: one RL iteration at 480p
       timeout 400 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --compile \
         --out "$OUT/rl_step_compiled.md" > "$OUT/rl_compiled.log" 2>&1; tail -8 "$OUT/rl_compiled.log" ;;
     ddp)  # the trainer on 2 GPUs (DDP, NCCL) vs 1 GPU, same global batch and seeds (toy model)
@@ -113,10 +113,10 @@ for part in "${parts[@]}"; do
       tail -3 "$OUT/profile.txt" ;;
     wan)  # a Wan-1.3B-shaped diffusers folder with random weights for the runs below
       python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1 || echo "model folder failed" ;;
-    gpu1)  # issue 8 reference: the short Wan-shaped run on one GPU
+    gpu1)  # the engines' reference: the short Wan-shaped run on one GPU
       PYTHONSAFEPATH=1 timeout 240 python3 $run out_dir=/tmp/mg/gpu1 > "$OUT/mg_gpu1.log" 2>&1
       tail -2 "$OUT/mg_gpu1.log" ;;
-    algorithms)  # issue 32 (after "wan"): seconds per iteration of Flow-GRPO and DiffusionNFT,
+    algorithms)  # (after "wan"): seconds per iteration of Flow-GRPO and DiffusionNFT,
       # same samples per step, at the 1.3B recipe's attention settings; then the table
       recipe="attention.kv_block=16 attention.mode=topp train.num_steps=3 sampler.num_steps=8"
       PYTHONSAFEPATH=1 timeout 200 python3 $run $recipe out_dir=/tmp/alg/flow_grpo \
@@ -146,7 +146,7 @@ for part in "${parts[@]}"; do
           --no-fastvideo --out "$OUT/gluon_$gluon.md" > /dev/null 2>&1
         echo "-- VSA2_RL_GLUON=$gluon"; grep "ours\|cudnn" "$OUT/gluon_$gluon.md"
       done ;;
-    resume_toy)  # issue 8 on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and
+    resume_toy)  # on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and
       # resumed equals the uninterrupted 3-step run
       toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy grpo.prompts_per_step=2
         grpo.group_size=4 sampler.num_steps=8 train.checkpoint_every=1 logging.progress=false"
@@ -160,7 +160,7 @@ for part in "${parts[@]}"; do
         python3 benchmarks/compare_runs.py $engine=/tmp/rt/${engine}_full \
           ${engine}_resumed=/tmp/rt/${engine}_resumed --out "$OUT/resume_toy_$engine.md"
       done ;;
-    resume)  # issue 8: a 2-GPU run stopped after step 2 and resumed equals the uninterrupted run
+    resume)  # a 2-GPU run stopped after step 2 and resumed equals the uninterrupted run
       # (MG_EXTRA: overrides for both, e.g. parallel.sequence_parallel_size=2 with ENGINES=fsdp2)
       [ -d /tmp/wan1.3b ] || python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1
       for engine in ${ENGINES:-ddp_2gpu zero2}; do
@@ -245,7 +245,7 @@ for part in "${parts[@]}"; do
         dirs=$(ls -d /tmp/toy_rl/${variant%%=*}_[0-9]*/ | paste -sd,); echo "${variant%%=*}=$dirs"
       done > /tmp/toy_rl/groups
       python3 benchmarks/efficacy_table.py $(cat /tmp/toy_rl/groups) --out "$OUT/toy_rl.md" ;;
-    prefix)  # issue 22: rollout time with the ODE prefix shared per group, Wan-1.3B shape (after
+    prefix)  # rollout time with the ODE prefix shared per group, Wan-1.3B shape (after
       # "wan"): moving SDE window of 2 in [0, 8) of 16 steps, one noise per group or not, VSA2
       # at the 1.3B recipe's attention settings; the table from the runs' metrics
       for shared in false true; do
@@ -258,14 +258,14 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py independent=/tmp/prefix_false shared=/tmp/prefix_true \
         --keys perf/rollout_s perf/rollout_evals | tee "$OUT/prefix.md" ;;
-    sp_speed)  # issue 25 (2+ GPUs): a Wan-14B-shaped forward at 720p x 81 on 1 GPU, then with
+    sp_speed)  # (2+ GPUs) a Wan-14B-shaped forward at 720p x 81 on 1 GPU, then with
       # sequence parallelism over SP_GPUS (default 2); rows in $OUT/sp_speed.md
       for gpus in 1 ${SP_GPUS:-2}; do
         PYTHONSAFEPATH=1 timeout 400 torchrun --nproc_per_node $gpus benchmarks/bench_sp.py \
           --model 14b --layers ${SP_LAYERS:-8} --out "$OUT/sp_speed.md" > "$OUT/sp_speed_$gpus.log" 2>&1
         tail -1 "$OUT/sp_speed_$gpus.log"
       done ;;
-    sp_train)  # issue 25 (2 GPUs, after "wan"): the Wan-shaped run at the 1.3B recipe's attention
+    sp_train)  # (2 GPUs, after "wan") the Wan-shaped run at the 1.3B recipe's attention
       # settings on one GPU, and with sequence parallelism 2 under DDP and FSDP2 (the same
       # global batch: one data-parallel rank); then the table
       recipe="attention.kv_block=16 attention.mode=topp"
@@ -278,7 +278,7 @@ for part in "${parts[@]}"; do
       done
       python3 benchmarks/compare_runs.py 1gpu=/tmp/mg/sp1 sp2_ddp=/tmp/mg/sp2_ddp_2gpu \
         sp2_fsdp2=/tmp/mg/sp2_fsdp2 --out "$OUT/sp_train.md" ;;
-    sp_memory)  # issue 23: per-GPU memory of Wan-14B-shaped blocks at 720p x 81 frames, P = 1-8
+    sp_memory)  # per-GPU memory of Wan-14B-shaped blocks at 720p x 81 frames, P = 1-8
       timeout 400 python3 benchmarks/sp_memory.py --out "$OUT/sp_memory.md" 2>&1 | tail -40 ;;
   esac
 done

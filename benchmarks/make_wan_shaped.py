@@ -1,5 +1,5 @@
 """Write a diffusers folder shaped like Wan2.1-T2V-1.3B, with random weights, for GPU runs of the
-trainer where the real weights cannot be downloaded (multi-GPU runs of issue 8).
+trainer where the real weights cannot be downloaded (the multi-GPU trainer runs).
 
 The transformer has the real 1.3B configuration (``bench_e2e.WAN_1_3B``) and the VAE the real
 ``AutoencoderKLWan`` architecture, so time and memory are those of the real model. The text side

@@ -1,6 +1,6 @@
 """GPU benchmark: per-GPU memory of Wan-14B-shaped blocks at 720p x 81 frames (75,600 tokens) under
 Ulysses sequence parallelism of size P = 1, 2, 4, 8, measured on one GPU and extrapolated to the
-model's 40 layers (issue 23).
+model's 40 layers.
 
 One GPU plays rank 0 of a group of P (``OneRankOfGroup``): its exchanges keep the shapes a rank
 holds (its own slice stands in for the other ranks' data), so the activations, the attention's

@@ -2,9 +2,9 @@
 filled in before ``accelerator.prepare``, the options refused under ZeRO-3 and FSDP2 and the
 launchers refused (vsa2_rl.rl.engines).
 
-The loop itself under DeepSpeed ZeRO-2/3 needs GPUs (benchmarks/BENCHMARKS.md, issue 8); under
-FSDP2 it runs on CPU processes in tests/test_distributed.py. These tests use a stand-in
-accelerator that carries only what the functions read.
+The loop itself under DeepSpeed ZeRO-2/3 needs GPUs (benchmarks/BENCHMARKS.md, gpu_session
+parts engines and resume); under FSDP2 it runs on CPU processes in tests/test_distributed.py.
+These tests use a stand-in accelerator that carries only what the functions read.
 """
 
 from types import SimpleNamespace
