@@ -70,6 +70,7 @@ def test_every_part_runs_and_the_report_has_each_claim(tmp_path, tiny_testbed):
         )
     ]
     heights = [Image.open(grid).height for grid in grids]
+    assert not (out / "base_rebase" / "samples" / "dense.png").exists()  # its 32 px stage's
     sheet = Image.open(out / "claim3_samples.png")
     assert sheet.height == sum(heights) + 3 * sparsity_claims.TITLE_HEIGHT
     assert Image.open(out / "claim2_samples.png").height > 4 * sparsity_claims.TITLE_HEIGHT

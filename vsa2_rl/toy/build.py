@@ -12,9 +12,10 @@ resumed. After each stage the validation flow-matching loss and the detector's f
 samples of the held-out prompts (:func:`vsa2_rl.toy.report.score_samples`: shape fidelity,
 motion score, share of videos with the prompted motion and direction, share of prompts whose
 samples both follow and miss the direction, spread within a prompt's group) are logged and kept
-in the checkpoint's json; grids of those samples (the first seed of the first prompts, PNG and
-GIF) go to the folder's ``samples/``, one per setting. The shipped ``assets/toy/`` was built on
-one H200 GPU (``--device cuda``, about 6 minutes); on 2 CPU cores it takes hours.
+in the checkpoint's json; grids of the last stage's samples (the first seed of the first
+prompts, PNG and GIF) go to the folder's ``samples/``, one per setting. The shipped
+``assets/toy/`` was built on one H200 GPU (``--device cuda``, about 6 minutes); on 2 CPU cores it
+takes hours.
 
 :func:`main` is the command line (``scripts/build_toy_model.py`` runs it)::
 
@@ -400,7 +401,8 @@ def build_toy_model(
         curve = _train_stage(index, stage, modules, state, schedule, config, generator, log)
         transformer.eval()
         losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
-        samples_dir = Path(out_dir) / SAMPLES_DIR
+        last = index == len(config.stages) - 1
+        samples_dir = Path(out_dir) / SAMPLES_DIR if last else None
         report = _stage_report(modules, state, config, stage, samples_dir)
         transformer.train()
         log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses}")
