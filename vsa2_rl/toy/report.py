@@ -88,25 +88,3 @@ def score_samples(videos: torch.Tensor, prompts: list[str], seeds_per_prompt: in
         "group_std": motion.view(len(prompts), -1).std(dim=1).mean().item(),
         "speed_error": 1.0 - get_reward("prompt_speed")(videos, repeated).mean().item(),
     }
-
-
-def sample_report(
-    bundle: ToyBundle,
-    prompts: list[str],
-    *,
-    seeds_per_prompt: int,
-    num_steps: int,
-    num_frames: int,
-    size: int,
-) -> dict[str, float]:
-    """:func:`score_samples` of deterministic ODE samples of ``prompts`` x ``seeds_per_prompt``
-    at the bundle's current sparsity."""
-    videos = draw_samples(
-        bundle,
-        prompts,
-        seeds_per_prompt=seeds_per_prompt,
-        num_steps=num_steps,
-        num_frames=num_frames,
-        size=size,
-    )
-    return score_samples(videos, prompts, seeds_per_prompt)
