@@ -180,11 +180,16 @@ for part in "${parts[@]}"; do
       python3 benchmarks/compare_runs.py $runs --out "$OUT/resume.md" ;;
     claims)  # VSA2's quality claims (benchmarks/sparsity_claims.py), CLAIMS="base claim2 ..."
       # into runs/claims (kept on a warm machine), CLAIMS_JOBS runs at once: finished runs are
-      # reused, so after a timeout the same call goes on; claims.md, its plots and sample
-      # sheets and the log come back in $OUT
-      timeout ${CLAIMS_S:-540} python3 -P benchmarks/sparsity_claims.py ${CLAIMS:-base} \
+      # reused and stopped ones saved (60 s grace), so after a timeout the same call goes on;
+      # claims.md, its plots and sample sheets and the log (with each run's last line and the
+      # tracebacks of failed runs) come back in $OUT
+      timeout -k 75 ${CLAIMS_S:-480} python3 -P benchmarks/sparsity_claims.py ${CLAIMS:-base} \
         --device cuda --jobs ${CLAIMS_JOBS:-6} --out runs/claims > "$OUT/claims.log" 2>&1
       echo "claims rc=$?"; grep "^==" "$OUT/claims.log" | tail -12
+      for log in $(find runs/claims -name "*.log" | sort); do
+        echo "-- $log: $(tail -n 1 "$log")"
+        grep -q Traceback "$log" && tail -n 20 "$log"
+      done >> "$OUT/claims.log"
       python3 -P benchmarks/sparsity_claims.py report --out runs/claims > /dev/null 2>&1
       cp runs/claims/claims.md runs/claims/*.png "$OUT/" 2>/dev/null ;;
     toy_build)  # the toy model (scripts/build_toy_model.py) into $OUT/toy; TOY_RESUME=DIR

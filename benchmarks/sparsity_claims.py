@@ -2,8 +2,9 @@
 
 Parts; the runs of those given are scheduled together under ``--out``, each as soon as the base
 it continues has finished, ``--jobs`` at once in worker processes (one GPU holds several of
-these runs; each writes its progress to ``<folder>.log``). A finished run's folder is reused, so
-a call cut short is continued by running it again:
+these runs; each writes its progress to ``<folder>.log``). A finished run's folder is reused,
+and a call stopped by SIGTERM (``timeout``) has its workers save their stage's state, so a call
+cut short is continued by running it again:
 
 - ``base``: the testbed pretrained three ways, ``dense``, ``rebase`` (VSA2 from the resolution
   change on) and ``sparse`` (VSA2 from the start): claim 3's validation-loss curves, and the
@@ -44,6 +45,7 @@ import multiprocessing
 import os
 import signal
 import statistics
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ import torch
 
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.toy import testbed
-from vsa2_rl.toy.build import SAMPLES_DIR, ToyBuildConfig, build_toy_model
+from vsa2_rl.toy.build import SAMPLES_DIR, BuildStopped, ToyBuildConfig, build_toy_model
 from vsa2_rl.toy.model import CONFIG_FILE
 
 PARTS = ("base", "claim1", "claim2", "report")
@@ -63,6 +65,8 @@ ROUTERS = {"kv16 top-p": (16, "topp"), "kv64 top-k": (64, "topk")}
 CLAIM1_STEPS, CLAIM2_STEPS = 200, 400
 CLAIM2_TRAIN = {"sparse 0.9": 0.9, "dense": 0.0}
 TITLE_HEIGHT = 16  # pixels above each grid of a sample sheet
+STOP_GRACE_S = 60  # how long a stopped worker may take to save its stage's state
+STOPPED_EXIT_CODE = 3  # a worker's exit code after saving a stopped stage's state
 
 
 def _info(folder: Path) -> dict | None:
@@ -146,16 +150,29 @@ def log_file(folder: Path) -> Path:
     return folder.parent / f"{folder.name}.log"
 
 
+def resume_point(run: Run) -> Path | None:
+    """Where ``run`` starts: its own folder once a stage of it has been saved there (a call cut
+    short), else the build it continues."""
+    return run.folder if (run.folder / CONFIG_FILE).exists() else run.resume_from
+
+
 def _build_in_worker(run: Run, device: str, threads: int) -> None:
-    """A worker process's build of ``run``, its progress and any traceback in :func:`log_file`."""
+    """A worker process's build of ``run``, its progress and any traceback in :func:`log_file`
+    (appended: a run continued by a later call keeps its earlier lines). A SIGTERM stops the
+    build at its next step with the stage's state saved, to be continued by the next call."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     torch.set_num_threads(threads)
     log_file(run.folder).parent.mkdir(parents=True, exist_ok=True)
-    with log_file(run.folder).open("w") as stream:
+    with log_file(run.folder).open("a") as stream:
         try:
             build_toy_model(
                 run.folder, run.config, log=lambda line: print(line, file=stream, flush=True),
-                device=device, resume_from=run.resume_from,
+                device=device, resume_from=resume_point(run), stop_requested=stop.is_set,
             )  # fmt: skip
+        except BuildStopped as stopped:
+            print(stopped, file=stream, flush=True)
+            raise SystemExit(STOPPED_EXIT_CODE) from None
         except BaseException:
             traceback.print_exc(file=stream)
             raise
@@ -176,7 +193,7 @@ def execute(runs: list[Run], args) -> None:
         for run in pending:
             print(f"== {run.folder}", flush=True)
             build_toy_model(run.folder, run.config, device=args.device,
-                            resume_from=run.resume_from)  # fmt: skip
+                            resume_from=resume_point(run))  # fmt: skip
         return
     failed = _run_in_workers(pending, args)
     if failed:
@@ -197,7 +214,7 @@ def _ready(pending: list[Run], running: dict, failed: dict[Path, str]) -> list[R
 def _run_in_workers(pending: list[Run], args) -> dict[Path, str]:
     """:func:`execute` with ``--jobs`` worker processes; returns why each failed run failed.
     Leaving early (an error, Ctrl-C, a SIGTERM such as ``timeout``'s) stops the workers still
-    running."""
+    running: each saves its stage's state at its next step (killed after ``STOP_GRACE_S``)."""
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     failed: dict[Path, str] = {}
@@ -231,7 +248,12 @@ def _run_in_workers(pending: list[Run], args) -> dict[Path, str]:
         signal.signal(signal.SIGTERM, sigterm)
         for process, _ in running.values():
             process.terminate()
-            process.join()
+        deadline = time.time() + STOP_GRACE_S
+        for process, _ in running.values():
+            process.join(max(0.0, deadline - time.time()))
+            if process.exitcode is None:
+                process.kill()
+                process.join()
 
 
 # ---- report -------------------------------------------------------------------------------

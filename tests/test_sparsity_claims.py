@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import sparsity_claims
 
 from vsa2_rl.toy import testbed
+from vsa2_rl.toy.build import PARTIAL_FILE
 
 
 def test_verdict_compares_the_mean_difference_with_its_spread():
@@ -145,14 +146,18 @@ def test_a_claim_without_its_base_is_refused_before_anything_runs(tmp_path, caps
     assert not (tmp_path / "claim2").exists()
 
 
-def test_a_sigterm_stops_the_worker_processes_too(tmp_path):
-    """`timeout` stops a call with SIGTERM: no worker may go on writing into the output."""
+def test_a_sigterm_stops_the_workers_with_their_state_saved(tmp_path):
+    """`timeout` stops a call with SIGTERM: no worker may go on writing into the output, and
+    each saves its stage's state for the next call to continue from."""
     script = tmp_path / "long_runs.py"
     script.write_text(f"""
 import argparse, sys
 sys.path.insert(0, {str(Path(sparsity_claims.__file__).parent)!r})
 import sparsity_claims
 from vsa2_rl.toy import testbed
+testbed.TESTBED_ARCHITECTURE.update(num_attention_heads=2, attention_head_dim=16, ffn_dim=64,
+                                    num_layers=2, freq_dim=32)
+testbed.FRAMES, testbed.LOW_SIZE, testbed.BATCH, testbed.LOW_STEPS = 4, 16, 2, 10**6
 if __name__ == "__main__":
     runs = [sparsity_claims.Run(sparsity_claims.Path({str(tmp_path)!r}) / f"run{{i}}",
                                 testbed.low_resolution_recipe(seed=i)) for i in range(2)]
@@ -164,11 +169,18 @@ if __name__ == "__main__":
     children = psutil.Process(parent.pid).children()
     workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
     assert len(workers) == 2
-    time.sleep(2)  # the workers have started (the full-size recipe would take hours on a CPU)
+    logs = [sparsity_claims.log_file(tmp_path / f"run{i}") for i in range(2)]
+    deadline = time.time() + 120
+    while not all(log.exists() and " step " in log.read_text() for log in logs):
+        assert time.time() < deadline, "the workers did not start training"
+        time.sleep(0.5)
     parent.send_signal(signal.SIGTERM)
-    assert parent.wait(timeout=60) != 0
+    assert parent.wait(timeout=90) != 0
     _, alive = psutil.wait_procs(workers, timeout=30)
     for orphan in alive:  # left by a failure: not to go on for minutes after the test
         orphan.kill()
     assert not alive
-    assert sparsity_claims._info(tmp_path / "run0") is None
+    for index, log in enumerate(logs):
+        assert sparsity_claims._info(tmp_path / f"run{index}") is None
+        assert "stopped before step" in log.read_text()
+        assert (tmp_path / f"run{index}" / PARTIAL_FILE).exists()

@@ -8,9 +8,11 @@ moving-shape videos (:mod:`vsa2_rl.toy.data`), half of which move opposite to th
 16x16 px; sparse rebasing to VSA2 (:mod:`vsa2_rl.models.rebase`) with the sparsity annealed from
 0 to the target, then drawn from the RL range; finally every sparsity from dense to the
 rollouts'. Each stage ends on the EMA of its weights and is saved, so a build cut short can be
-resumed. After each stage the validation flow-matching loss and the detector's figures of ODE
-samples of the held-out prompts (:func:`vsa2_rl.toy.report.score_samples`: shape fidelity,
-motion score, share of videos with the prompted motion and direction, share of prompts whose
+resumed; a build asked to stop (``stop_requested``, e.g. on SIGTERM) also saves its stage's
+training state at the next step and continues from that step when built again into its folder.
+After each stage the validation flow-matching loss and the detector's figures of ODE samples
+of the held-out prompts (:func:`vsa2_rl.toy.report.score_samples`: shape fidelity, motion
+score, share of videos with the prompted motion and direction, share of prompts whose
 samples both follow and miss the direction, spread within a prompt's group) are logged and kept
 in the checkpoint's json; grids of the last stage's samples (the first seed of the first
 prompts, PNG and GIF) go to the folder's ``samples/``, one per setting. The shipped
@@ -31,6 +33,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -65,6 +68,11 @@ from vsa2_rl.toy.text import ToyTextEncoder, WordTokenizer
 
 SAMPLES_DIR = "samples"  # under the output folder: the last stage's sample grids
 GRID_PROMPTS = 8  # eval prompts per sample grid (their first seed)
+PARTIAL_FILE = "partial_stage.pt"  # under the output folder: a stopped stage's training state
+
+
+class BuildStopped(Exception):
+    """A build stopped on request between two steps; its stage's state is in ``PARTIAL_FILE``."""
 
 
 @torch.no_grad()
@@ -269,9 +277,14 @@ def _train_stage(
     config: ToyBuildConfig,
     generator: torch.Generator,
     log: Callable[[str], None],
+    partial: Path,
+    stop_requested: Callable[[], bool],
 ) -> list[dict]:
     """One stage of flow matching (AdamW, warm-up + cosine); ends on the stage's EMA weights.
-    Returns the validation curve (every ``config.val_every`` steps, of the live weights)."""
+    Returns the validation curve (every ``config.val_every`` steps, of the live weights).
+
+    Continues from ``partial`` when it holds this stage's state; when ``stop_requested()`` turns
+    true, saves the state there before the next step and raises :class:`BuildStopped`."""
     transformer, text_encoder, tokenizer = modules
     device = next(transformer.parameters()).device
     params = list(transformer.parameters()) + list(text_encoder.parameters())
@@ -285,9 +298,17 @@ def _train_stage(
 
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     ema = EMA(params, config.ema_decay, warmup=True)
-    curve = []
+    training = {"transformer": transformer, "text_encoder": text_encoder, "optimizer": optimizer,
+                "lr_schedule": lr_schedule, "ema": ema}  # fmt: skip
+    curve, first_step = [], 0
+    if partial.exists():
+        first_step, curve = _load_partial(partial, index, stage, config, training, generator)
+        log(f"stage {index}: continuing at step {first_step} from {partial}")
     start = time.time()
-    for step in range(stage.steps):
+    for step in range(first_step, stage.steps):
+        if stop_requested():
+            _save_partial(partial, index, stage, config, training, generator, step, curve)
+            raise BuildStopped(f"stage {index} stopped before step {step}, saved to {partial}")
         if state is not None:
             if schedule is not None and step < schedule.steps:
                 schedule.apply(state, step)
@@ -326,6 +347,65 @@ def _train_stage(
     return curve
 
 
+def _stage_identity(index: int, stage: ToyStage, config: ToyBuildConfig) -> dict:
+    """What a stage's saved state must match to be continued: the stage and its recipe."""
+    identity = {"index": index, "stage": asdict(stage), "recipe": asdict(config)}
+    return json.loads(json.dumps(identity))
+
+
+def _save_partial(
+    path: Path,
+    index: int,
+    stage: ToyStage,
+    config: ToyBuildConfig,
+    training: dict,
+    generator: torch.Generator,
+    step: int,
+    curve: list[dict],
+) -> None:
+    """The state of stage ``index`` before ``step`` (weights, optimizer, schedule, EMA, random
+    generators, validation curve) in ``path``, written whole or not at all."""
+    state = {name: part.state_dict() for name, part in training.items()}
+    state.update(
+        identity=_stage_identity(index, stage, config),
+        step=step,
+        curve=curve,
+        generator=generator.get_state(),
+        torch_rng=torch.get_rng_state(),
+        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = path.with_suffix(".tmp")
+    torch.save(state, written)
+    os.replace(written, path)
+
+
+def _load_partial(
+    path: Path,
+    index: int,
+    stage: ToyStage,
+    config: ToyBuildConfig,
+    training: dict,
+    generator: torch.Generator,
+) -> tuple[int, list[dict]]:
+    """Restores :func:`_save_partial`'s state into ``training`` and ``generator``; returns the
+    step to continue at and the validation curve so far."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["identity"] != _stage_identity(index, stage, config):
+        raise ValueError(
+            f"{path} holds the state of another stage or recipe (stage {state['identity']['index']}"
+            f" of {state['identity']['recipe']['stages']}); delete it to build stage {index} "
+            "from its start, or build with the recipe that wrote it"
+        )
+    for name, part in training.items():
+        part.load_state_dict(state[name])
+    generator.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    return state["step"], state["curve"]
+
+
 def _resume_build(
     path: Path, config: ToyBuildConfig, transformer: nn.Module, text_encoder: ToyTextEncoder
 ) -> tuple[dict, SparsityState | None]:
@@ -357,13 +437,17 @@ def build_toy_model(
     log: Callable[[str], None] | None = None,
     device: torch.device | str = "cpu",
     resume_from: str | Path | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> dict:
     """Train the toy model per ``config`` on ``device`` and save it to ``out_dir`` (after every
     stage); returns the training info (per stage: validation losses and the detector's report).
 
     Stage i draws its data and initialises what it adds from seed ``config.seed + 1000 * i``, so
     ``resume_from`` (a folder this function wrote, with the first stages of ``config`` done)
-    continues as the uninterrupted build would. ``log`` receives progress lines (default: print,
+    continues as the uninterrupted build would. Checked between steps, ``stop_requested()``
+    true saves the stage's state to ``out_dir/PARTIAL_FILE`` and raises :class:`BuildStopped`;
+    the next build into ``out_dir`` (resumed from its last finished stage) continues from it
+    as the uninterrupted build would. ``log`` receives progress lines (default: print,
     flushed). Weights train in float32 (bf16 autocast and TF32 products on CUDA).
     """
     log = log or functools.partial(print, flush=True)
@@ -384,6 +468,7 @@ def build_toy_model(
         log(f"resumed from {resume_from} after stage {len(info['stages']) - 1}")
     transformer.to(device)
     text_encoder.to(device)
+    partial = Path(out_dir) / PARTIAL_FILE
     start = time.time()
     for index, stage in enumerate(config.stages):
         if index < len(info["stages"]):
@@ -398,7 +483,8 @@ def build_toy_model(
             schedule = RebaseSchedule(config.target_sparsity, config.rebase_steps)
             log(f"stage {index}: rebased to VSA2, sparsity 0 -> {config.target_sparsity}")
         modules = (transformer, text_encoder, tokenizer)
-        curve = _train_stage(index, stage, modules, state, schedule, config, generator, log)
+        curve = _train_stage(index, stage, modules, state, schedule, config, generator, log,
+                             partial, stop_requested)  # fmt: skip
         transformer.eval()
         losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
         last = index == len(config.stages) - 1
@@ -411,6 +497,7 @@ def build_toy_model(
         info["stages"].append({**entry, "curve": curve} if config.val_every else entry)
         info["build_seconds"] = round(time.time() - start, 1)
         save_toy_checkpoint(out_dir, transformer, text_encoder, info)  # kept if a later stage dies
+        partial.unlink(missing_ok=True)
     # The dense reference at the final resolution: the same weights without the VSA2 layers.
     final = config.stages[-1]
     dense = make_toy_transformer(architecture).to(device).eval()
