@@ -178,20 +178,27 @@ for part in "${parts[@]}"; do
         runs="$runs $engine=/tmp/mg/$engine ${engine}_resumed=/tmp/mg/${engine}_resumed"
       done
       python3 benchmarks/compare_runs.py $runs --out "$OUT/resume.md" ;;
-    claims)  # VSA2's quality claims (benchmarks/sparsity_claims.py), CLAIMS="base claim2 ..."
-      # into runs/claims (kept on a warm machine), CLAIMS_JOBS runs at once: finished runs are
-      # reused and stopped ones saved (60 s grace), so after a timeout the same call goes on;
-      # claims.md, its plots and sample sheets and the log (with each run's last line and the
-      # tracebacks of failed runs) come back in $OUT
+    claims)  # VSA2's quality claims (benchmarks/sparsity_claims.py), CLAIMS="claim2 ..." (and
+      # CLAIMS_ARGS, e.g. "--seeds 0") into runs/claims (kept on a warm machine), with the bases
+      # they need, CLAIMS_JOBS runs at once: finished runs are reused and stopped ones saved
+      # (60 s grace), so after a timeout the same call goes on; claims.md, its plots and sample
+      # sheets, the log (each run's progress lines and the tracebacks of failed runs) and
+      # claims_runs.tar (each finished run's config.json and sample grids, no weights: the
+      # figures to gather with those of other sessions, see sparsity_claims.py) come back in $OUT
       timeout -k 75 ${CLAIMS_S:-480} python3 -P benchmarks/sparsity_claims.py ${CLAIMS:-base} \
-        --device cuda --jobs ${CLAIMS_JOBS:-6} --out runs/claims > "$OUT/claims.log" 2>&1
+        ${CLAIMS_ARGS:-} --device cuda --jobs ${CLAIMS_JOBS:-2} --out runs/claims \
+        > "$OUT/claims.log" 2>&1
       echo "claims rc=$?"; grep "^==" "$OUT/claims.log" | tail -12
       for log in $(find runs/claims -name "*.log" | sort); do
-        echo "-- $log: $(tail -n 1 "$log")"
+        echo "-- $log"; grep " step \|saved to\|stopped\|continuing\|Error" "$log"
         grep -q Traceback "$log" && tail -n 20 "$log"
       done >> "$OUT/claims.log"
-      python3 -P benchmarks/sparsity_claims.py report --out runs/claims > /dev/null 2>&1
-      cp runs/claims/claims.md runs/claims/*.png "$OUT/" 2>/dev/null ;;
+      python3 -P benchmarks/sparsity_claims.py report ${CLAIMS_ARGS:-} --out runs/claims \
+        > /dev/null 2>&1
+      cp runs/claims/claims.md runs/claims/*.png "$OUT/" 2>/dev/null
+      ( cd runs/claims && for info in $(grep -l build_device $(find . -name config.json)); do
+          echo "$info"; ls "${info%config.json}"samples/*.png 2>/dev/null
+        done ) | tar -C runs/claims -cf "$OUT/claims_runs.tar" -T - ;;
     toy_build)  # the toy model (scripts/build_toy_model.py) into $OUT/toy; TOY_RESUME=DIR
       # continues a build whose first stages are done
       timeout ${TOY_BUILD_S:-570} python3 -P scripts/build_toy_model.py --device cuda \

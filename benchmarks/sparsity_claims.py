@@ -21,20 +21,28 @@ cut short is continued by running it again:
 
 ::
 
-    python benchmarks/sparsity_claims.py base claim1 claim2 report --device cuda --jobs 6 \
+    python benchmarks/sparsity_claims.py base claim1 claim2 report --device cuda --jobs 2 \
         --out runs/claims
     python benchmarks/sparsity_claims.py report --out runs/claims   # tables of what has run
 
-``--steps-scale`` multiplies every step count (a quick look: 0.05).
+``--steps-scale`` multiplies every step count (a quick look: 0.05). The parts given build the
+bases their runs continue (``claim1`` alone: the 32 px stage and the dense base).
 
-Time on one H200 (bf16 autocast), from 60-step probes at batch 32, the Triton tuning of the
-first steps included: 0.12 s a step at 32 px, 0.28 s at 64 px dense, 0.47 s with VSA2 kv16
-top-p and 0.35 s with kv64 top-k at 0.9; a run's validation and sample report about 30 s. At
-the recipe's batch of 16 that puts ``base`` at about 12 minutes, ``claim1`` (24 runs) at about
-16 and ``claim2`` (6 runs) at about 10, one run at a time (estimates, to be replaced by the
-measured times; how much running several at once gains is measured with them). A checkpoint
-(20 M parameters) is too large to keep between machines: a session rebuilds the bases it needs
-from the same seed.
+Time and memory on one H200 (bf16 autocast), measured with 3 to 8 runs at once: the runs
+together advance about 3 steps a second at 64 px (batch 16; a 32 px step costs about 0.4 of
+one), no faster than one run alone is estimated to (0.14 s a dense step, 0.24 s a kv16 top-p
+one, from 60-step probes): processes share the GPU by time slices, so ``--jobs`` 2 is enough to
+overlap one run's host work with another's GPU work. A run holds 12 to 26 GiB (kv16 top-p at
+64 px the most); 8 at once ran out of memory. In 64 px steps, the bases are about 4,200
+(the 32 px stage 3 minutes, the dense base 12), ``claim2``'s runs 2,400 and ``claim1``'s 4,800:
+an hour for all. A checkpoint (20 M parameters) is too large to keep between machines, so one
+session of 30 GPU minutes does one part with the bases it needs (``base`` for claim 3,
+``claim2``, or ``claim1 --seeds S``); ``benchmarks/gpu_session.sh claims`` brings back each
+finished run's ``config.json`` and sample grids (``claims_runs.tar``, no weights), and the
+``report`` of a folder gathering them all writes the tables::
+
+    tar -xf claims_runs.tar -C benchmarks/results/claims   # each session's runs
+    python benchmarks/sparsity_claims.py report --out benchmarks/results/claims
 """
 
 from __future__ import annotations
@@ -145,6 +153,21 @@ def claim2_runs(args) -> list[Run]:
     return runs
 
 
+def with_bases(runs: list[Run], args) -> list[Run]:
+    """``runs`` after the bases (:func:`base_runs`) they continue that are neither built nor
+    among them: a claim alone builds only the bases it needs."""
+    bases = {run.folder: run for run in base_runs(args)}
+    scheduled = {run.folder for run in runs}
+    needed, unchecked = [], list(runs)
+    while unchecked:
+        base = bases.get(unchecked.pop().resume_from)
+        if base is not None and base.folder not in scheduled and _info(base.folder) is None:
+            scheduled.add(base.folder)
+            needed.insert(0, base)
+            unchecked.append(base)
+    return [*needed, *runs]
+
+
 def log_file(folder: Path) -> Path:
     """Where a run in a worker process writes its progress: beside its folder."""
     return folder.parent / f"{folder.name}.log"
@@ -190,15 +213,33 @@ def execute(runs: list[Run], args) -> None:
             raise SystemExit(f"error: {run.folder} continues {run.resume_from}, which has not "
                              "been built: run the part 'base' first (same --out)")  # fmt: skip
     if args.jobs == 1:
-        for run in pending:
-            print(f"== {run.folder}", flush=True)
-            build_toy_model(run.folder, run.config, device=args.device,
-                            resume_from=resume_point(run))  # fmt: skip
+        _run_here(pending, args)
         return
     failed = _run_in_workers(pending, args)
     if failed:
         lines = "\n".join(f"  {folder}: {why}" for folder, why in failed.items())
         raise RuntimeError(f"{len(failed)} run(s) did not finish:\n{lines}")
+
+
+def _run_here(pending: list[Run], args) -> None:
+    """:func:`execute` in this process, one run after another; a SIGTERM stops the run at its
+    next step with its stage's state saved, then raises KeyboardInterrupt."""
+    stop = threading.Event()
+    sigterm = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        for run in pending:
+            print(f"== {run.folder}", flush=True)
+            start = time.time()
+            resume_from = resume_point(run)
+            try:
+                build_toy_model(run.folder, run.config, device=args.device,
+                                resume_from=resume_from, stop_requested=stop.is_set)  # fmt: skip
+            except BuildStopped as stopped:
+                print(f"== {run.folder} {stopped}", flush=True)
+                raise KeyboardInterrupt from None
+            print(f"== {run.folder} done in {time.time() - start:.0f} s", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def _ready(pending: list[Run], running: dict, failed: dict[Path, str]) -> list[Run]:
@@ -499,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--jobs: must be >= 1, got {args.jobs}")
     args.out.mkdir(parents=True, exist_ok=True)
     runs = {"base": base_runs, "claim1": claim1_runs, "claim2": claim2_runs}
-    execute([run for part in args.parts if part in runs for run in runs[part](args)], args)
+    execute(with_bases([run for part in args.parts if part in runs for run in runs[part](args)],
+                       args), args)  # fmt: skip
     if "report" in args.parts:
         run_report(args)
 

@@ -140,16 +140,26 @@ def test_a_failed_run_skips_only_the_runs_that_continue_it(tmp_path, tiny_testbe
     assert not (tmp_path / "dense").exists()
 
 
-def test_a_claim_without_its_base_is_refused_before_anything_runs(tmp_path, capsys):
+def test_a_claim_alone_builds_only_the_bases_it_continues(tmp_path, tiny_testbed):
+    sparsity_claims.main(["claim2", "--out", str(tmp_path), "--backend", "torch", "--seeds", "0"])
+    built = {name for name in ("low", "dense", "rebase", "sparse")
+             if sparsity_claims._info(tmp_path / f"base_{name}")}  # fmt: skip
+    assert built == {"low", "rebase"}
+    for trained in sparsity_claims.CLAIM2_TRAIN:
+        assert sparsity_claims._info(sparsity_claims.claim2_folder(tmp_path, trained, 0))
+
+
+def test_a_run_whose_base_is_missing_is_refused_before_anything_runs(tmp_path):
+    claim = sparsity_claims.Run(tmp_path / "claim", testbed.low_resolution_recipe(),
+                                tmp_path / "missing_base")  # fmt: skip
     with pytest.raises(SystemExit, match="run the part 'base' first"):
-        sparsity_claims.main(["claim2", "--out", str(tmp_path), "--seeds", "0"])
-    assert not (tmp_path / "claim2").exists()
+        sparsity_claims.execute([claim], argparse.Namespace(jobs=1, device="cpu"))
+    assert not (tmp_path / "claim").exists()
 
 
-def test_a_sigterm_stops_the_workers_with_their_state_saved(tmp_path):
-    """`timeout` stops a call with SIGTERM: no worker may go on writing into the output, and
-    each saves its stage's state for the next call to continue from."""
-    script = tmp_path / "long_runs.py"
+def _start_long_runs(out: Path, jobs: int) -> subprocess.Popen:
+    """A process building two tiny runs of a million steps each, ``jobs`` at once."""
+    script = out / "long_runs.py"
     script.write_text(f"""
 import argparse, sys
 sys.path.insert(0, {str(Path(sparsity_claims.__file__).parent)!r})
@@ -159,11 +169,17 @@ testbed.TESTBED_ARCHITECTURE.update(num_attention_heads=2, attention_head_dim=16
                                     num_layers=2, freq_dim=32)
 testbed.FRAMES, testbed.LOW_SIZE, testbed.BATCH, testbed.LOW_STEPS = 4, 16, 2, 10**6
 if __name__ == "__main__":
-    runs = [sparsity_claims.Run(sparsity_claims.Path({str(tmp_path)!r}) / f"run{{i}}",
+    runs = [sparsity_claims.Run(sparsity_claims.Path({str(out)!r}) / f"run{{i}}",
                                 testbed.low_resolution_recipe(seed=i)) for i in range(2)]
-    sparsity_claims.execute(runs, argparse.Namespace(jobs=2, device="cpu"))
+    sparsity_claims.execute(runs, argparse.Namespace(jobs={jobs}, device="cpu"))
 """)
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_sigterm_stops_the_workers_with_their_state_saved(tmp_path):
+    """`timeout` stops a call with SIGTERM: no worker may go on writing into the output, and
+    each saves its stage's state for the next call to continue from."""
+    parent = _start_long_runs(tmp_path, jobs=2)
     started = [parent.stdout.readline() for _ in range(2)]
     assert all(line.startswith("== ") for line in started)
     children = psutil.Process(parent.pid).children()
@@ -184,3 +200,17 @@ if __name__ == "__main__":
         assert sparsity_claims._info(tmp_path / f"run{index}") is None
         assert "stopped before step" in log.read_text()
         assert (tmp_path / f"run{index}" / PARTIAL_FILE).exists()
+
+
+def test_a_sigterm_stops_a_run_in_this_process_with_its_state_saved(tmp_path):
+    parent = _start_long_runs(tmp_path, jobs=1)
+    lines = [parent.stdout.readline()]
+    while " step " not in lines[-1]:
+        assert lines[-1], f"the run ended before training: {lines}"
+        lines.append(parent.stdout.readline())
+    parent.send_signal(signal.SIGTERM)
+    output = parent.communicate(timeout=90)[0]
+    assert parent.returncode != 0
+    assert "run0 stage 0 stopped before step" in output
+    assert (tmp_path / "run0" / PARTIAL_FILE).exists()
+    assert not (tmp_path / "run1").exists()

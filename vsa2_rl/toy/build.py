@@ -510,10 +510,13 @@ def build_toy_model(
     )
     info["build_seconds"] = round(time.time() - start, 1)
     info["build_device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":  # of this process (a resumed build: of its last part)
+        info["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     log(f"dense attention (VSA2 layers removed): {info['final_dense_without_vsa2']:.4f}")
     log(f"dense samples: {json.dumps(info['final_dense_samples'])}")
     save_toy_checkpoint(out_dir, transformer, text_encoder, info)
-    log(f"saved to {out_dir} after {info['build_seconds']}s")
+    peak = f", peak GPU memory {info['peak_gpu_gib']} GiB" if "peak_gpu_gib" in info else ""
+    log(f"saved to {out_dir} after {info['build_seconds']}s{peak}")
     return info
 
 
