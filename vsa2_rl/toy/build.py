@@ -181,7 +181,8 @@ def _training_videos(
     return [s.prompt for s in specs], pixels_to_latents(videos)
 
 
-def _validation_set(config: ToyBuildConfig, stage: ToyStage, device):
+def _validation_set(config: ToyBuildConfig, stage: ToyStage, device) -> tuple:
+    """The stage's fixed validation batch: captions, latents, noise and evenly spread sigmas."""
     generator = torch.Generator().manual_seed(config.seed + 10_000)
     prompts, latents = _training_videos(config, stage, config.val_videos, generator, "cpu")
     latents = latents.to(device)
@@ -197,19 +198,21 @@ def validation_losses(
     text_encoder: ToyTextEncoder,
     tokenizer: WordTokenizer,
     state: SparsityState | None,
-    config: ToyBuildConfig,
-    stage: ToyStage,
+    batch: tuple,
+    sparsities: tuple[float, ...],
+    frame_positions: bool,
 ) -> dict[str, float]:
-    """Flow-matching loss on a fixed validation batch, dense and (if enabled) per sparsity."""
+    """Flow-matching loss on the validation ``batch`` (:func:`_validation_set`): dense without
+    VSA2 layers (``state`` None), else at each of ``sparsities`` with the density kept."""
     device = next(transformer.parameters()).device
-    prompts, latents, noise, sigma = _validation_set(config, stage, device)
+    prompts, latents, noise, sigma = batch
     ids, mask = tokenizer(prompts)
     text_emb = text_encoder(ids.to(device), mask.to(device))
-    inputs = (latents, text_emb, sigma, noise, config.frame_positions)
+    inputs = (latents, text_emb, sigma, noise, frame_positions)
     if state is None:
         return {"dense": flow_matching_loss(transformer, *inputs).item()}
     losses = {}
-    for sparsity in config.eval_sparsities:
+    for sparsity in sparsities:
         with state.at(sparsity):
             losses[f"vsa2@{sparsity}"] = flow_matching_loss(transformer, *inputs).item()
         losses[f"density@{sparsity}"] = state.pop_density()
@@ -281,7 +284,9 @@ def _train_stage(
     stop_requested: Callable[[], bool],
 ) -> list[dict]:
     """One stage of flow matching (AdamW, warm-up + cosine); ends on the stage's EMA weights.
-    Returns the validation curve (every ``config.val_every`` steps, of the live weights).
+    Returns the validation curve: every ``config.val_every`` steps, the live weights' loss at
+    the target sparsity, under the training's autocast (the stage's end is measured in float32
+    at every eval sparsity).
 
     Continues from ``partial`` when it holds this stage's state; when ``stop_requested()`` turns
     true, saves the state there before the next step and raises :class:`BuildStopped`."""
@@ -301,6 +306,7 @@ def _train_stage(
     training = {"transformer": transformer, "text_encoder": text_encoder, "optimizer": optimizer,
                 "lr_schedule": lr_schedule, "ema": ema}  # fmt: skip
     curve, first_step = [], 0
+    checks = _validation_set(config, stage, device) if config.val_every else None
     if partial.exists():
         first_step, curve = _load_partial(partial, index, stage, config, training, generator)
         log(f"stage {index}: continuing at step {first_step} from {partial}")
@@ -334,9 +340,7 @@ def _train_stage(
         if state is not None:
             state.pop_density()
         if config.val_every and (step + 1) % config.val_every == 0:
-            sparsity = state.sparsity if state is not None else 0.0
-            losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
-            curve.append({"step": step + 1, "sparsity": sparsity, **losses})
+            curve.append(_curve_point(modules, state, checks, config, step + 1))
         if step % 250 == 0 or step == stage.steps - 1:
             sparsity = f" sparsity {state.sparsity:.2f}" if state is not None else ""
             log(
@@ -345,6 +349,24 @@ def _train_stage(
             )
     ema.copy_to_params()
     return curve
+
+
+def _curve_point(
+    modules: tuple[nn.Module, ToyTextEncoder, WordTokenizer],
+    state: SparsityState | None,
+    checks: tuple,
+    config: ToyBuildConfig,
+    step: int,
+) -> dict:
+    """The validation curve's point after ``step`` steps: the loss on ``checks`` at the target
+    sparsity (dense before VSA2), under bf16 autocast on CUDA as the training steps run."""
+    transformer, text_encoder, tokenizer = modules
+    sparsity = state.sparsity if state is not None else 0.0
+    cuda = next(transformer.parameters()).device.type == "cuda"
+    with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+        losses = validation_losses(transformer, text_encoder, tokenizer, state, checks,
+                                   (config.target_sparsity,), config.frame_positions)  # fmt: skip
+    return {"step": step, "sparsity": sparsity, **losses}
 
 
 def _stage_identity(index: int, stage: ToyStage, config: ToyBuildConfig) -> dict:
@@ -486,7 +508,9 @@ def build_toy_model(
         curve = _train_stage(index, stage, modules, state, schedule, config, generator, log,
                              partial, stop_requested)  # fmt: skip
         transformer.eval()
-        losses = validation_losses(transformer, text_encoder, tokenizer, state, config, stage)
+        checks = _validation_set(config, stage, device)
+        losses = validation_losses(transformer, text_encoder, tokenizer, state, checks,
+                                   config.eval_sparsities, config.frame_positions)  # fmt: skip
         last = index == len(config.stages) - 1
         samples_dir = Path(out_dir) / SAMPLES_DIR if last else None
         report = _stage_report(modules, state, config, stage, samples_dir)
@@ -502,8 +526,9 @@ def build_toy_model(
     final = config.stages[-1]
     dense = make_toy_transformer(architecture).to(device).eval()
     dense.load_state_dict({k: v for k, v in transformer.state_dict().items() if ".vsa2." not in k})
+    checks = _validation_set(config, final, device)
     info["final_dense_without_vsa2"] = validation_losses(
-        dense, text_encoder, tokenizer, None, config, final
+        dense, text_encoder, tokenizer, None, checks, (), config.frame_positions
     )["dense"]
     info["final_dense_samples"] = _stage_report(
         (dense, text_encoder, tokenizer), None, config, final
