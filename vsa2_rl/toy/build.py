@@ -307,13 +307,14 @@ def _train_stage(
                 "lr_schedule": lr_schedule, "ema": ema}  # fmt: skip
     curve, first_step = [], 0
     checks = _validation_set(config, stage, device) if config.val_every else None
+    identity = _stage_identity(index, stage, config)
     if partial.exists():
-        first_step, curve = _load_partial(partial, index, stage, config, training, generator)
+        first_step, curve = _load_partial(partial, identity, training, generator)
         log(f"stage {index}: continuing at step {first_step} from {partial}")
     start = time.time()
     for step in range(first_step, stage.steps):
         if stop_requested():
-            _save_partial(partial, index, stage, config, training, generator, step, curve)
+            _save_partial(partial, identity, training, generator, step, curve)
             raise BuildStopped(f"stage {index} stopped before step {step}, saved to {partial}")
         if state is not None:
             if schedule is not None and step < schedule.steps:
@@ -376,20 +377,14 @@ def _stage_identity(index: int, stage: ToyStage, config: ToyBuildConfig) -> dict
 
 
 def _save_partial(
-    path: Path,
-    index: int,
-    stage: ToyStage,
-    config: ToyBuildConfig,
-    training: dict,
-    generator: torch.Generator,
-    step: int,
-    curve: list[dict],
+    path: Path, identity: dict, training: dict, generator: torch.Generator, step: int, curve: list
 ) -> None:
-    """The state of stage ``index`` before ``step`` (weights, optimizer, schedule, EMA, random
-    generators, validation curve) in ``path``, written whole or not at all."""
+    """The state of the stage ``identity`` (:func:`_stage_identity`) before ``step`` (weights,
+    optimizer, schedule, EMA, random generators, validation curve) in ``path``, written whole or
+    not at all."""
     state = {name: part.state_dict() for name, part in training.items()}
     state.update(
-        identity=_stage_identity(index, stage, config),
+        identity=identity,
         step=step,
         curve=curve,
         generator=generator.get_state(),
@@ -403,21 +398,17 @@ def _save_partial(
 
 
 def _load_partial(
-    path: Path,
-    index: int,
-    stage: ToyStage,
-    config: ToyBuildConfig,
-    training: dict,
-    generator: torch.Generator,
+    path: Path, identity: dict, training: dict, generator: torch.Generator
 ) -> tuple[int, list[dict]]:
-    """Restores :func:`_save_partial`'s state into ``training`` and ``generator``; returns the
-    step to continue at and the validation curve so far."""
+    """Restores :func:`_save_partial`'s state of the stage ``identity`` into ``training`` and
+    ``generator``; returns the step to continue at and the validation curve so far."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if state["identity"] != _stage_identity(index, stage, config):
+    if state["identity"] != identity:
+        saved = state["identity"]
         raise ValueError(
-            f"{path} holds the state of another stage or recipe (stage {state['identity']['index']}"
-            f" of {state['identity']['recipe']['stages']}); delete it to build stage {index} "
-            "from its start, or build with the recipe that wrote it"
+            f"{path} holds the state of another stage or recipe (stage {saved['index']} of "
+            f"{saved['recipe']['stages']}); delete it to build stage {identity['index']} from "
+            "its start, or build with the recipe that wrote it"
         )
     for name, part in training.items():
         part.load_state_dict(state[name])
