@@ -196,7 +196,7 @@ for part in "${parts[@]}"; do
       python3 -P benchmarks/sparsity_claims.py report ${CLAIMS_ARGS:-} --out runs/claims \
         > /dev/null 2>&1
       cp runs/claims/claims.md runs/claims/*.png "$OUT/" 2>/dev/null
-      ( cd runs/claims && for info in $(grep -l build_device $(find . -name config.json)); do
+      ( cd runs/claims && for info in $(find . -name config.json -exec grep -l build_device {} +); do
           echo "$info"; ls "${info%config.json}"samples/*.png 2>/dev/null
         done ) | tar -C runs/claims -cf "$OUT/claims_runs.tar" -T - ;;
     toy_build)  # the toy model (scripts/build_toy_model.py) into $OUT/toy; TOY_RESUME=DIR
