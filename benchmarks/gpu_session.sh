@@ -181,10 +181,15 @@ for part in "${parts[@]}"; do
     claims)  # VSA2's quality claims (benchmarks/sparsity_claims.py), CLAIMS="claim2 ..." (and
       # CLAIMS_ARGS, e.g. "--seeds 0") into runs/claims (kept on a warm machine), with the bases
       # they need, CLAIMS_JOBS runs at once: finished runs are reused and stopped ones saved
-      # (60 s grace), so after a timeout the same call goes on; claims.md, its plots and sample
-      # sheets, the log (each run's progress lines and the tracebacks of failed runs) and
-      # claims_runs.tar (each finished run's config.json and sample grids, no weights: the
-      # figures to gather with those of other sessions, see sparsity_claims.py) come back in $OUT
+      # (60 s grace), so after a timeout the same call goes on. Back in $OUT: claims.md, the
+      # log (each run's progress lines and the tracebacks of failed runs), claims_runs.tar
+      # (each finished run's config.json and sample grids, no weights, and the report's plots
+      # and sample sheets: the figures to gather with those of other sessions, see
+      # sparsity_claims.py) and, for each finished run in CLAIMS_KEEP (e.g. base_dense), its
+      # weights in bfloat16 in 15 MiB pieces (RUN.safetensors.partNN: cat them into
+      # runs/claims/RUN/toy.safetensors beside its config.json, and carry runs/claims/RUN)
+      keep=() stored=
+      for run in ${CLAIMS_KEEP:-}; do keep+=(--store-bf16 "$run"); done
       timeout -k 75 ${CLAIMS_S:-480} python3 -P benchmarks/sparsity_claims.py ${CLAIMS:-base} \
         ${CLAIMS_ARGS:-} --device cuda --jobs ${CLAIMS_JOBS:-2} --out runs/claims \
         > "$OUT/claims.log" 2>&1
@@ -193,12 +198,16 @@ for part in "${parts[@]}"; do
         echo "-- $log"; grep " step \|saved to\|stopped\|continuing\|Error" "$log"
         grep -q Traceback "$log" && tail -n 20 "$log"
       done >> "$OUT/claims.log"
-      python3 -P benchmarks/sparsity_claims.py report ${CLAIMS_ARGS:-} --out runs/claims \
-        > /dev/null 2>&1
-      cp runs/claims/claims.md runs/claims/*.png "$OUT/" 2>/dev/null
-      ( cd runs/claims && for info in $(find . -name config.json -exec grep -l build_device {} +); do
+      python3 -P benchmarks/sparsity_claims.py report ${CLAIMS_ARGS:-} "${keep[@]}" \
+        --out runs/claims > /dev/null 2>> "$OUT/claims.log" && stored=${CLAIMS_KEEP:-}
+      cp runs/claims/claims.md "$OUT/" 2>/dev/null
+      ( cd runs/claims && ls claims.md ./*.png 2>/dev/null
+        for info in $(find . -name config.json -exec grep -l build_device {} +); do
           echo "$info"; ls "${info%config.json}"samples/*.png 2>/dev/null
-        done ) | tar -C runs/claims -cf "$OUT/claims_runs.tar" -T - ;;
+        done ) | tar -C runs/claims -cf "$OUT/claims_runs.tar" -T -
+      for run in ${stored:-}; do
+        split -b 15M -d runs/claims/$run/toy.safetensors "$OUT/$run.safetensors.part"
+      done ;;
     toy_build)  # the toy model (scripts/build_toy_model.py) into $OUT/toy; TOY_RESUME=DIR
       # continues a build whose first stages are done
       timeout ${TOY_BUILD_S:-570} python3 -P scripts/build_toy_model.py --device cuda \

@@ -35,14 +35,17 @@ one, from 60-step probes): processes share the GPU by time slices, so ``--jobs``
 overlap one run's host work with another's GPU work. A run holds 12 to 26 GiB (kv16 top-p at
 64 px the most); 8 at once ran out of memory. In 64 px steps, the bases are about 4,200
 (the 32 px stage 3 minutes, the dense base 12), ``claim2``'s runs 2,400 and ``claim1``'s 4,800:
-an hour for all. A checkpoint (20 M parameters) is too large to keep between machines, so one
-session of 30 GPU minutes does one part with the bases it needs (``base`` for claim 3,
-``claim2``, or ``claim1 --seeds S``); ``benchmarks/gpu_session.sh claims`` brings back each
+an hour for all. One session of 30 GPU minutes does one part with the bases it needs (``base``
+for claim 3, ``claim2``, or ``claim1``). ``benchmarks/gpu_session.sh claims`` brings back each
 finished run's ``config.json`` and sample grids (``claims_runs.tar``, no weights), and the
 ``report`` of a folder gathering them all writes the tables::
 
     tar -xf claims_runs.tar -C benchmarks/results/claims   # each session's runs
     python benchmarks/sparsity_claims.py report --out benchmarks/results/claims
+
+A base's weights (20 M parameters, 81 MB) travel to a later session's machine in bfloat16
+(``--store-bf16 base_dense``, ``CLAIMS_KEEP`` there): the runs continuing it start from its
+weights rounded to 8 significant bits, so every run of one claim continues the same stored base.
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.toy import testbed
 from vsa2_rl.toy.build import SAMPLES_DIR, BuildStopped, ToyBuildConfig, build_toy_model
-from vsa2_rl.toy.model import CONFIG_FILE
+from vsa2_rl.toy.model import CONFIG_FILE, WEIGHTS_FILE
 
 PARTS = ("base", "claim1", "claim2", "report")
 # The fine-grained router of the 1.3B recipe and VSA's router (fixed budget of 64-key cubes).
@@ -521,6 +525,19 @@ def run_report(args) -> None:
     print("\n".join(lines))
 
 
+def store_in_bf16(folder: Path) -> None:
+    """Rewrites the weights of the finished run in ``folder`` in bfloat16: half the bytes (a base
+    of the testbed fits a machine's carry limit then), read back into float32 by every run that
+    continues it, rounded to 8 significant bits."""
+    if _info(folder) is None:
+        raise SystemExit(f"error: --store-bf16: {folder} holds no finished run")
+    path = folder / WEIGHTS_FILE
+    tensors = {name: tensor.to(torch.bfloat16) for name, tensor in load_file(str(path)).items()}
+    written = path.with_suffix(".tmp")
+    save_file(tensors, str(written))
+    os.replace(written, path)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="+", choices=PARTS, help="what to run (report last)")
@@ -533,6 +550,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps-scale", type=float, default=1.0, help="x every step count")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each in its own process")  # fmt: skip
+    parser.add_argument(
+        "--store-bf16", nargs="+", default=[], metavar="RUN",
+        help="afterwards, rewrite these finished runs' weights (folders under --out, e.g. "
+        "base_dense) in bfloat16, to carry them elsewhere",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps_scale <= 0:
         parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
@@ -544,6 +566,8 @@ def main(argv: list[str] | None = None) -> None:
                        args), args)  # fmt: skip
     if "report" in args.parts:
         run_report(args)
+    for run in args.store_bf16:
+        store_in_bf16(args.out / run)
 
 
 if __name__ == "__main__":

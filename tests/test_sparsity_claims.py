@@ -14,7 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -147,6 +149,28 @@ def test_a_claim_alone_builds_only_the_bases_it_continues(tmp_path, tiny_testbed
     assert built == {"low", "rebase"}
     for trained in sparsity_claims.CLAIM2_TRAIN:
         assert sparsity_claims._info(sparsity_claims.claim2_folder(tmp_path, trained, 0))
+
+
+def test_a_base_stored_in_bf16_is_its_weights_rounded_and_claims_continue_it(
+    tmp_path, tiny_testbed
+):
+    claim1 = ["claim1", "--out", str(tmp_path), "--backend", "torch", "--densities", "0.5"]
+    sparsity_claims.main([*claim1, "--seeds", "0"])
+    weights = tmp_path / "base_dense" / "toy.safetensors"
+    original = load_file(str(weights))
+    sparsity_claims.main([*claim1, "--seeds", "0", "--store-bf16", "base_dense"])
+    stored = load_file(str(weights))
+    assert stored.keys() == original.keys()
+    for name, tensor in original.items():
+        assert stored[name].dtype == torch.bfloat16
+        assert torch.equal(stored[name], tensor.to(torch.bfloat16))
+    assert weights.stat().st_size < 0.6 * sum(t.numel() * 4 for t in original.values())
+    assert not list(tmp_path.glob("base_dense/*.tmp"))
+    sparsity_claims.main([*claim1, "--seeds", "1"])
+    validation = _validation(sparsity_claims.claim1_folder(tmp_path, "kv16 top-p", 0.5, 1))
+    assert math.isfinite(validation[-1]["vsa2@0.5"])
+    with pytest.raises(SystemExit, match=r"--store-bf16: .*base_sparse holds no finished run"):
+        sparsity_claims.store_in_bf16(tmp_path / "base_sparse")
 
 
 def test_a_run_whose_base_is_missing_is_refused_before_anything_runs(tmp_path):
