@@ -1,6 +1,7 @@
 """vsa2_rl.toy.build on the CPU at a tiny size: a build stopped between two steps and built
-again into its folder ends where the uninterrupted build ends (weights bit for bit, figures
-and curves equal), and a stopped stage's state is refused by another recipe."""
+again into its folder, or killed while a stage's end is measured and built again, ends where
+the uninterrupted build ends (weights bit for bit, figures and curves equal), and a stopped
+stage's state is refused by another recipe."""
 
 import json
 
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from vsa2_rl.config import VSA2Config
+from vsa2_rl.toy import build as build_module
 from vsa2_rl.toy.build import (
     PARTIAL_FILE,
     BuildStopped,
@@ -55,8 +57,23 @@ def training_info(folder) -> dict:
     return {key: value for key, value in info.items() if "seconds" not in key}
 
 
-def test_a_stopped_build_continues_as_the_uninterrupted_build(tmp_path):
-    build_toy_model(tmp_path / "whole", tiny_recipe(), log=lambda line: None)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The folder of the tiny recipe built without a stop."""
+    folder = tmp_path_factory.mktemp("whole")
+    build_toy_model(folder, tiny_recipe(), log=lambda line: None)
+    return folder
+
+
+def assert_same_build(folder, reference) -> None:
+    """Weights bit for bit and the training info (times aside) equal to ``reference``'s."""
+    built, expected = load_file(folder / WEIGHTS_FILE), load_file(reference / WEIGHTS_FILE)
+    assert built.keys() == expected.keys()
+    assert all(torch.equal(built[name], expected[name]) for name in built)
+    assert training_info(folder) == training_info(reference)
+
+
+def test_a_stopped_build_continues_as_the_uninterrupted_build(tmp_path, uninterrupted):
     stopped = tmp_path / "stopped"
     # 4 steps of stage 0, then stage 1 stops before its step 2: mid-ramp, after one curve point
     with pytest.raises(BuildStopped, match="stage 1 stopped before step 2"):
@@ -68,13 +85,30 @@ def test_a_stopped_build_continues_as_the_uninterrupted_build(tmp_path):
     build_toy_model(stopped, tiny_recipe(), log=lines.append, resume_from=stopped)
     assert "stage 1: continuing at step 2" in " ".join(lines)
     assert not (stopped / PARTIAL_FILE).exists()
-    whole, continued = (
-        load_file(tmp_path / "whole" / WEIGHTS_FILE),
-        load_file(stopped / WEIGHTS_FILE),
-    )
-    assert whole.keys() == continued.keys()
-    assert all(torch.equal(whole[name], continued[name]) for name in whole)
-    assert training_info(stopped) == training_info(tmp_path / "whole")
+    assert_same_build(stopped, uninterrupted)
+
+
+def test_a_build_killed_at_a_stage_end_continues_after_its_last_step(
+    tmp_path, uninterrupted, monkeypatch
+):
+    measure = build_module._stage_report
+
+    def killed_at_stage_1(modules, state, config, stage, samples_dir=None):
+        if stage.size == 32:
+            raise KeyboardInterrupt  # as a worker killed while it draws the stage's samples
+        return measure(modules, state, config, stage, samples_dir)
+
+    monkeypatch.setattr(build_module, "_stage_report", killed_at_stage_1)
+    with pytest.raises(KeyboardInterrupt):
+        build_toy_model(tmp_path, tiny_recipe(), log=lambda line: None)
+    assert (tmp_path / PARTIAL_FILE).exists()
+    monkeypatch.setattr(build_module, "_stage_report", measure)
+    lines = []
+    build_toy_model(tmp_path, tiny_recipe(), log=lines.append, resume_from=tmp_path)
+    assert "stage 1: continuing at step 6" in " ".join(lines)
+    assert " step " not in " ".join(line for line in lines if "continuing" not in line)
+    assert not (tmp_path / PARTIAL_FILE).exists()
+    assert_same_build(tmp_path, uninterrupted)
 
 
 def test_a_stopped_stage_is_refused_by_another_recipe(tmp_path):

@@ -150,6 +150,42 @@ def test_largest_component_picks_the_larger_blob_in_each_frame():
     assert not bool(largest_component(torch.zeros(1, 4, 4, dtype=torch.bool)).any())
 
 
+def flood_fill_largest(frame: torch.Tensor) -> torch.Tensor:
+    """Reference for one frame: 4-connected components by flood fill, the largest kept (ties
+    to the component holding the first pixel in raster order)."""
+    height, width = frame.shape
+    seen, best, best_key = set(), set(), None
+    for start in range(height * width):
+        if start in seen or not bool(frame.flatten()[start]):
+            continue
+        component, stack = set(), [start]
+        while stack:
+            pixel = stack.pop()
+            if pixel in component:
+                continue
+            component.add(pixel)
+            y, x = divmod(pixel, width)
+            for ny, nx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
+                if 0 <= ny < height and 0 <= nx < width and bool(frame[ny, nx]):
+                    stack.append(ny * width + nx)
+        seen |= component
+        key = (len(component), -start)
+        if best_key is None or key > best_key:
+            best, best_key = component, key
+    largest = torch.zeros(height * width, dtype=torch.bool)
+    largest[list(best)] = True
+    return largest.view(height, width)
+
+
+def test_largest_component_matches_a_flood_fill_on_random_masks():
+    generator = torch.Generator().manual_seed(0)
+    for density in (0.3, 0.5, 0.6):  # below, at and above the square lattice's percolation
+        mask = torch.rand(6, 11, 13, generator=generator) < density
+        largest = largest_component(mask)
+        for frame, found in zip(mask, largest, strict=True):
+            assert torch.equal(found, flood_fill_largest(frame))
+
+
 def test_shape_fidelity_on_right_wrong_and_broken_videos():
     fidelity = get_reward("shape_fidelity")
     videos, prompts, specs, _ = _generated(12, seed=7)

@@ -227,8 +227,9 @@ def _stage_report(
     samples_dir: Path | None = None,
 ) -> dict[str, dict[str, float]]:
     """:func:`score_samples` of ODE samples of the held-out eval prompts, dense and at each eval
-    sparsity; with ``samples_dir``, a grid of the first seed's videos of the first
-    ``GRID_PROMPTS`` prompts per setting there (``<label>.png`` / ``.gif``)."""
+    sparsity, drawn under bf16 autocast on CUDA (as the training steps run); with
+    ``samples_dir``, a grid of the first seed's videos of the first ``GRID_PROMPTS`` prompts per
+    setting there (``<label>.png`` / ``.gif``)."""
     transformer, text_encoder, tokenizer = modules
     bundle = ToyBundle(
         transformer,
@@ -246,14 +247,15 @@ def _stage_report(
         if state is not None:
             state.sparsity = sparsity
         label = "dense" if sparsity is None else f"vsa2@{sparsity}"
-        videos = draw_samples(
-            bundle,
-            prompts,
-            seeds_per_prompt=config.report_seeds,
-            num_steps=config.report_steps,
-            num_frames=stage.num_frames,
-            size=stage.size,
-        )
+        with torch.autocast("cuda", torch.bfloat16, enabled=bundle.device.type == "cuda"):
+            videos = draw_samples(
+                bundle,
+                prompts,
+                seeds_per_prompt=config.report_seeds,
+                num_steps=config.report_steps,
+                num_frames=stage.num_frames,
+                size=stage.size,
+            )
         report[label] = score_samples(videos, prompts, config.report_seeds)
         if samples_dir is not None:
             first_seeds = videos[:: config.report_seeds][:GRID_PROMPTS]
@@ -285,11 +287,13 @@ def _train_stage(
 ) -> list[dict]:
     """One stage of flow matching (AdamW, warm-up + cosine); ends on the stage's EMA weights.
     Returns the validation curve: every ``config.val_every`` steps, the live weights' loss at
-    the target sparsity, under the training's autocast (the stage's end is measured in float32
-    at every eval sparsity).
+    the target sparsity, under the training's autocast (at the stage's end the loss is measured
+    in float32 at every eval sparsity).
 
     Continues from ``partial`` when it holds this stage's state; when ``stop_requested()`` turns
-    true, saves the state there before the next step and raises :class:`BuildStopped`."""
+    true, saves the state there before the next step and raises :class:`BuildStopped`. The
+    state after the last step is saved there too, for the caller to delete once the stage's end
+    is measured and saved."""
     transformer, text_encoder, tokenizer = modules
     device = next(transformer.parameters()).device
     params = list(transformer.parameters()) + list(text_encoder.parameters())
@@ -348,6 +352,8 @@ def _train_stage(
                 f"stage {index} step {step:5d} loss {loss.item():.4f}{sparsity} "
                 f"({time.time() - start:.0f}s)"
             )
+    # kept until the stage's end is measured and saved: a build killed meanwhile continues here
+    _save_partial(partial, identity, training, generator, stage.steps, curve)
     ema.copy_to_params()
     return curve
 
@@ -460,7 +466,8 @@ def build_toy_model(
     continues as the uninterrupted build would. Checked between steps, ``stop_requested()``
     true saves the stage's state to ``out_dir/PARTIAL_FILE`` and raises :class:`BuildStopped`;
     the next build into ``out_dir`` (resumed from its last finished stage) continues from it
-    as the uninterrupted build would. ``log`` receives progress lines (default: print,
+    as the uninterrupted build would, as it does after a build killed while a stage's end was
+    measured. ``log`` receives progress lines (default: print,
     flushed). Weights train in float32 (bf16 autocast and TF32 products on CUDA).
     """
     log = log or functools.partial(print, flush=True)
@@ -499,15 +506,19 @@ def build_toy_model(
         curve = _train_stage(index, stage, modules, state, schedule, config, generator, log,
                              partial, stop_requested)  # fmt: skip
         transformer.eval()
+        measured = time.time()
         checks = _validation_set(config, stage, device)
         losses = validation_losses(transformer, text_encoder, tokenizer, state, checks,
                                    config.eval_sparsities, config.frame_positions)  # fmt: skip
+        log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses} "
+            f"({time.time() - measured:.0f}s)")  # fmt: skip
         last = index == len(config.stages) - 1
         samples_dir = Path(out_dir) / SAMPLES_DIR if last else None
+        measured = time.time()
         report = _stage_report(modules, state, config, stage, samples_dir)
         transformer.train()
-        log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses}")
-        log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)}")
+        log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)} "
+            f"({time.time() - measured:.0f}s)")  # fmt: skip
         entry = {"stage": asdict(stage), "validation": losses, "samples": report}
         info["stages"].append({**entry, "curve": curve} if config.val_every else entry)
         info["build_seconds"] = round(time.time() - start, 1)

@@ -80,15 +80,10 @@ def largest_component(mask: torch.Tensor) -> torch.Tensor:
     labels = torch.where(mask, index, empty)
     for _ in range(empty):
         padded = F.pad(labels, (1, 1, 1, 1), value=empty)
-        neighbours = torch.stack(
-            [
-                labels,
-                padded[:, :-2, 1:-1],
-                padded[:, 2:, 1:-1],
-                padded[:, 1:-1, :-2],
-                padded[:, 1:-1, 2:],
-            ]
-        ).amin(dim=0)
+        neighbours = labels
+        for shifted in (padded[:, :-2, 1:-1], padded[:, 2:, 1:-1], padded[:, 1:-1, :-2],
+                        padded[:, 1:-1, 2:]):  # fmt: skip
+            neighbours = torch.minimum(neighbours, shifted)
         updated = torch.where(mask, neighbours, empty)
         if torch.equal(updated, labels):
             break
