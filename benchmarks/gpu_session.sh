@@ -191,7 +191,7 @@ for part in "${parts[@]}"; do
       keep=() stored=
       for run in ${CLAIMS_KEEP:-}; do keep+=(--store-bf16 "$run"); done
       timeout -k 75 ${CLAIMS_S:-480} python3 -P benchmarks/sparsity_claims.py ${CLAIMS:-base} \
-        ${CLAIMS_ARGS:-} --device cuda --jobs ${CLAIMS_JOBS:-2} --out runs/claims \
+        ${CLAIMS_ARGS:-} --device cuda --jobs ${CLAIMS_JOBS:-1} --out runs/claims \
         > "$OUT/claims.log" 2>&1
       echo "claims rc=$?"; grep "^==" "$OUT/claims.log" | tail -12
       for log in $(find runs/claims -name "*.log" | sort); do

@@ -21,8 +21,7 @@ cut short is continued by running it again:
 
 ::
 
-    python benchmarks/sparsity_claims.py base claim1 claim2 report --device cuda --jobs 2 \
-        --out runs/claims
+    python benchmarks/sparsity_claims.py base claim1 claim2 report --device cuda --out runs/claims
     python benchmarks/sparsity_claims.py report --out runs/claims   # tables of what has run
 
 ``--steps-scale`` multiplies every step count (a quick look: 0.05). The parts given build the
@@ -30,16 +29,16 @@ bases their runs continue (``claim1`` alone: the 32 px stage and the dense base)
 
 Time and memory on one H200 (bf16 autocast), measured: one run alone trains the 32 px stage at
 12 steps a second (1,500 steps in 123 s) and the rebase base's 64 px stage at 5 (kv16 top-p,
-1,000 steps in 180 to 205 s; batch 16); the runs of one call share the GPU by time slices (3 at
-once advanced about 3 steps a second together), so ``--jobs`` 2 only overlaps one run's host
-work with another's GPU work. A run holds 12 to 26 GiB (kv16 top-p at 64 px the most); 8 at once
-ran out of memory. In 64 px steps, the bases are about 4,200, ``claim2``'s runs 2,400 and
-``claim1``'s 4,800 (about 40 minutes at 5 steps a second), and each run ends with its
-evaluation (validation loss, then ODE samples scored at each evaluation sparsity). One session
-of 30 GPU minutes does one part with the bases it needs (``base`` for claim 3, ``claim2``, or
-``claim1``). ``benchmarks/gpu_session.sh claims`` brings back each finished run's
-``config.json`` and sample grids (``claims_runs.tar``, no weights), and the ``report`` of a
-folder gathering them all writes the tables::
+1,000 steps in 180 to 205 s; batch 16); runs in several processes share the GPU by time slices
+and lose to one run at a time (3 at once advanced about 3 steps a second together). A run holds
+12 to 26 GiB (kv16 top-p at 64 px the most); 8 at once ran out of memory. In 64 px steps, the
+bases are about 4,200, ``claim2``'s runs 2,400 and ``claim1``'s 4,800 (about 40 minutes at 5
+steps a second), and each run ends with its evaluation (validation loss, then ODE samples
+scored at each evaluation sparsity). One session of 30 GPU minutes does one part with the
+bases it needs (``base`` for claim 3, ``claim2``, or ``claim1``).
+``benchmarks/gpu_session.sh claims`` brings back each finished run's ``config.json`` and sample
+grids (``claims_runs.tar``, no weights), and the ``report`` of a folder gathering them all
+writes the tables::
 
     tar -xf claims_runs.tar -C benchmarks/results/claims   # each session's runs
     python benchmarks/sparsity_claims.py report --out benchmarks/results/claims
