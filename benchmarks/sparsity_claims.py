@@ -205,12 +205,30 @@ def _build_in_worker(run: Run, device: str, threads: int) -> None:
             raise
 
 
+def in_dependency_order(runs: list[Run]) -> list[Run]:
+    """``runs`` in the order given, except that a run continuing another of them comes after
+    it (the other moved up to just before its first such run)."""
+    by_folder = {run.folder: run for run in runs}
+    ordered, placed = [], set()
+
+    def place(run: Run) -> None:
+        if run.folder not in placed:
+            placed.add(run.folder)
+            if run.resume_from in by_folder:
+                place(by_folder[run.resume_from])
+            ordered.append(run)
+
+    for run in runs:
+        place(run)
+    return ordered
+
+
 def execute(runs: list[Run], args) -> None:
-    """Builds the unfinished ``runs``: in this process one after another (``--jobs 1``), or in
-    ``--jobs`` worker processes, each run as soon as the run it resumes from has finished. A
-    failed run does not stop the others (those resuming from it are skipped); the failures are
-    raised together at the end."""
-    pending = [run for run in runs if _info(run.folder) is None]
+    """Builds the unfinished ``runs``: in this process one after another (``--jobs 1``; in the
+    order given, each after the run it continues), or in ``--jobs`` worker processes, each run
+    as soon as the run it continues has finished. A failed run does not stop the others (those
+    continuing it are skipped); the failures are raised together at the end."""
+    pending = in_dependency_order([run for run in runs if _info(run.folder) is None])
     scheduled = {run.folder for run in pending}
     for run in pending:
         if run.resume_from and run.resume_from not in scheduled and not _info(run.resume_from):

@@ -151,6 +151,26 @@ def test_a_claim_alone_builds_only_the_bases_it_continues(tmp_path, tiny_testbed
         assert sparsity_claims._info(sparsity_claims.claim2_folder(tmp_path, trained, 0))
 
 
+def test_dependency_order_moves_a_base_just_before_its_first_dependent():
+    recipe = testbed.low_resolution_recipe()
+    run = lambda name, base=None: sparsity_claims.Run(Path(name), recipe, base and Path(base))
+    given = [run("claim_a", "rebase"), run("claim_b", "rebase"), run("dense", "low"),
+             run("rebase", "low"), run("sparse")]  # fmt: skip
+    ordered = sparsity_claims.in_dependency_order(given)
+    assert [str(r.folder) for r in ordered] == ["rebase", "claim_a", "claim_b", "dense", "sparse"]
+
+
+def test_runs_in_one_process_follow_the_runs_they_continue_whatever_the_parts_order(
+    tmp_path, tiny_testbed
+):
+    sparsity_claims.main(["claim2", "base", "--out", str(tmp_path), "--backend", "torch",
+                          "--seeds", "0"])  # fmt: skip
+    for name in ("low", "dense", "rebase", "sparse"):
+        assert sparsity_claims._info(tmp_path / f"base_{name}")
+    for trained in sparsity_claims.CLAIM2_TRAIN:
+        assert sparsity_claims._info(sparsity_claims.claim2_folder(tmp_path, trained, 0))
+
+
 def test_a_base_stored_in_bf16_is_its_weights_rounded_and_claims_continue_it(
     tmp_path, tiny_testbed
 ):
