@@ -1,10 +1,11 @@
 """VSA2's three quality claims on the sparsity testbed (:mod:`vsa2_rl.toy.testbed`).
 
-Parts; the runs of those given are scheduled together under ``--out``, each as soon as the base
-it continues has finished, ``--jobs`` at once in worker processes (one GPU holds several of
-these runs; each writes its progress to ``<folder>.log``). A finished run's folder is reused,
-and a call stopped by SIGTERM (``timeout``) has its workers save their stage's state, so a call
-cut short is continued by running it again:
+Parts; the runs of those given are built under ``--out`` in the order of the parts, each after
+the base it continues (``claim2 base``: claim 2's base and runs, then the other bases), one at a
+time or ``--jobs`` at once in worker processes (each writing its progress to
+``<folder>.log``). A finished run's folder is reused, and a call stopped by SIGTERM
+(``timeout``) saves its runs' stage state, so a call cut short is continued by running it
+again:
 
 - ``base``: the testbed pretrained three ways, ``dense``, ``rebase`` (VSA2 from the resolution
   change on) and ``sparse`` (VSA2 from the start): claim 3's validation-loss curves, and the
