@@ -475,6 +475,8 @@ def build_toy_model(
     device = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":  # the peak reported is this build's, not an earlier one's
+        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(config.seed)
     architecture = toy_transformer_config(config.frame_positions, config.architecture)
     transformer = make_toy_transformer(architecture)
@@ -537,7 +539,7 @@ def build_toy_model(
     )
     info["build_seconds"] = round(time.time() - start, 1)
     info["build_device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    if device.type == "cuda":  # of this process (a resumed build: of its last part)
+    if device.type == "cuda":  # of this build (a resumed build: of its last part)
         info["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     log(f"dense attention (VSA2 layers removed): {info['final_dense_without_vsa2']:.4f}")
     log(f"dense samples: {json.dumps(info['final_dense_samples'])}")
