@@ -182,10 +182,11 @@ for part in "${parts[@]}"; do
       # CLAIMS_ARGS, e.g. "--seeds 0") into runs/claims (kept on a warm machine), with the bases
       # they need, CLAIMS_JOBS runs at once: finished runs are reused and stopped ones saved
       # (60 s grace), so after a timeout the same call goes on. Back in $OUT: claims.md, the
-      # log (each run's progress lines and the tracebacks of failed runs), claims_runs.tar
-      # (each finished run's config.json and sample grids, no weights, and the report's plots
-      # and sample sheets: the figures to gather with those of other sessions, see
-      # sparsity_claims.py) and, for each finished run in CLAIMS_KEEP (e.g. base_dense), its
+      # log (each run's progress lines and the tracebacks of failed runs), claims_runs.tar in
+      # 15 MiB pieces (claims_runs.tar.partNN: each finished run's config.json and sample grids
+      # with their prompts, no weights, and the report's plots and sample sheets: the figures
+      # to gather with those of other sessions, see sparsity_claims.py) and, for each finished
+      # run in CLAIMS_KEEP (e.g. base_dense), its
       # weights in bfloat16 in 15 MiB pieces (RUN.safetensors.partNN: cat them into
       # runs/claims/RUN/toy.safetensors beside its config.json, and carry runs/claims/RUN)
       keep=() stored=
@@ -203,8 +204,9 @@ for part in "${parts[@]}"; do
       cp runs/claims/claims.md "$OUT/" 2>/dev/null
       ( cd runs/claims && ls claims.md ./*.png 2>/dev/null
         for info in $(find . -name config.json -exec grep -l build_device {} +); do
-          echo "$info"; ls "${info%config.json}"samples/*.png 2>/dev/null
-        done ) | tar -C runs/claims -cf "$OUT/claims_runs.tar" -T -
+          echo "$info"; ls "${info%config.json}"samples/*.png "${info%config.json}"samples/*.txt
+        done 2>/dev/null ) | tar -C runs/claims -cf - -T - \
+        | split -b 15M -d - "$OUT/claims_runs.tar.part"
       for run in ${stored:-}; do
         split -b 15M -d runs/claims/$run/toy.safetensors "$OUT/$run.safetensors.part"
       done ;;

@@ -38,6 +38,48 @@ def test_verdict_compares_the_mean_difference_with_its_spread():
     assert verdict([-0.3, -0.1], "lower", "matches").startswith("reproduced (better")
 
 
+def _write_claim2_run(out: Path, trained: str, seed: int, losses: dict[float, float]) -> None:
+    """A finished claim-2 run's config.json with the validation ``losses`` per evaluation
+    sparsity and fixed sample figures."""
+    samples = {"shape_fidelity": 0.9, "direction_match": 0.25, "speed_error": 0.5}
+    stage = {"validation": {f"vsa2@{s}": loss for s, loss in losses.items()},
+             "samples": {f"vsa2@{s}": samples for s in losses}}  # fmt: skip
+    folder = sparsity_claims.claim2_folder(out, trained, seed)
+    folder.mkdir(parents=True)
+    info = {"training": {"build_device": "cpu", "stages": [stage]}}
+    (folder / "config.json").write_text(json.dumps(info))
+
+
+def test_claim2_judges_the_sparse_trained_model_against_dense_training_at_full_attention(
+    tmp_path,
+):
+    sparsities = testbed.EVAL_SPARSITIES
+    for seed, shift in ((0, 0.0), (1, 0.001)):
+        # dense training: 0.020 with full attention, much worse sparse; sparse training: 0.030
+        # at 0 and 0.015 at every sparser setting
+        _write_claim2_run(
+            tmp_path, "dense", seed, {s: (0.020 if s == 0.0 else 0.050) + shift for s in sparsities}
+        )
+        _write_claim2_run(
+            tmp_path,
+            "sparse 0.9",
+            seed,
+            {s: (0.030 if s == 0.0 else 0.015) + shift for s in sparsities},
+        )
+    args = argparse.Namespace(out=tmp_path, seeds=[0, 1])
+    lines = sparsity_claims.claim2_report(args)
+    verdicts = {line.split(":")[0]: line for line in lines if "validation loss:" in line}
+    assert verdicts["- at 0.0, validation loss"].endswith(
+        "+1.00e-02 ± 0.00e+00 (n=2): not reproduced"
+    )
+    for sparsity in sparsities[1:]:  # against 0.020 at full attention, not 0.050 at its own
+        assert verdicts[f"- at {sparsity}, validation loss"].endswith(
+            "-5.00e-03 ± 0.00e+00 (n=2): reproduced"
+        )
+    assert any("inconclusive" in line for line in lines if "speed error:" in line)
+    assert (tmp_path / "claim2.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.fixture
 def tiny_testbed(monkeypatch):
     """The testbed's recipe at 16 / 32 px x 4 frames, 2 blocks of width 32, a few steps."""

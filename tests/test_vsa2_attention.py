@@ -432,3 +432,26 @@ def test_sparse_path_has_no_host_sync_and_captures_in_cuda_graph():
     assert not torch.equal(fresh_out, eager_out)
     torch.testing.assert_close(graph_out, fresh_out)
     torch.testing.assert_close(graph_density, fresh_density)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_sparsity_testbeds_shape_matches_float64_on_each_gpu_path(dtype):
+    """The sparsity testbed's attention (4,096 tokens, 6 heads of 64, kv16 top-p at 0.9) on the
+    path each dtype takes on the GPU (bf16: the Gluon fine stage on Hopper; float32: Triton in
+    IEEE float32), routed by itself, against the float64 torch path on the same values."""
+    tile_lengths, seg_lengths = _layout([64] * 64, 64, 16)
+    q, k, v = (x.detach().to(dtype) for x in _inputs(1, 6, 4096, 64, torch.float32, "cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    alpha = torch.randn(6, device="cuda", generator=gen)
+    gate_c = 0.5 * torch.randn(q.shape, device="cuda", generator=gen)
+    outputs = {}
+    for name, cast, backend in (("path", dtype, "auto"), ("float64", torch.float64, "torch")):
+        outputs[name], _ = vsa2_attention(
+            q.to(cast), k.to(cast), v.to(cast), alpha=alpha, gate_coarse=gate_c.to(cast),
+            tile_lengths=tile_lengths.cuda(), seg_lengths=seg_lengths.cuda(), sparsity=0.9,
+            **_settings(backend=backend),
+        )  # fmt: skip
+    got, ref = outputs["path"].double(), outputs["float64"]
+    rel_rms = float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+    assert rel_rms < (1e-2 if dtype == torch.bfloat16 else 1e-4), f"relative RMS {rel_rms:.3g}"

@@ -10,7 +10,8 @@ moving-shape videos (:mod:`vsa2_rl.toy.data`), half of which move opposite to th
 rollouts'. Each stage ends on the EMA of its weights and is saved, so a build cut short can be
 resumed; a build asked to stop (``stop_requested``, e.g. on SIGTERM) also saves its stage's
 training state at the next step and continues from that step when built again into its folder.
-After each stage the validation flow-matching loss and the detector's figures of ODE samples
+After each stage the validation flow-matching loss (float32; on CUDA also under the training's
+bf16 autocast, ``validation_bf16``) and the detector's figures of ODE samples
 of the held-out prompts (:func:`vsa2_rl.toy.report.score_samples`: shape fidelity, motion
 score, share of videos with the prompted motion and direction, share of prompts whose
 samples both follow and miss the direction, spread within a prompt's group) are logged and kept
@@ -514,6 +515,14 @@ def build_toy_model(
                                    config.eval_sparsities, config.frame_positions)  # fmt: skip
         log(f"stage {index} ({stage.size}px, {stage.num_frames} frames) validation: {losses} "
             f"({time.time() - measured:.0f}s)")  # fmt: skip
+        entry = {"stage": asdict(stage), "validation": losses}
+        if device.type == "cuda":  # under the training's autocast: its kernels (bf16 on Hopper)
+            with torch.autocast("cuda", torch.bfloat16):
+                entry["validation_bf16"] = validation_losses(
+                    transformer, text_encoder, tokenizer, state, checks,
+                    config.eval_sparsities, config.frame_positions,
+                )  # fmt: skip
+            log(f"stage {index} validation under bf16 autocast: {entry['validation_bf16']}")
         last = index == len(config.stages) - 1
         samples_dir = Path(out_dir) / SAMPLES_DIR if last else None
         measured = time.time()
@@ -521,7 +530,7 @@ def build_toy_model(
         transformer.train()
         log(f"stage {index} samples (eval prompts, ODE): {json.dumps(report)} "
             f"({time.time() - measured:.0f}s)")  # fmt: skip
-        entry = {"stage": asdict(stage), "validation": losses, "samples": report}
+        entry["samples"] = report
         info["stages"].append({**entry, "curve": curve} if config.val_every else entry)
         info["build_seconds"] = round(time.time() - start, 1)
         save_toy_checkpoint(out_dir, transformer, text_encoder, info)  # kept if a later stage dies
