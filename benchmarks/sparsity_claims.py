@@ -17,8 +17,9 @@ again:
   steps, each evaluated at sparsity 0, 0.5, 0.75 and 0.9 on the held-out prompts: validation
   loss, shape fidelity, share of videos moving the prompted way, speed error; the sparse-trained
   model at each sparsity is judged against the dense-trained one with full attention;
-- ``report``: ``claims.md`` (tables, the verdict rules and their results) with ``claim1.png``,
-  ``claim2.png`` and ``claim3.png`` (plots) and ``claim2_samples.png`` and
+- ``report``: ``claims.md`` (tables, the verdict rules and their results, and each run's
+  float32 stage-end validation loss against the same under the training's bf16 kernels) with
+  ``claim1.png``, ``claim2.png`` and ``claim3.png`` (plots) and ``claim2_samples.png`` and
   ``claim3_samples.png`` (sample grids of the first seed's runs).
 
 ::
@@ -586,11 +587,33 @@ def _plot_claim3(args, curves: dict) -> None:
     plt.close(figure)
 
 
+def precision_report(args) -> list[str]:
+    """Each finished run's last stage at its training sparsity: the float32 stage-end validation
+    loss against the same under bf16 autocast (the training's kernels, recorded on CUDA) and
+    the last point of its validation curve (bf16, the weights before the EMA is swapped in)."""
+    lines = ["## Measurement check: float32 against the training's bf16 kernels", "",
+             "| run | sparsity | float32 | bf16 autocast | curve's last point (live weights) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for path in sorted(args.out.rglob(CONFIG_FILE)):
+        info = _info(path.parent)
+        if info is None or "validation_bf16" not in info["stages"][-1]:
+            continue
+        stage = info["stages"][-1]
+        sparsity = info["recipe"]["target_sparsity"] if stage["stage"]["vsa2"] else None
+        key = "dense" if sparsity is None else f"vsa2@{sparsity}"
+        last = (stage.get("curve") or [{}])[-1].get(key)
+        cells = [stage["validation"].get(key), stage["validation_bf16"].get(key), last]
+        cells = ["-" if value is None else f"{value:.4f}" for value in cells]
+        run = path.parent.relative_to(args.out)
+        lines.append(f"| {run} | {sparsity or 0.0} | " + " | ".join(cells) + " |")
+    return lines if len(lines) > 4 else []
+
+
 def run_report(args) -> None:
     lines = ["# VSA2's quality claims on the sparsity testbed", "",
              f"Steps scale {args.steps_scale}; seeds {args.seeds}; every run's figures are in "
              "its folder's config.json.", ""]  # fmt: skip
-    for part in (claim1_report, claim2_report, claim3_report):
+    for part in (claim1_report, claim2_report, claim3_report, precision_report):
         lines += [*part(args), ""]
     (args.out / "claims.md").write_text("\n".join(lines))
     print("\n".join(lines))

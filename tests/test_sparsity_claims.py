@@ -80,6 +80,24 @@ def test_claim2_judges_the_sparse_trained_model_against_dense_training_at_full_a
     assert (tmp_path / "claim2.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_precision_check_lists_each_run_with_both_stage_end_figures_and_its_curve(tmp_path):
+    stage = {"stage": {"vsa2": True}, "validation": {"vsa2@0.9": 0.0278, "vsa2@0.0": 0.03},
+             "validation_bf16": {"vsa2@0.9": 0.0213, "vsa2@0.0": 0.029},
+             "curve": [{"step": 400, "vsa2@0.9": 0.0211}]}  # fmt: skip
+    info = {"build_device": "cuda", "recipe": {"target_sparsity": 0.9}, "stages": [stage]}
+    folder = tmp_path / "claim2" / "sparse_0.9_s0"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"training": info}))
+    unrecorded = tmp_path / "base_low"  # a CPU build records no bf16 figure: not listed
+    unrecorded.mkdir()
+    stage = {"stage": {"vsa2": False}, "validation": {"dense": 0.03}}
+    info = {"build_device": "cpu", "recipe": {"target_sparsity": 0.9}, "stages": [stage]}
+    (unrecorded / "config.json").write_text(json.dumps({"training": info}))
+    lines = sparsity_claims.precision_report(argparse.Namespace(out=tmp_path))
+    rows = [line for line in lines if line.startswith("| claim2") or line.startswith("| base")]
+    assert rows == ["| claim2/sparse_0.9_s0 | 0.9 | 0.0278 | 0.0213 | 0.0211 |"]
+
+
 @pytest.fixture
 def tiny_testbed(monkeypatch):
     """The testbed's recipe at 16 / 32 px x 4 frames, 2 blocks of width 32, a few steps."""
