@@ -18,6 +18,7 @@ selection itself is not differentiable; ``log_probs`` (the log-softmax at the se
 and the fine stage adds ``alpha * log_probs`` to the logits so router gradients flow through it.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -45,6 +46,19 @@ class RouterOutput(NamedTuple):
     density: torch.Tensor  # float32 scalar: selected valid key tokens / valid key tokens
 
 
+def _autocast_off(method):
+    """Runs an autograd method (``ctx``, then a tensor on the work's device) with the caller's
+    autocast off: it would round the float32 score GEMMs to 16 bits (16-bit pooled inputs still
+    multiply on the tensor cores, see ``_scores_plus``)."""
+
+    @functools.wraps(method)
+    def run(ctx, tensor, *args):
+        with torch.autocast(tensor.device.type, enabled=False):
+            return method(ctx, tensor, *args)
+
+    return run
+
+
 class _TopLogProbs(torch.autograd.Function):
     """The selected segments of each row, their log-softmax and their count, lean in memory.
 
@@ -58,6 +72,7 @@ class _TopLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
+    @_autocast_off
     def forward(
         ctx, q_pooled, k_seg_pooled, invalid, kmax: int, scale: float, top_p: float | None,
         min_kv: int, triton_select: bool,
@@ -95,6 +110,7 @@ class _TopLogProbs(torch.autograd.Function):
         return top_log_p, top_idx, counts
 
     @staticmethod
+    @_autocast_off
     def backward(ctx, grad_top, _grad_idx, _grad_counts):
         q_pooled, k_seg_pooled, mask_bias, top_idx, lse, top_log_p = ctx.saved_tensors
         # d log_softmax_j / d s_i = [i == j] - p_i, summed over the selected j:

@@ -216,6 +216,31 @@ def test_density_equals_brute_force_count(mode):
     assert abs(float(out.density) - sum(per_row) / len(per_row)) < 1e-6
 
 
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_scores_stay_float32_under_autocast(input_dtype):
+    """Under a bf16 autocast (as a training step runs) the router's scores and log-softmax stay
+    float32: the selection and log-probabilities equal the float64 reference's on the same
+    values, and the gradients reach the pooled inputs."""
+    q, k, seg_lengths = _router_case(D=64)
+    q, k = q.to(input_dtype), k.to(input_dtype)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k)]
+    with torch.autocast("cpu", torch.bfloat16):
+        out = route(*leaves, seg_lengths, sparsity=0.5, mode="topp", top_p=0.8, min_kv=1,
+                    backend="torch")  # fmt: skip
+        out.log_probs.sum().backward()
+    assert out.log_probs.dtype == torch.float32
+    log_p = _log_softmax_reference(q.double(), k.double(), seg_lengths)
+    used = out.kv_indices >= 0
+    ref = torch.where(used, log_p.gather(-1, out.kv_indices.long().clamp(min=0)), 0.0)
+    torch.testing.assert_close(out.log_probs.double(), ref, rtol=1e-5, atol=1e-5)
+    best = log_p.argsort(dim=-1, descending=True)
+    rows = zip(out.kv_indices.flatten(0, 2), out.kv_counts.flatten(), best.flatten(0, 2),
+               strict=True)  # fmt: skip
+    for ids, count, ranked in rows:
+        assert set(ids[:count].tolist()) == set(ranked[:count].tolist())
+    assert all(leaf.grad is not None and leaf.grad.abs().max() > 0 for leaf in leaves)
+
+
 def test_log_probs_gradient_matches_float64_reference():
     q, k, seg_lengths = _router_case()
     q.requires_grad_(True)
