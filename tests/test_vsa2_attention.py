@@ -326,6 +326,27 @@ def _gpu_case(dtype, S_tiles=40, last=23, B=2, H=4, D=128):
     return q, k, v, tile_lengths.cuda(), seg_lengths.cuda(), int((seg_lengths > 0).sum())
 
 
+def _replay_first_routing(monkeypatch) -> None:
+    """Every ``vsa2_attention`` call after the first reuses the first call's selection (its
+    log-probabilities recomputed in float32 from its own pooled inputs), so near-ties between
+    segments cannot flip in a run of another precision."""
+    recorded = []
+
+    def replay_route(q_pooled, k_seg_pooled, seg_lengths, **route_kwargs):
+        routing = route(q_pooled, k_seg_pooled, seg_lengths, **route_kwargs)
+        if not recorded:
+            recorded.append(routing)
+            return routing
+        ids = recorded[0].kv_indices
+        scale = q_pooled.shape[-1] ** -0.5
+        scores = q_pooled.float() @ k_seg_pooled.float().transpose(-1, -2) * scale
+        log_p = scores.masked_fill(seg_lengths == 0, float("-inf")).log_softmax(dim=-1)
+        log_probs = torch.where(ids >= 0, log_p.gather(-1, ids.long().clamp(min=0)), 0.0)
+        return RouterOutput(ids, recorded[0].kv_counts, log_probs, recorded[0].density)
+
+    monkeypatch.setattr(vsa2_module, "route", replay_route)
+
+
 def _bf16_vs_float32_errors(monkeypatch) -> dict:
     """Relative-RMS errors of the bf16 Triton path against the float32 torch path, same routing."""
     q, k, v, tile_lengths, seg_lengths, nvalid = _gpu_case(torch.bfloat16)
@@ -336,22 +357,7 @@ def _bf16_vs_float32_errors(monkeypatch) -> dict:
         "tile_lengths": tile_lengths, "seg_lengths": seg_lengths, "sparsity": 0.85,
         "num_valid_segments": nvalid,
     }  # fmt: skip
-
-    recorded = []
-
-    def replay_route(q_pooled, k_seg_pooled, seg_lengths, **route_kwargs):
-        # the float32 run reuses the bf16 run's selection, so near-ties cannot flip a segment
-        routing = route(q_pooled, k_seg_pooled, seg_lengths, **route_kwargs)
-        if not recorded:
-            recorded.append(routing)
-            return routing
-        ids = recorded[0].kv_indices
-        scores = q_pooled.float() @ k_seg_pooled.float().transpose(-1, -2) * q.shape[-1] ** -0.5
-        log_p = scores.masked_fill(seg_lengths == 0, float("-inf")).log_softmax(dim=-1)
-        log_probs = torch.where(ids >= 0, log_p.gather(-1, ids.long().clamp(min=0)), 0.0)
-        return RouterOutput(ids, recorded[0].kv_counts, log_probs, recorded[0].density)
-
-    monkeypatch.setattr(vsa2_module, "route", replay_route)
+    _replay_first_routing(monkeypatch)
     results = []
     for dtype, backend in ((torch.bfloat16, "auto"), (torch.float32, "torch")):
         leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
@@ -436,10 +442,11 @@ def test_sparse_path_has_no_host_sync_and_captures_in_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_sparsity_testbeds_shape_matches_float64_on_each_gpu_path(dtype):
+def test_the_sparsity_testbeds_shape_matches_float64_on_each_gpu_path(dtype, monkeypatch):
     """The sparsity testbed's attention (4,096 tokens, 6 heads of 64, kv16 top-p at 0.9) on the
     path each dtype takes on the GPU (bf16: the Gluon fine stage on Hopper; float32: Triton in
-    IEEE float32), routed by itself, against the float64 torch path on the same values."""
+    IEEE float32) against the float64 torch path on the same values and selection."""
+    _replay_first_routing(monkeypatch)
     tile_lengths, seg_lengths = _layout([64] * 64, 64, 16)
     q, k, v = (x.detach().to(dtype) for x in _inputs(1, 6, 4096, 64, torch.float32, "cuda"))
     gen = torch.Generator(device="cuda").manual_seed(2)
