@@ -178,6 +178,9 @@ class _GatedFusion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_fine, o_tiles, gate_fine, gate_coarse, q_tile, out_dtype):
+        # the kernels index O_c as contiguous [B, H, NQ, D]; SDPA's float32 output on CUDA is a
+        # transposed [B, NQ, H, D] buffer (a small copy: one row per tile)
+        o_tiles = o_tiles.contiguous()
         B, H, S, D = out_fine.shape
         full = out_fine.shape
         out = torch.empty(full, dtype=out_dtype, device=out_fine.device)
