@@ -402,7 +402,8 @@ def claim1_report(args) -> list[str]:
             judged = verdict(paired, "lower", "matches")
             lines.append(f"- kv16 top-p at {density / 2} vs kv64 top-k at {density}: "
                          f"{_difference_cell(paired)}: {judged}")  # fmt: skip
-    _plot_claim1(args, found)
+    if any(found.values()):
+        _plot_claim1(args, found)
     return lines
 
 
@@ -424,8 +425,7 @@ def _plot_claim1(args, found: dict) -> None:
     axis.set_xscale("log")
     axis.set_xlabel("measured attention density")
     axis.set_ylabel("validation flow-matching loss")
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend()
+    axis.legend()
     figure.tight_layout()
     figure.savefig(args.out / "claim1.png", dpi=120)
     plt.close(figure)
@@ -481,7 +481,8 @@ def claim2_report(args) -> list[str]:
             if paired:
                 lines.append(f"- at {sparsity}, {heading}: {_difference_cell(paired)}: "
                              f"{verdict(paired, better)}")  # fmt: skip
-    _plot_claim2(args, measures)
+    if any(measures.values()):
+        _plot_claim2(args, measures)
     seed = args.seeds[0]
     shown = [("dense", 0.0)] + [("sparse 0.9", s) for s in testbed.EVAL_SPARSITIES]
     sheets = [(f"trained {trained}, seed {seed}, evaluated at {sparsity}",
@@ -537,7 +538,8 @@ def claim3_report(args) -> list[str]:
         dense = final.get("dense", final.get("vsa2@0.0"))
         lines.append(f"| {attention} | {own:.4f} | {dense:.4f} |")
         curves[attention] = info["stages"]
-    _plot_claim3(args, curves)
+    if curves:
+        _plot_claim3(args, curves)
     sheets = [(f"{attention}, at its attention", args.out / f"base_{attention}" / SAMPLES_DIR /
                ("dense.png" if attention == "dense" else "vsa2@0.9.png"))
               for attention in testbed.ATTENTION_SWITCHES]  # fmt: skip
@@ -579,9 +581,8 @@ def _plot_claim3(args, curves: dict) -> None:
             y += [point.get("dense", point.get("vsa2@0.9")) for point in stage["curve"]]
             offset += stage["stage"]["steps"]
         axis.plot(x, y, label=attention)
-    if curves:
-        switch = next(iter(curves.values()))[0]["stage"]["steps"]
-        axis.axvline(switch, color="grey", linestyle=":", label="32 px -> 64 px")
+    switch = next(iter(curves.values()))[0]["stage"]["steps"]
+    axis.axvline(switch, color="grey", linestyle=":", label="32 px -> 64 px")
     axis.set_yscale("log")
     axis.set_xlabel("pretraining step")
     axis.set_ylabel("validation loss (at its training attention)")

@@ -80,6 +80,15 @@ def test_claim2_judges_the_sparse_trained_model_against_dense_training_at_full_a
     assert (tmp_path / "claim2.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_claim_without_finished_runs_gets_no_plot(tmp_path):
+    _write_claim2_run(tmp_path, "dense", 0, dict.fromkeys(testbed.EVAL_SPARSITIES, 0.02))
+    args = argparse.Namespace(out=tmp_path, seeds=[0], densities=[0.25, 0.125])
+    for report in (sparsity_claims.claim1_report, sparsity_claims.claim3_report):
+        assert any("not run" in line for line in report(args))
+    sparsity_claims.claim2_report(args)
+    assert sorted(path.name for path in tmp_path.glob("*.png")) == ["claim2.png"]
+
+
 def test_the_precision_check_lists_each_run_with_both_stage_end_figures_and_its_curve(tmp_path):
     stage = {"stage": {"vsa2": True}, "validation": {"vsa2@0.9": 0.0278, "vsa2@0.0": 0.03},
              "validation_bf16": {"vsa2@0.9": 0.0213, "vsa2@0.0": 0.029},
