@@ -12,8 +12,8 @@ again:
   bases of claims 1 and 2;
 - ``claim1``: the dense base rebased to VSA2 at each density (``--densities``) with the
   fine-grained router (kv_block 16, top-p) and with VSA's (kv_block 64, top-k), fine-tuned for
-  the same steps at a third of claim 2's learning rate; flow-matching validation loss at that
-  density, per seed;
+  the same steps (peak lr 1e-4, :func:`~vsa2_rl.toy.testbed.fine_tune_recipe`); flow-matching
+  validation loss at that density, per seed;
 - ``claim2``: the rebase base fine-tuned at sparsity 0.9 and with dense attention for the same
   steps, each evaluated at sparsity 0, 0.5, 0.75 and 0.9 on the held-out prompts: validation
   loss, shape fidelity, share of videos moving the prompted way, speed error; the sparse-trained
@@ -79,9 +79,6 @@ PARTS = ("base", "claim1", "claim2", "report")
 # The fine-grained router of the 1.3B recipe and VSA's router (fixed budget of 64-key cubes).
 ROUTERS = {"kv16 top-p": (16, "topp"), "kv64 top-k": (64, "topk")}
 CLAIM1_STEPS, CLAIM2_STEPS = 200, 400
-# Peak learning rate of claim 1's fine-tuning, x the recipe's: at claim 2's 0.3 (3e-4) the fresh
-# optimizer's warm-up doubled a converged base's loss by step 100, more than 400 steps recovered.
-CLAIM1_LR_SCALE = 0.1
 CLAIM2_TRAIN = {"sparse 0.9": 0.9, "dense": 0.0}
 TITLE_HEIGHT = 16  # pixels above each grid of a sample sheet
 STOP_GRACE_S = 60  # how long a stopped worker may take to save its stage's state
@@ -139,7 +136,7 @@ def claim1_runs(args) -> list[Run]:
             for router, (kv_block, mode) in ROUTERS.items():
                 config = testbed.fine_tune_recipe(
                     base, _steps(CLAIM1_STEPS, args), 1.0 - density, seed,
-                    vsa2=_router(args, kv_block, mode), lr_scale=CLAIM1_LR_SCALE,
+                    vsa2=_router(args, kv_block, mode),
                 )  # fmt: skip
                 folder = claim1_folder(args.out, router, density, seed)
                 runs.append(Run(folder, config, args.out / "base_dense"))
