@@ -80,6 +80,29 @@ def test_claim2_judges_the_sparse_trained_model_against_dense_training_at_full_a
     assert (tmp_path / "claim2.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_claim1_judges_half_density_and_equal_density_separately(tmp_path):
+    # kv16 top-p: 0.020 at 0.25 and 0.023 at 0.125; kv64 top-k: 0.021 and 0.024, in both seeds
+    losses = {("kv16 top-p", 0.25): 0.020, ("kv16 top-p", 0.125): 0.023,
+              ("kv64 top-k", 0.25): 0.021, ("kv64 top-k", 0.125): 0.024}  # fmt: skip
+    for seed, shift in ((0, 0.0), (1, 0.0005)):
+        for (router, density), loss in losses.items():
+            folder = sparsity_claims.claim1_folder(tmp_path, router, density, seed)
+            folder.mkdir(parents=True)
+            sparsity = 1.0 - density
+            stage = {"validation": {f"vsa2@{sparsity}": loss + shift,
+                                    f"density@{sparsity}": density}}  # fmt: skip
+            info = {"training": {"build_device": "cpu", "stages": [stage]}}
+            (folder / "config.json").write_text(json.dumps(info))
+    args = argparse.Namespace(out=tmp_path, seeds=[0, 1], densities=[0.25, 0.125])
+    judged = [line for line in sparsity_claims.claim1_report(args) if line.startswith("- ")]
+    assert judged == [
+        "- kv16 top-p at 0.125 vs kv64 top-k at 0.25: +2.00e-03 ± 0.00e+00 (n=2): not reproduced",
+        "- kv16 top-p at 0.25 vs kv64 top-k at 0.25: -1.00e-03 ± 0.00e+00 (n=2): reproduced",
+        "- kv16 top-p at 0.125 vs kv64 top-k at 0.125: -1.00e-03 ± 0.00e+00 (n=2): reproduced",
+    ]
+    assert (tmp_path / "claim1.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_claim_without_finished_runs_gets_no_plot(tmp_path):
     _write_claim2_run(tmp_path, "dense", 0, dict.fromkeys(testbed.EVAL_SPARSITIES, 0.02))
     args = argparse.Namespace(out=tmp_path, seeds=[0], densities=[0.25, 0.125])
