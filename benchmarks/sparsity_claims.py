@@ -8,8 +8,8 @@ time or ``--jobs`` at once in worker processes (each writing its progress to
 again:
 
 - ``base``: the testbed pretrained three ways, ``dense``, ``rebase`` (VSA2 from the resolution
-  change on) and ``sparse`` (VSA2 from the start): claim 3's validation-loss curves, and the
-  bases of claims 1 and 2;
+  change on) and ``sparse`` (VSA2 from the start): claim 3's validation-loss curves and each
+  base's held-out sample measures at its training attention, and the bases of claims 1 and 2;
 - ``claim1``: the dense base rebased to VSA2 at each density (``--densities``) with the
   fine-grained router (kv_block 16, top-p) and with VSA's (kv_block 64, top-k), fine-tuned for
   the same steps (peak lr 1e-4, :func:`~vsa2_rl.toy.testbed.fine_tune_recipe`); flow-matching
@@ -530,26 +530,36 @@ def _plot_claim2(args, measures: dict) -> None:
     plt.close(figure)
 
 
+def _at_own_attention(attention: str) -> str:
+    """The key of a base's stage figures at its training attention."""
+    return "dense" if attention == "dense" else "vsa2@0.9"
+
+
 def claim3_report(args) -> list[str]:
+    sample_measures = CLAIM2_MEASURES[1:]
     lines = ["## Claim 3: sparse rebasing at the resolution change", "",
              "Validation loss at 64 px at the end of pretraining (32 px, then 64 px), each "
-             "variant at its training attention and dense (sparsity 0).", "",
-             "| variant | at its attention | dense |", "|---|---|---|"]  # fmt: skip
+             "variant at its training attention and dense (sparsity 0); held-out samples (ODE) "
+             "at its training attention.", "",
+             "| variant | loss at its attention | loss dense | "
+             + " | ".join(heading for _, heading, _ in sample_measures) + " |",
+             "|---" * (3 + len(sample_measures)) + "|"]  # fmt: skip
     curves = {}
     for attention in testbed.ATTENTION_SWITCHES:
         info = _info(args.out / f"base_{attention}")
         if info is None:
-            lines.append(f"| {attention} | not run | not run |")
+            lines.append(f"| {attention} | not run |" + " |" * (1 + len(sample_measures)))
             continue
-        final = info["stages"][-1]["validation"]
-        own = final.get("dense", final.get("vsa2@0.9"))
-        dense = final.get("dense", final.get("vsa2@0.0"))
-        lines.append(f"| {attention} | {own:.4f} | {dense:.4f} |")
+        final, own = info["stages"][-1], _at_own_attention(attention)
+        dense = final["validation"].get("dense", final["validation"].get("vsa2@0.0"))
+        samples = [f"{final['samples'][own][name]:.3f}" for name, _, _ in sample_measures]
+        lines.append(f"| {attention} | {final['validation'][own]:.4f} | {dense:.4f} | "
+                     + " | ".join(samples) + " |")  # fmt: skip
         curves[attention] = info["stages"]
     if curves:
         _plot_claim3(args, curves)
     sheets = [(f"{attention}, at its attention", args.out / f"base_{attention}" / SAMPLES_DIR /
-               ("dense.png" if attention == "dense" else "vsa2@0.9.png"))
+               f"{_at_own_attention(attention)}.png")
               for attention in testbed.ATTENTION_SWITCHES]  # fmt: skip
     return lines + _sample_sheet(sheets, args.out / "claim3_samples.png")
 

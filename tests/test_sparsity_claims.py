@@ -103,6 +103,28 @@ def test_claim1_judges_half_density_and_equal_density_separately(tmp_path):
     assert (tmp_path / "claim1.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_claim3_puts_each_bases_loss_beside_its_samples_at_its_training_attention(tmp_path):
+    figures = {"dense": ("dense", 0.020, 0.97), "rebase": ("vsa2@0.9", 0.019, 0.86)}
+    for attention, (own, loss, fidelity) in figures.items():
+        samples = {"shape_fidelity": fidelity, "direction_match": 0.25, "speed_error": 0.5}
+        validation = {own: loss, "vsa2@0.0": 0.033} if own != "dense" else {own: loss}
+        # a sparse base's dense samples are worse: the table must not show them
+        stage = {"validation": validation, "stage": {"steps": 4},
+                 "samples": {own: samples, "vsa2@0.0": {**samples, "shape_fidelity": 0.5}},
+                 "curve": [{"step": 2, own: loss}]}  # fmt: skip
+        folder = tmp_path / f"base_{attention}"
+        folder.mkdir()
+        info = {"training": {"build_device": "cpu", "stages": [stage]}}
+        (folder / "config.json").write_text(json.dumps(info))
+    lines = sparsity_claims.claim3_report(argparse.Namespace(out=tmp_path))
+    rows = [line for line in lines if line.startswith(("| dense", "| rebase", "| sparse"))]
+    assert rows == [
+        "| dense | 0.0200 | 0.0200 | 0.970 | 0.250 | 0.500 |",
+        "| rebase | 0.0190 | 0.0330 | 0.860 | 0.250 | 0.500 |",
+        "| sparse | not run | | | | |",
+    ]
+
+
 def test_a_claim_without_finished_runs_gets_no_plot(tmp_path):
     _write_claim2_run(tmp_path, "dense", 0, dict.fromkeys(testbed.EVAL_SPARSITIES, 0.02))
     args = argparse.Namespace(out=tmp_path, seeds=[0], densities=[0.25, 0.125])
