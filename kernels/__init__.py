@@ -9,28 +9,45 @@ Public entry points:
 - ``vsa2_attention``: one layer's coarse stage + router + fine stage + gated fusion
   (``VSA2Stats``).
 
-Run from the repository root (``python -m pytest``, ``python train_rl.py``), this directory is
-also importable as a top-level ``kernels`` package, the import name of HuggingFace's ``kernels``,
-which transformers probes with ``importlib.import_module("kernels")``. Executing ``ops.py`` a
-second time would redefine the ``torch.library`` custom ops; torch then destroys the first
-registration and ``vsa2_rl.kernels``' op handles point at freed dispatcher entries (an
-intermittent segfault on the next call). Any other import name is therefore bound to the one
-``vsa2_rl.kernels`` package and its submodules instead of running this code again.
+Run from the repository root (``python -m pytest``, ``python train_rl.py``), this directory
+would also be importable as a top-level ``kernels`` package, the import name of HuggingFace's
+``kernels``, which transformers imports when that is installed. Imported by any name other
+than ``vsa2_rl.kernels``, this file therefore binds that name to the package it shadows further
+down ``sys.path`` (HuggingFace's), or fails the import as if the directory were not there; it
+never runs this package a second time (``ops.py`` run again would redefine the ``torch.library``
+custom ops and leave ``vsa2_rl.kernels``' op handles dangling).
 """
 
-import importlib
+import importlib.machinery
+import importlib.util
 import sys
+from pathlib import Path
 
-if __name__ != "vsa2_rl.kernels":
-    importlib.import_module("vsa2_rl.kernels")
-    for _name, _module in list(sys.modules.items()):
-        if _name == "vsa2_rl.kernels" or _name.startswith("vsa2_rl.kernels."):
-            sys.modules[__name__ + _name[len("vsa2_rl.kernels") :]] = _module
 
-from .ops import block_sparse_attention
-from .pooling import pool_tiles
-from .router import RouterOutput, max_kv_for, route
-from .vsa2 import VSA2Stats, vsa2_attention
+def _bind_the_shadowed_package(name: str) -> None:
+    """``sys.modules[name]``: the package of that name found on ``sys.path`` outside the
+    repository root; ModuleNotFoundError if there is none."""
+    root = Path(__file__).resolve().parents[1]
+    elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
+    spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
+    if spec is None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+if __name__ == "vsa2_rl.kernels":
+    from .ops import block_sparse_attention
+    from .pooling import pool_tiles
+    from .router import RouterOutput, max_kv_for, route
+    from .vsa2 import VSA2Stats, vsa2_attention
+else:  # the import system returns the module bound here, not this one
+    _bind_the_shadowed_package(__name__)
 
 __all__ = [
     "RouterOutput",

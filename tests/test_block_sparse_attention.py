@@ -343,15 +343,37 @@ def test_custom_op_registration_opcheck():
     )
 
 
-def test_top_level_kernels_import_reuses_the_registered_custom_ops(monkeypatch):
-    # transformers probes HuggingFace's `kernels` with import_module("kernels"); with the repository
-    # root on sys.path that finds this package's directory. Running ops.py a second time would
-    # redefine the custom ops and leave vsa2_rl.kernels' op handles dangling (a segfault later).
-    monkeypatch.syspath_prepend(str(Path(vsa2_rl.kernels.__file__).resolve().parents[1]))
+def _import_kernels_by_its_top_level_name(monkeypatch, search_path: list[str]):
+    """import_module("kernels") with ``search_path`` as sys.path, the repository root first (as
+    under ``python -m pytest`` or ``python train_rl.py``); vsa2_rl.kernels' modules unchanged."""
+    root = str(Path(vsa2_rl.kernels.__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "path", [root, *search_path])
     for name in [n for n in sys.modules if n == "kernels" or n.startswith("kernels.")]:
         monkeypatch.delitem(sys.modules, name)
-    assert importlib.import_module("kernels.ops") is vsa2_rl.kernels.ops
-    assert sys.modules["kernels"] is vsa2_rl.kernels
+    ours = {n: m for n, m in sys.modules.items() if n.startswith("vsa2_rl.kernels")}
+    try:
+        return importlib.import_module("kernels")
+    finally:
+        after = {n: m for n, m in sys.modules.items() if n.startswith("vsa2_rl.kernels")}
+        assert after == ours  # ops.py not run again: the custom ops' handles stay valid
+
+
+def test_top_level_kernels_import_gets_the_package_the_repository_shadows(monkeypatch, tmp_path):
+    # transformers imports HuggingFace's `kernels` when it is installed; with the repository root
+    # on sys.path that name would find this repository's kernels directory first
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("CUDAProperties = 'the hub package'\n")
+    hub = _import_kernels_by_its_top_level_name(monkeypatch, [str(tmp_path)])
+    assert hub.CUDAProperties == "the hub package"
+    assert sys.modules["kernels"] is hub
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("kernels.ops")
+
+
+def test_top_level_kernels_import_without_another_package_fails_as_if_absent(monkeypatch):
+    with pytest.raises(ModuleNotFoundError, match="kernels"):
+        _import_kernels_by_its_top_level_name(monkeypatch, [])
+    assert "kernels" not in sys.modules
 
 
 def test_torch_compile_traces_without_graph_break():
