@@ -307,6 +307,26 @@ def test_compiled_vsa2_model_follows_the_sparsity_state_without_recompiling():
     assert state.pop_density() == pytest.approx((0.25 + 0.1 + 0.25) / 3, abs=0.02)
 
 
+def test_a_compiled_vsa2_model_builds_its_tile_layout_outside_the_graph():
+    """torch.compile of the whole transformer traces its forward pre-hook too; building the
+    tile order there would put it in the graph, to run on every call."""
+    model = _perturbed_vsa2_wan(torch.float32)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=recording_backend)
+    inputs = _inputs((4, 8, 8), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(_run(compiled, inputs), _run(model, inputs))
+    traces = [node.meta.get("stack_trace") or "" for g in graphs for node in g.graph.nodes]
+    assert any("attention" in trace for trace in traces)  # the blocks are in the graphs
+    assert not any("layout.py" in trace and "_build" in trace for trace in traces)
+
+
 def _perturbed_vsa2_wan(dtype, device="cpu", sparsity=0.5, backend="torch"):
     torch.manual_seed(0)
     model = enable_vsa2(

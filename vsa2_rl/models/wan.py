@@ -47,6 +47,9 @@ class VSA2Context:
         self.patch_size = tuple(int(p) for p in patch_size)
         self.layout: TileLayout | None = None
 
+    # Eager under a compiled transformer: dynamo would trace through the layout's cache and
+    # build the tile order inside the graph, every call.
+    @torch.compiler.disable
     def record_grid(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the transformer: layout of this call's post-patchify grid."""
         latents = args[0] if args else kwargs["hidden_states"]
