@@ -2,6 +2,7 @@
 the held-out prompt split, checked on the synthetic generator's own videos, whose true motion is
 known in closed form."""
 
+import json
 import math
 
 import pytest
@@ -21,6 +22,7 @@ from vsa2_rl.toy.data import (
     render_video,
 )
 from vsa2_rl.toy.prompts import toy_prompts
+from vsa2_rl.toy.report import score_samples
 from vsa2_rl.toy.rewards import (
     blob_displacement,
     detect_blobs,
@@ -286,3 +288,21 @@ def test_prompt_motion_tracks_the_shape_not_its_fragments():
     assert reward(video * checker, [spec.prompt]).item() == 0.0
     # a prompt of another colour: the red square is not the prompted shape either
     assert reward(video, ["a blue square moving right fast"]).item() == 0.0
+
+
+def test_sample_figures_of_one_video_a_prompt_are_finite_with_no_group_spread():
+    specs = [
+        ShapeSpec("red", "square", "right", "fast"),
+        ShapeSpec("green", "circle", "up", "slowly"),
+    ]
+    prompts = [spec.prompt for spec in specs]
+    videos = render_batch(specs, [0, 1], 8, 32, 32)  # each moving as its caption says
+    figures = score_samples(videos, prompts, seeds_per_prompt=1)
+    json.dumps(figures, allow_nan=False)  # config.json stays strict JSON
+    assert figures["group_std"] == 0.0
+    assert figures["direction_match"] == 1.0 and figures["shape_fidelity"] > 0.9
+    # two videos a prompt, one static: the spread is that of their two motion scores
+    both = render_batch(specs[:1] * 2, [0, 1], 8, 32, 32, [None, (0.0, 0.0)])
+    scores = get_reward("prompt_motion")(both, prompts[:1] * 2)
+    spread = score_samples(both, prompts[:1], seeds_per_prompt=2)["group_std"]
+    assert spread == pytest.approx(abs(scores[0] - scores[1]).item() / math.sqrt(2.0))

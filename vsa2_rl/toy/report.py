@@ -71,20 +71,23 @@ def score_samples(videos: torch.Tensor, prompts: list[str], seeds_per_prompt: in
     (``prompt_direction``); ``direction_mixed``: share of prompts whose videos include both one
     moving the prompted way and one that does not (a group GRPO can learn from);
     ``group_std``: standard deviation of the motion score among a prompt's videos, averaged over
-    prompts (the spread GRPO's group advantages feed on); ``speed_error``: mean relative speed
-    error, 1 - ``prompt_speed`` (0 at the asked speed, 1 for a static shape).
+    prompts (the spread GRPO's group advantages feed on; 0 with one video a prompt);
+    ``speed_error``: mean relative speed error, 1 - ``prompt_speed`` (0 at the asked speed, 1
+    for a static shape).
     """
     repeated = [p for p in prompts for _ in range(seeds_per_prompt)]
     fidelity = get_reward("shape_fidelity")(videos, repeated)
     motion = get_reward("prompt_motion")(videos, repeated)
     direction = get_reward("prompt_direction")(videos, repeated).view(len(prompts), -1)
     mixed = (direction.amax(dim=1) > 0.5) & (direction.amin(dim=1) < 0.5)
+    groups = motion.view(len(prompts), -1)
+    group_spread = groups.std(dim=1).mean().item() if seeds_per_prompt > 1 else 0.0
     return {
         "shape_fidelity": fidelity.mean().item(),
         "prompt_motion": motion.mean().item(),
         "motion_match": (motion >= 0.9).float().mean().item(),
         "direction_match": direction.mean().item(),
         "direction_mixed": mixed.float().mean().item(),
-        "group_std": motion.view(len(prompts), -1).std(dim=1).mean().item(),
+        "group_std": group_spread,
         "speed_error": 1.0 - get_reward("prompt_speed")(videos, repeated).mean().item(),
     }
