@@ -85,6 +85,24 @@ def test_tile_untile_exact_inverse_with_zero_padding(grid):
     assert torch.equal(layout.tile(layout.untile(y)), y)
 
 
+@pytest.mark.parametrize("grid", [(4, 8, 8), (3, 5, 7)])
+def test_tile_and_untile_gradients_are_the_inverse_permutations(grid):
+    layout = TileLayout.from_grid(grid)
+    x = torch.randn(2, layout.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, layout.padded_len, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layout.tile, (x,))
+    assert torch.autograd.gradcheck(layout.untile, (y,))
+    # closed form: tile's gradient reads the upstream gradient at each token's tile position,
+    # untile's puts it back there with zeros at the padding
+    upstream = torch.randn(2, layout.padded_len, 3, dtype=torch.float64)
+    (grad_x,) = torch.autograd.grad(layout.tile(x), x, upstream)
+    assert torch.equal(grad_x, upstream[:, layout.inv_perm])
+    upstream = torch.randn(2, layout.num_tokens, 3, dtype=torch.float64)
+    (grad_y,) = torch.autograd.grad(layout.untile(y), y, upstream)
+    assert torch.equal(grad_y[:, : layout.num_tokens], upstream[:, layout.perm])
+    assert bool((grad_y[:, layout.num_tokens :] == 0).all())
+
+
 def test_layout_is_cached_and_validates():
     assert TileLayout.from_grid((5, 9, 13)) is TileLayout.from_grid([5, 9, 13])
     with pytest.raises(ValueError, match="grid"):

@@ -153,12 +153,8 @@ class TileLayout:
             raise ValueError(
                 f"x must be [B, {self.num_tokens}, ...] for grid {self.grid}, got {tuple(x.shape)}"
             )
-        perm, _ = self._indices(x.device)
-        out = x.index_select(1, perm)
-        if self.num_padding:
-            pad = x.new_zeros((x.shape[0], self.num_padding, *x.shape[2:]))
-            out = torch.cat([out, pad], dim=1)
-        return out
+        perm, inv_perm = self._indices(x.device)
+        return _PermuteTokens.apply(x, perm, inv_perm, self.num_padding, 0)
 
     def untile(self, y: torch.Tensor) -> torch.Tensor:
         """[B, padded_len, ...] in tile order -> [B, T*H*W, ...] in raster order (drops padding)."""
@@ -166,8 +162,35 @@ class TileLayout:
             raise ValueError(
                 f"y must be [B, {self.padded_len}, ...] for grid {self.grid}, got {tuple(y.shape)}"
             )
-        _, inv_perm = self._indices(y.device)
-        return y.index_select(1, inv_perm)
+        perm, inv_perm = self._indices(y.device)
+        return _PermuteTokens.apply(y, inv_perm, perm, 0, self.num_padding)
+
+
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor, padding: int) -> torch.Tensor:
+    """Rows ``index`` of ``x`` along dim 1, then ``padding`` zero rows."""
+    out = x[:, index]
+    if padding:
+        out = torch.cat([out, out.new_zeros((out.shape[0], padding, *out.shape[2:]))], dim=1)
+    return out
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """Tiling or untiling: a gather of token rows by a permutation, padded after or dropped.
+
+    Its gradient is the inverse permutation's gather. Autograd's own for ``index_select`` is a
+    scatter-add (``index_add_``), which cannot know that the index is a permutation.
+    """
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, padding: int, input_padding: int):
+        ctx.save_for_backward(inverse)
+        ctx.input_padding = input_padding
+        return _gather_tokens(x, index, padding)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return _gather_tokens(grad, inverse, ctx.input_padding), None, None, None, None
 
 
 @functools.lru_cache(maxsize=64)
