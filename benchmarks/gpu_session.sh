@@ -7,6 +7,7 @@
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
+#     [layout]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -36,6 +37,8 @@ for part in "${parts[@]}"; do
     attention)
       timeout 160 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \
         --out "$OUT/attention.md" 2>&1 | tail -60 ;;
+    layout)  # the tile layout's permutation against index_select (bench_layout.py)
+      timeout 90 python3 -P benchmarks/bench_layout.py --out "$OUT/layout.md" 2>&1 | tail -6 ;;
     wan22_ti2v)  # Wan2.2 TI2V-5B RL iteration at 704x1280x121, dense vs VSA2 (bench_wan22.py)
       timeout 190 python3 benchmarks/bench_wan22.py --model ti2v_5b --out "$OUT/wan22_ti2v.md" 2>&1 | tail -8 ;;
     wan22_a14b)  # Wan2.2 A14B I2V RL iteration at 480p x 81, dense vs VSA2 (about 8 minutes)
