@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vsa2_rl.config import VSA2Config
+from vsa2_rl.config import ConfigError, VSA2Config
 from vsa2_rl.toy import testbed
 from vsa2_rl.toy.build import SAMPLES_DIR, BuildStopped, ToyBuildConfig, build_toy_model
 from vsa2_rl.toy.model import CONFIG_FILE, WEIGHTS_FILE
@@ -655,6 +655,27 @@ def store_in_bf16(folder: Path) -> None:
     os.replace(written, path)
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses bad arguments before any run starts (parser.error exits with the message)."""
+    if args.steps_scale <= 0:
+        parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
+    if args.jobs < 1:
+        parser.error(f"--jobs: must be >= 1, got {args.jobs}")
+    outside = [density for density in args.densities if not 0 < density < 1]
+    if outside:
+        parser.error(f"--densities: each must be between 0 and 1 (exclusive), got {outside}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: {args.device!r} is not a device; use cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device: {args.device} asked for, but no CUDA GPU is visible; use cpu")
+    try:
+        VSA2Config(backend=args.backend)
+    except ConfigError as error:
+        parser.error(f"--backend: {error}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="+", choices=PARTS, help="what to run (report last)")
@@ -673,10 +694,7 @@ def main(argv: list[str] | None = None) -> None:
         "base_dense) in bfloat16, to carry them elsewhere",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.steps_scale <= 0:
-        parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
-    if args.jobs < 1:
-        parser.error(f"--jobs: must be >= 1, got {args.jobs}")
+    _check_args(parser, args)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = {"base": base_runs, "claim1": claim1_runs, "claim2": claim2_runs}
     execute(with_bases([run for part in args.parts if part in runs for run in runs[part](args)],

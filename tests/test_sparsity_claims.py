@@ -1,7 +1,8 @@
 """benchmarks/sparsity_claims.py at a tiny scale on the CPU: every part runs from the one
 before it, the measured densities of VSA's router are its closed-form budget, runs in worker
 processes give the figures of runs in one, a failed run skips only the runs that continue it,
-and the verdict rule judges paired differences against their spread."""
+the verdict rule judges paired differences against their spread, and bad arguments are
+refused by name before anything is written."""
 
 import argparse
 import json
@@ -305,6 +306,36 @@ def test_a_base_stored_in_bf16_is_its_weights_rounded_and_claims_continue_it(
     assert math.isfinite(validation[-1]["vsa2@0.5"])
     with pytest.raises(SystemExit, match=r"--store-bf16: .*base_sparse holds no finished run"):
         sparsity_claims.store_in_bf16(tmp_path / "base_sparse")
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "message"),
+    [
+        ("--densities", "1.5", "--densities: each must be between 0 and 1"),
+        ("--densities", "0", "--densities: each must be between 0 and 1"),
+        ("--steps-scale", "0", "--steps-scale: must be > 0"),
+        ("--jobs", "0", "--jobs: must be >= 1"),
+        ("--device", "tpu", "--device: 'tpu' is not a device"),
+        ("--backend", "fast", "--backend: attention.backend: got 'fast'"),
+    ],
+)
+def test_a_bad_argument_is_refused_by_name_before_anything_is_written(
+    tmp_path, capsys, argument, value, message
+):
+    out = tmp_path / "claims"
+    with pytest.raises(SystemExit) as exit_info:
+        sparsity_claims.main(["claim1", argument, value, "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_without_a_gpu_is_refused_before_anything_is_written(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sparsity_claims.main(["base", "--device", "cuda", "--out", str(tmp_path / "claims")])
+    assert "--device: cuda asked for, but no CUDA GPU is visible" in capsys.readouterr().err
+    assert not (tmp_path / "claims").exists()
 
 
 def test_a_run_whose_base_is_missing_is_refused_before_anything_runs(tmp_path):
