@@ -38,7 +38,8 @@ def check_model_paths(config: RunConfig) -> None:
     model = config.model
     if model.path:
         hint = (
-            "put a local diffusers Wan2.1 folder there, e.g. Wan2.1-T2V-1.3B-Diffusers"
+            "put a local diffusers Wan folder there, e.g. Wan2.1-T2V-1.3B-Diffusers or "
+            "Wan2.2-TI2V-5B-Diffusers"
             if model.kind == "wan"
             else "leave empty for the shipped toy model"
         )
