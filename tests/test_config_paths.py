@@ -146,7 +146,11 @@ def test_eval_targets_are_given_like_keys_and_are_no_run_settings(tmp_path):
         str(path), ["run_dirs=[runs/a,runs/b]", "checkpoint=runs/a/checkpoints/step_2"],
         check_files=False,
     )  # fmt: skip
-    assert targets.run_folders == ["runs/a", "runs/b", "runs/c"]
+    assert targets.run_folders == [
+        ("run_dirs", "runs/a"),
+        ("run_dirs", "runs/b"),
+        ("run_dir", "runs/c"),
+    ]
     assert targets.checkpoint == "runs/a/checkpoints/step_2" and config.eval.seed == 7
     assert not {"run_dir", "run_dirs", "checkpoint"} & set(config_tree(config))
     assert "run_dir" not in to_yaml(config)

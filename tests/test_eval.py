@@ -167,6 +167,15 @@ def test_runs_with_the_same_folder_name_get_their_own_rows_and_samples(tmp_path)
     assert (out / "samples" / "B" / "run" / "sparsity_0.9.png").exists()
 
 
+def test_a_folder_of_run_dirs_that_is_no_run_is_refused_by_that_key(tmp_path):
+    config, targets = load_eval_config(None, [*SMALL, f"run_dirs=[{tmp_path}]"])
+    with pytest.raises(ConfigError, match=r"^run_dirs: .* is not a training run"):
+        evaluate(config, targets)
+    config, targets = load_eval_config(None, [*SMALL, f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^run_dir: .* is not a training run"):
+        evaluate(config, targets)
+
+
 def test_a_run_given_twice_is_refused(tmp_path):
     config, targets = load_eval_config(None, [*SMALL, f"run_dirs=[{tmp_path},{tmp_path}/]"])
     with pytest.raises(ConfigError, match=r"^run_dirs: .* is given twice"):

@@ -34,9 +34,10 @@ class EvalTargets:
     )
 
     @property
-    def run_folders(self) -> list[str]:
-        """``run_dirs`` followed by ``run_dir``."""
-        return list(self.run_dirs) + ([self.run_dir] if self.run_dir else [])
+    def run_folders(self) -> list[tuple[str, str]]:
+        """(key, folder) of ``run_dirs``' folders, then of ``run_dir``: errors name the key."""
+        keyed = [("run_dirs", folder) for folder in self.run_dirs]
+        return keyed + ([("run_dir", self.run_dir)] if self.run_dir else [])
 
 
 # The keys of the command line (and of a --config file) that are EvalTargets', not RunConfig's.

@@ -106,11 +106,11 @@ def run_labels(paths: list[str]) -> list[str]:
     return labels
 
 
-def _refuse_repeated_runs(run_dirs: list[str]) -> None:
+def _refuse_repeated_runs(run_folders: list[tuple[str, str]]) -> None:
     seen = set()
-    for run_dir in run_dirs:
+    for key, run_dir in run_folders:
         if os.path.abspath(run_dir) in seen:
-            raise ConfigError(f"run_dirs: {run_dir} is given twice; list each run once")
+            raise ConfigError(f"{key}: {run_dir} is given twice; list each run once")
         seen.add(os.path.abspath(run_dir))
 
 
@@ -123,23 +123,23 @@ def resolve_targets(config: RunConfig, targets: EvalTargets | None = None) -> li
 
     targets = targets or EvalTargets()
     check_target_paths(targets)
-    run_dirs = targets.run_folders
-    _refuse_repeated_runs(run_dirs)
+    run_folders = targets.run_folders
+    _refuse_repeated_runs(run_folders)
     found = []  # (path, the config it was trained with, checkpoint)
-    for run_dir in run_dirs:
+    for key, run_dir in run_folders:
         saved = os.path.join(run_dir, "config.yaml")
         if not os.path.isfile(saved):
-            raise ConfigError(f"run_dir: {run_dir} is not a training run (no config.yaml)")
+            raise ConfigError(f"{key}: {run_dir} is not a training run (no config.yaml)")
         try:
             latest = find_latest(os.path.join(run_dir, "checkpoints"))
         except ValueError as error:
-            raise ConfigError(f"run_dir: {error}") from None
+            raise ConfigError(f"{key}: {error}") from None
         if latest is None:
             raise ConfigError(
-                f"run_dir: no complete checkpoint under {os.path.join(run_dir, 'checkpoints')} "
+                f"{key}: no complete checkpoint under {os.path.join(run_dir, 'checkpoints')} "
                 "(train longer or point checkpoint= at a checkpoint folder)"
             )
-        found.append((run_dir, load_recorded_config(saved, "run_dir"), str(latest)))
+        found.append((run_dir, load_recorded_config(saved, key), str(latest)))
     if targets.checkpoint:
         trained = _checkpoint_config(targets.checkpoint, config)
         found.append((targets.checkpoint, trained, targets.checkpoint))
