@@ -1,5 +1,6 @@
 """The toy task's synthetic videos and its shipped model: videos move as captioned, and the
-model shipped in assets/toy draws the prompted shapes and knows the prompted axis."""
+model shipped in assets/toy loads in float32 without a cast, draws the prompted shapes and knows
+the prompted axis."""
 
 import itertools
 
@@ -51,6 +52,20 @@ def _euler_sample(bundle, prompts, num_frames, size, steps, seed):
         for sigma, sigma_next in itertools.pairwise(sigmas):
             x = x + (sigma_next - sigma) * bundle.velocity(x, sigma.expand(len(prompts)), text)
     return bundle.decode(x)
+
+
+def test_loading_the_toy_model_in_float32_casts_nothing_and_warns_nothing(monkeypatch):
+    from diffusers.models import modeling_utils
+
+    warnings = []
+    monkeypatch.setattr(
+        modeling_utils.logger, "warning", lambda message, *a: warnings.append(message)
+    )
+    bundle = load_toy_bundle(VSA2Config(enabled=False), device="cpu", dtype=torch.float32)
+    assert warnings == []
+    assert {t.dtype for t in bundle.transformer.state_dict().values()} == {torch.float32}
+    half = load_toy_bundle(VSA2Config(enabled=False), device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in half.transformer.parameters()} == {torch.bfloat16}
 
 
 def test_shipped_toy_model_draws_its_shapes():

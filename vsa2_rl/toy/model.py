@@ -256,8 +256,11 @@ def load_toy_bundle(
     text_encoder.load_state_dict(split_state(tensors, "text_encoder."))
     text_encoder = text_encoder.to(device).eval().requires_grad_(False)
     architecture = config["transformer"]
+    transformer = transformer.to(device)
+    if dtype != torch.float32:  # it is built in float32; diffusers warns on every dtype cast
+        transformer = transformer.to(dtype)
     return ToyBundle(
-        transformer=transformer.to(device=device, dtype=dtype),
+        transformer=transformer,
         sparsity_state=state,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
