@@ -1,7 +1,9 @@
 """Pure-torch reference of VSA2 fine-stage block-sparse attention (the ``backend="torch"`` path).
 
 Gathers, for every query tile, the keys and values of its selected segments, adds the per-pair
-logit bias, masks padded keys and unused slots, and runs a numerically safe softmax. Plain torch
+logit bias, masks padded keys and unused slots (one row of additive key terms a tile, shared by
+its queries), and runs a softmax that gives zero output and gradients for a tile without a
+valid key. Plain torch
 autograd gives the gradients w.r.t. q, k, v and block_bias, so this is also what
 ``torch.autograd.gradcheck`` checks in float64. Memory grows with NQ * KMAX * kv_block * D per
 head; query tiles are processed in chunks to bound it.
@@ -59,23 +61,20 @@ def block_sparse_attention_torch(
         k_g = k_g.view(B, H, C, L, D).to(cdtype)
         v_g = v_g.view(B, H, C, L, D).to(cdtype)
         q_c = q[:, :, t0 * q_tile : t1 * q_tile].reshape(B, H, C, q_tile, D).to(cdtype)
-        # (B, H, C, q_tile, L)
-        logits = torch.einsum("bhcqd,bhcld->bhcql", q_c, k_g) * scale
+        # the tile's queries share its keys, so the bias and the masks are one row of additive
+        # key terms (B, H, C, 1, L): the per-pair bias, -inf on padded keys and unused slots
+        m_tile = m_key.flatten(-2).any(-1)[..., None, None]  # (B, H, C, 1, 1): any valid key
+        key_terms = torch.zeros(m_key.shape, dtype=cdtype, device=q.device)
         if block_bias is not None:
-            bias = block_bias[:, :, t0:t1].to(cdtype)
-            logits = logits + bias.repeat_interleave(kv_block, dim=-1)[:, :, :, None, :]
-        m_key = m_key.flatten(-2)[:, :, :, None, :]
-        logits = logits.masked_fill(~m_key, float("-inf"))
-        # -- softmax that stays finite (and has finite gradients) on rows with no valid key ----
-        row_max = logits.amax(-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, 0.0).detach()
-        p_un = torch.exp(logits - row_max)
-        denom = p_un.sum(-1, keepdim=True)
-        m_row = denom > 0
-        safe_denom = torch.where(m_row, denom, 1.0)
-        p = p_un / safe_denom
-        out_c = torch.einsum("bhcql,bhcld->bhcqd", p, v_g)
-        lse_c = torch.where(m_row, row_max + torch.log(safe_denom), float("-inf"))
+            key_terms = key_terms + block_bias[:, :, t0:t1, :, None].to(cdtype)
+        key_terms = key_terms.masked_fill(~m_key, float("-inf")).flatten(-2)[:, :, :, None, :]
+        # a tile without any valid key gets finite logits here and zero output and gradients
+        key_terms = torch.where(m_tile, key_terms, 0.0)
+        # (B, H, C, q_tile, L)
+        logits = torch.einsum("bhcqd,bhcld->bhcql", q_c * scale, k_g) + key_terms
+        p = torch.softmax(logits, dim=-1)
+        out_c = torch.einsum("bhcql,bhcld->bhcqd", p, v_g) * m_tile
+        lse_c = torch.where(m_tile[..., 0], torch.logsumexp(logits, dim=-1), float("-inf"))
         outs.append(out_c.reshape(B, H, C * q_tile, D))
         lses.append(lse_c.reshape(B, H, C * q_tile))
     out = torch.cat(outs, dim=2).to(q.dtype)
