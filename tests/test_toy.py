@@ -80,32 +80,34 @@ def test_shipped_toy_model_draws_its_shapes():
     assert fidelity(videos, prompts).mean() >= 0.8
     bundle = load_toy_bundle(VSA2Config(backend="torch"), path=ASSET_DIR)
     assert isinstance(bundle, VideoDiTBundle)
-    bundle.sparsity_state.sparsity = 0.9  # the embedded default's rollout sparsity
+    bundle.sparsity_state.sparsity = 0.5  # the embedded default's rollout sparsity
     videos = _euler_sample(bundle, prompts, num_frames=8, size=16, steps=10, seed=0)
     assert videos.shape == (8, 8, 3, 16, 16)
-    # topp picks a variable number of segments, at most 4 of 32 (ceil(0.1 * 32))
-    assert 0.05 < bundle.sparsity_state.pop_density() <= 0.125
-    assert fidelity(videos, prompts).mean() >= 0.7
+    # topp picks a variable number of segments, at most 16 of 32 (ceil(0.5 * 32))
+    assert 0.25 < bundle.sparsity_state.pop_density() <= 0.5
+    assert fidelity(videos, prompts).mean() >= 0.8
 
 
-def test_shipped_toy_model_knows_the_axis_and_leaves_the_sign_to_the_noise():
-    """The base RL starts from has part of the skill: on held-out prompts (dense ODE, 4 noises
-    each) the shape moves along the prompted axis in nearly every video, the prompted way in
-    30-60% of them, and for most prompts some noises move it the prompted way and some do not.
-    A base that ignores motion words fails the axis bound; one that already follows them (or
-    whose sign the prompt decides) fails the 60% bound."""
-    bundle = load_toy_bundle(VSA2Config(enabled=False), path=ASSET_DIR)
+def _moves_the_prompted_way(video: torch.Tensor, prompt: str) -> bool:
+    spec = ShapeSpec.from_prompt(prompt)
+    moved = blob_displacement(*shape_frames(video, spec, 0.5, 0.5))
+    return bool(follows_direction(moved, torch.tensor(DIRECTIONS[spec.direction])))
+
+
+def test_shipped_toy_model_has_part_of_the_motion_skill():
+    """The base RL starts from has part of the skill: on held-out prompts (ODE at the
+    evaluation's sparsity 0.25, 4 noises each) it moves the shape the prompted way in 35-65% of
+    the videos, keeps the shapes, and for most prompts some noises move it the prompted way and
+    some do not (the groups an update learns from). A base that ignores motion words, or whose
+    sign the noise picks among all four directions, fails the lower bound; one that already
+    follows them fails the upper bound."""
+    bundle = load_toy_bundle(VSA2Config(backend="torch"), path=ASSET_DIR)
+    bundle.sparsity_state.sparsity = 0.25
     prompts = [p for p in toy_prompts("eval") for _ in range(4)]
     videos = _euler_sample(bundle, prompts, num_frames=8, size=16, steps=10, seed=0)
-    prompted_way, along_axis = [], []
-    for video, prompt in zip(videos, prompts, strict=True):
-        spec = ShapeSpec.from_prompt(prompt)
-        moved = blob_displacement(*shape_frames(video, spec, 0.5, 0.5))
-        target = torch.tensor(DIRECTIONS[spec.direction])
-        prompted_way.append(bool(follows_direction(moved, target)))
-        along_axis.append(prompted_way[-1] or bool(follows_direction(moved, -target)))
-    prompted_way = torch.tensor(prompted_way).view(-1, 4)
-    assert torch.tensor(along_axis).float().mean() >= 0.8
-    assert 0.3 <= prompted_way.float().mean() <= 0.6
+    pairs = zip(videos, prompts, strict=True)
+    prompted_way = torch.tensor([_moves_the_prompted_way(v, p) for v, p in pairs]).view(-1, 4)
+    assert 0.35 <= prompted_way.float().mean() <= 0.65
+    assert get_reward("shape_fidelity")(videos, prompts).mean() >= 0.9
     mixed = prompted_way.any(dim=1) & ~prompted_way.all(dim=1)
     assert mixed.float().mean() >= 0.5

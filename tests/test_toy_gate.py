@@ -1,0 +1,47 @@
+"""The learnability gate (vsa2_rl.toy.gate) on the CPU, at sizes a test can afford."""
+
+from __future__ import annotations
+
+import torch
+
+from vsa2_rl.attention import SparsityState
+from vsa2_rl.config import VSA2Config
+from vsa2_rl.toy.gate import MIN_GAIN, GateSettings, learnability_gate
+from vsa2_rl.toy.model import (
+    ASSET_DIR,
+    ToyBundle,
+    load_toy_bundle,
+    make_toy_text_encoder,
+    make_toy_transformer,
+    toy_transformer_config,
+)
+
+
+def test_the_gate_measures_before_and_after_on_the_same_noises():
+    """Without fine-tuning the two measurements are of the same videos: a gain of exactly 0,
+    which fails the gate; the base passed in is left as it was."""
+    base = load_toy_bundle(VSA2Config(backend="torch"), path=ASSET_DIR)
+    weights = {k: v.clone() for k, v in base.transformer.state_dict().items()}
+    result = learnability_gate(base, GateSettings(steps=0, eval_seeds=1))
+    assert result["gain"] == 0.0
+    assert result["direction_before"] == result["direction_after"]
+    assert 0.0 < result["direction_before"] < 1.0
+    assert result["passed"] is False
+    assert all(torch.equal(weights[k], v) for k, v in base.transformer.state_dict().items())
+
+
+def test_a_base_without_the_skill_fails_the_gate():
+    """An untrained toy draws no shape, so no video moves the prompted way before or after a few
+    steps on perfect data: gain 0 < MIN_GAIN."""
+    torch.manual_seed(0)
+    tokenizer, text_encoder = make_toy_text_encoder()
+    untrained = ToyBundle(
+        transformer=make_toy_transformer(toy_transformer_config()),
+        sparsity_state=SparsityState(),
+        text_encoder=text_encoder.requires_grad_(False),
+        tokenizer=tokenizer,
+    )
+    result = learnability_gate(untrained, GateSettings(steps=2, batch=4, eval_seeds=1))
+    assert result["direction_before"] == 0.0
+    assert result["gain"] < MIN_GAIN
+    assert result["passed"] is False
