@@ -18,8 +18,12 @@ import sys
 
 import pytest
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
+    "--config",
+    FLOW_GRPO_TOY,
     "model.num_frames=4",
     "model.height=16",
     "model.width=16",
@@ -278,7 +282,7 @@ def test_a_nan_on_one_fsdp2_rank_skips_the_step_on_all(tmp_path, monkeypatch):
     monkeypatch.setenv("NAN_LOSS_ON_RANK", "1")  # read by tests/fsdp2_cpu_worker.py
     (row,) = _run(FSDP2_TRAIN, tmp_path / "run", *overrides)
     assert row["train/skipped_nonfinite"] == 1
-    config = load_config(overrides=[*overrides, f"out_dir={tmp_path / 'run'}"])
+    config = load_config(FLOW_GRPO_TOY, [*overrides[2:], f"out_dir={tmp_path / 'run'}"])
     bundle = build_bundle(config, torch.device("cpu"), torch.float32)
     trainable_parameters(bundle.transformer, config)
     start = trained_state(bundle.transformer, config)

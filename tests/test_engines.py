@@ -14,6 +14,8 @@ import pytest
 from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.rl import engines
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 
 def _accelerator(
     stage: int | None,
@@ -50,7 +52,7 @@ def test_what_each_engine_shards():
 
 
 def test_configure_fills_micro_batch_clipping_and_overflow_check():
-    config = load_config(overrides=["train.max_grad_norm=0.5", "grpo.train_batch_size=2"])
+    config = load_config(FLOW_GRPO_TOY, ["train.max_grad_norm=0.5", "grpo.train_batch_size=2"])
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0}
     engines.configure(_accelerator(2, ds), config)
     assert ds["train_micro_batch_size_per_gpu"] == 2
@@ -68,22 +70,22 @@ def test_configure_fills_micro_batch_clipping_and_overflow_check():
 
 @pytest.mark.parametrize("sharded", [_accelerator(3), FSDP2], ids=["zero3", "fsdp2"])
 def test_sharded_parameters_refuse_ema_and_full_finetune_kl_reference(sharded):
-    fine = load_config(overrides=["train.ema_decay=0", "grpo.kl_beta=0"])
+    fine = load_config(FLOW_GRPO_TOY, ["train.ema_decay=0", "grpo.kl_beta=0"])
     engines.check_options(sharded, fine)
     with pytest.raises(ConfigError, match=r"train\.ema_decay"):
-        engines.check_options(sharded, load_config(overrides=["train.ema_decay=0.99"]))
-    kl = load_config(overrides=["train.ema_decay=0", "grpo.kl_beta=0.01"])
+        engines.check_options(sharded, load_config(FLOW_GRPO_TOY, ["train.ema_decay=0.99"]))
+    kl = load_config(FLOW_GRPO_TOY, ["train.ema_decay=0", "grpo.kl_beta=0.01"])
     with pytest.raises(ConfigError, match=r"grpo\.kl_beta"):
         engines.check_options(sharded, kl)
-    lora_kl = load_config(overrides=["grpo.kl_beta=0.01", "model.lora.enabled=true"])
+    lora_kl = load_config(FLOW_GRPO_TOY, ["grpo.kl_beta=0.01", "model.lora.enabled=true"])
     engines.check_options(sharded, lora_kl)  # the reference is the model with adapters off
     # ZeRO-2 keeps whole parameters on every rank: both are fine there
-    engines.check_options(_accelerator(2), load_config(overrides=["train.ema_decay=0.99"]))
+    engines.check_options(_accelerator(2), load_config(FLOW_GRPO_TOY, ["train.ema_decay=0.99"]))
     engines.check_options(_accelerator(2), kl)
 
 
 def test_fsdp1_and_an_fsdp_launch_that_accelerate_ran_as_ddp_are_refused(monkeypatch):
-    config = load_config()
+    config = load_config(FLOW_GRPO_TOY)
     with pytest.raises(ConfigError, match=r"^launcher: fsdp_config\.fsdp_version is 1"):
         engines.check_options(_accelerator(None, fsdp_version=1), config)
     # accelerate launch --config_file configs/accelerate/fsdp2.yaml sets it; on CPU processes

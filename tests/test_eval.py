@@ -14,6 +14,8 @@ from vsa2_rl.eval import evaluate, sweep_model
 from vsa2_rl.rewards import RewardError, get_reward
 from vsa2_rl.runtime import build_bundle
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 SMALL = [
     "model.num_frames=4",
     "model.height=16",
@@ -49,7 +51,7 @@ def _sweep(bundle, sparsities, seed=7):
 
 @pytest.fixture(scope="module")
 def bundle():
-    config = load_config(None, SMALL)
+    config = load_config(FLOW_GRPO_TOY, SMALL)
     return build_bundle(config, torch.device("cpu"), torch.float32)
 
 
@@ -72,14 +74,16 @@ def test_same_seed_gives_same_videos(bundle):
 
 def test_sparsity_zero_is_the_model_without_vsa2(bundle):
     _, with_vsa2 = _sweep(bundle, [0.0])
-    dense_config = load_config(None, [*SMALL, "attention.enabled=false"])
+    dense_config = load_config(FLOW_GRPO_TOY, [*SMALL, "attention.enabled=false"])
     plain = build_bundle(dense_config, torch.device("cpu"), torch.float32)
     _, without = _sweep(plain, [0.0])
     torch.testing.assert_close(with_vsa2[0.0].videos, without[0.0].videos, rtol=0, atol=1e-6)
 
 
 def test_outputs_exist_and_parse(tmp_path):
-    config = load_config(None, [*SMALL, f"out_dir={tmp_path}", "eval.sparsities=[0.0,0.9]"])
+    config = load_config(
+        FLOW_GRPO_TOY, [*SMALL, f"out_dir={tmp_path}", "eval.sparsities=[0.0,0.9]"]
+    )
     rows = evaluate(config)
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert saved == rows
@@ -155,7 +159,7 @@ def test_runs_with_the_same_folder_name_get_their_own_rows_and_samples(tmp_path)
     from vsa2_rl.rl.trainer import train
 
     first, second = tmp_path / "A" / "run", tmp_path / "B" / "run"
-    train(load_config(None, [*TINY, "train.num_steps=1", f"out_dir={first}"]))
+    train(load_config(FLOW_GRPO_TOY, [*TINY, "train.num_steps=1", f"out_dir={first}"]))
     shutil.copytree(first, second)
     out = tmp_path / "eval"
     config, targets = load_eval_config(

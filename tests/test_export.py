@@ -18,6 +18,8 @@ from vsa2_rl.rl.checkpoint import find_latest
 from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import build_bundle, load_model, load_prompts, trainable_parameters
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 TINY = [
     *TRAINER_TINY,
     "train.learning_rate=1e-2",  # one step moves the weights well above rounding
@@ -39,7 +41,7 @@ def _velocity(bundle, config):
 
 
 def _trained(tmp_path, *extra):
-    run = load_config(None, [*TINY, *extra, f"out_dir={tmp_path / 'run'}"])
+    run = load_config(FLOW_GRPO_TOY, [*TINY, *extra, f"out_dir={tmp_path / 'run'}"])
     train(run)
     checkpoint = str(find_latest(tmp_path / "run" / "checkpoints"))
     expected = _velocity(load_model(run, "cpu", torch.float32, checkpoint=checkpoint), run)
@@ -83,7 +85,7 @@ def test_a_full_run_exports_a_diffusers_folder_that_reproduces_the_checkpoint(tm
 
 def test_init_from_starts_the_adapters_from_an_export_of_the_same_shape(tmp_path):
     _, folder, _ = _trained(tmp_path, *LORA)
-    started = load_config(None, [*TINY, *LORA, f"model.lora.init_from={folder}"])
+    started = load_config(FLOW_GRPO_TOY, [*TINY, *LORA, f"model.lora.init_from={folder}"])
     model = build_bundle(started, torch.device("cpu"), torch.float32).transformer
     trainable_parameters(model, started)
     saved = load_file(f"{folder}/{ADAPTER_WEIGHTS}")
@@ -98,7 +100,7 @@ def test_init_from_starts_the_adapters_from_an_export_of_the_same_shape(tmp_path
 
 
 def test_export_refuses_a_folder_that_is_not_empty_and_writes_nothing(tmp_path):
-    train(load_config(None, [*TINY, f"out_dir={tmp_path / 'run'}"]))
+    train(load_config(FLOW_GRPO_TOY, [*TINY, f"out_dir={tmp_path / 'run'}"]))
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"^out_dir: .* is not empty"):
@@ -125,7 +127,7 @@ def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, m
 
     monkeypatch.setattr(rollout_module, "sample", recording_sample)
     kl = ["grpo.kl_beta=1.0", "grpo.kl_mode=reward", f"model.lora.init_from={folder}"]
-    run = load_config(None, [*TINY, *LORA, *kl, f"out_dir={tmp_path / 'kl'}"])
+    run = load_config(FLOW_GRPO_TOY, [*TINY, *LORA, *kl, f"out_dir={tmp_path / 'kl'}"])
     train(run)
     logged = json.loads((tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()[-1])
 
@@ -163,7 +165,9 @@ def test_a_checkpoint_moved_out_of_its_run_exports_with_its_own_settings(tmp_pat
     import shutil
 
     sparse = ["attention.kv_block=64", "attention.mode=topk", "sparsity.train=0.5"]
-    run = load_config(None, [*TINY, *sparse, "sparsity.eval=0.5", f"out_dir={tmp_path / 'run'}"])
+    run = load_config(
+        FLOW_GRPO_TOY, [*TINY, *sparse, "sparsity.eval=0.5", f"out_dir={tmp_path / 'run'}"]
+    )
     train(run)
     moved = tmp_path / "elsewhere" / "step_1"
     shutil.copytree(find_latest(tmp_path / "run" / "checkpoints"), moved)
@@ -178,7 +182,9 @@ def test_a_checkpoint_moved_out_of_its_run_exports_with_its_own_settings(tmp_pat
 def trained_run(request, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(request.param) / "run"
     train(
-        load_config(None, [*TINY, *(LORA if request.param == "lora" else []), f"out_dir={run_dir}"])
+        load_config(
+            FLOW_GRPO_TOY, [*TINY, *(LORA if request.param == "lora" else []), f"out_dir={run_dir}"]
+        )
     )
     return run_dir
 

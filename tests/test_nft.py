@@ -24,6 +24,8 @@ from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import build_bundle, load_prompts
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 TINY = [
     *TRAINER_TINY,
     "rewards.functions=[{name: 'test_trainer:brightness', weight: 1.0}]",
@@ -217,16 +219,15 @@ def test_old_policy_soft_update_swap_and_state(copy_model):
 )
 def test_bad_nft_settings_are_one_error_line(overrides, expected, tmp_path, capsys):
     with pytest.raises(ConfigError) as error:
-        load_config(None, overrides)
+        load_config(FLOW_GRPO_TOY, overrides)
     assert str(error.value).startswith(expected) and "\n" not in str(error.value)
-    assert main(["train", *overrides, f"out_dir={tmp_path / 'run'}"]) == 2
+    assert main(["train", "--config", FLOW_GRPO_TOY, *overrides, f"out_dir={tmp_path / 'run'}"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {error.value}"]
     assert not (tmp_path / "run").exists()
 
 
-def test_nft_defaults_are_valid_and_flow_grpo_stays_the_default():
-    assert load_config(None, []).grpo.algorithm == "flow_grpo"
-    config = load_config(None, ["grpo.algorithm=nft", "sampler.kind=ode"])
+def test_nft_defaults_are_the_papers():
+    config = load_config(FLOW_GRPO_TOY, ["grpo.algorithm=nft", "sampler.kind=ode"])
     assert config.nft == NFTConfig(
         beta=1.0, advantage_scale=5.0, eta_rate=0.001, eta_max=0.5, eta_delay_steps=0,
         timestep_sampling="schedule", timestep_fraction=0.99, adaptive_weighting=True,
@@ -234,7 +235,7 @@ def test_nft_defaults_are_valid_and_flow_grpo_stays_the_default():
 
 
 def _config(tmp_path, *extra, name="run"):
-    return load_config(None, [*TINY, f"out_dir={tmp_path / name}", *extra])
+    return load_config(FLOW_GRPO_TOY, [*TINY, f"out_dir={tmp_path / name}", *extra])
 
 
 def _rows(out_dir):
@@ -436,7 +437,7 @@ def test_sharded_parameters_refuse_nft_and_zero2_takes_it(stage):
     plugin = SimpleNamespace(zero_stage=stage, deepspeed_config={}) if stage else None
     fsdp = None if stage else SimpleNamespace(fsdp_version=2)
     sharded = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin, fsdp_plugin=fsdp))
-    config = load_config(None, ["grpo.algorithm=nft", "model.lora.enabled=true"])
+    config = load_config(FLOW_GRPO_TOY, ["grpo.algorithm=nft", "model.lora.enabled=true"])
     with pytest.raises(ConfigError, match=r"^grpo\.algorithm: nft keeps whole old-policy"):
         engines.check_options(sharded, config)
     zero2 = SimpleNamespace(zero_stage=2, deepspeed_config={})
@@ -446,9 +447,9 @@ def test_sharded_parameters_refuse_nft_and_zero2_takes_it(stage):
 def test_a_checkpoint_from_before_the_algorithm_keys_resumes_at_their_defaults():
     from vsa2_rl.config import check_resume, config_tree
 
-    config = load_config(None, [])
+    config = load_config(FLOW_GRPO_TOY, [])
     saved = config_tree(config)
     del saved["grpo"]["algorithm"], saved["nft"]  # what a checkpoint of an older version holds
     check_resume(saved, config, "old")
     with pytest.raises(ConfigError, match=r"^grpo\.algorithm: changed since the checkpoint"):
-        check_resume(saved, load_config(None, ["grpo.algorithm=nft"]), "old")
+        check_resume(saved, load_config(FLOW_GRPO_TOY, ["grpo.algorithm=nft"]), "old")

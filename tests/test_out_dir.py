@@ -15,8 +15,12 @@ from test_trainer import TINY as TRAINER_TINY
 from vsa2_rl.cli import main
 from vsa2_rl.config import ConfigError
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
+    "--config",
+    FLOW_GRPO_TOY,
     *TRAINER_TINY,
     "train.num_steps=1",
     "rewards.functions=[{name: 'test_trainer:brightness'}]",

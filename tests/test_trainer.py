@@ -22,6 +22,8 @@ from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import load_prompts
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 TINY = [
     "model.num_frames=4",
     "model.height=16",
@@ -226,7 +228,7 @@ def test_same_noise_per_group_starts_a_group_from_one_noise(tmp_path, monkeypatc
 
 def test_same_noise_per_group_needs_sde_noise():
     with pytest.raises(ConfigError, match=r"sampler\.same_noise_per_group"):
-        load_config(None, ["sampler.same_noise_per_group=true", "sampler.noise_level=0"])
+        load_config(FLOW_GRPO_TOY, ["sampler.same_noise_per_group=true", "sampler.noise_level=0"])
 
 
 def test_nan_reward_skips_the_step_without_touching_weights(tmp_path):
@@ -465,9 +467,9 @@ def test_rollouts_and_evaluations_take_their_own_guidance_and_the_negative_promp
 
 def test_a_negative_prompt_without_guidance_is_refused():
     with pytest.raises(ConfigError, match=r"^sampler\.negative_prompt: is only used by"):
-        load_config(None, ["sampler.negative_prompt=blurry"])
+        load_config(FLOW_GRPO_TOY, ["sampler.negative_prompt=blurry"])
     with pytest.raises(ConfigError, match=r"^eval\.guidance_scale: must be >= 1"):
-        load_config(None, ["eval.guidance_scale=0.5"])
+        load_config(FLOW_GRPO_TOY, ["eval.guidance_scale=0.5"])
 
 
 def test_a_group_shares_its_steps_before_the_window_and_branches_at_it(tmp_path, monkeypatch):
@@ -549,11 +551,11 @@ def test_the_moving_window_is_drawn_per_step_within_its_range(tmp_path, monkeypa
 
 def test_clip_ranges_are_checked():
     with pytest.raises(ConfigError, match=r"^grpo\.clip_range: must be in \(0, 1\)"):
-        load_config(None, ["grpo.clip_range=1.5"])
+        load_config(FLOW_GRPO_TOY, ["grpo.clip_range=1.5"])
     with pytest.raises(ConfigError, match=r"^grpo\.clip_range_high: must be > 0"):
-        load_config(None, ["grpo.clip_range_high=0"])
+        load_config(FLOW_GRPO_TOY, ["grpo.clip_range_high=0"])
     with pytest.raises(ConfigError, match=r"^grpo\.clip_range_low: must be in \(0, 1\)"):
-        load_config(None, ["grpo.clip_range_low=1.5"])
+        load_config(FLOW_GRPO_TOY, ["grpo.clip_range_low=1.5"])
 
 
 def test_each_clip_side_takes_its_own_range_or_clip_range(tmp_path, monkeypatch):
@@ -589,7 +591,9 @@ def test_moving_window_settings_are_checked():
         ),
     ):
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
-            load_config(None, ["sampler.num_steps=8", "sampler.sde_window=null", *overrides])
+            load_config(
+                FLOW_GRPO_TOY, ["sampler.num_steps=8", "sampler.sde_window=null", *overrides]
+            )
 
 
 def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch):
@@ -692,7 +696,7 @@ def test_kl_as_reward_penalty_is_the_log_ratio_to_the_reference(tmp_path, monkey
     penalized = row["reward/brightness"] - beta * expected.mean().item()
     assert row["reward/mean"] == pytest.approx(penalized, rel=1e-4, abs=1e-5)
     with pytest.raises(ConfigError, match=r"^grpo\.kl_mode: 'reward' .* rewards\.aggregation"):
-        load_config(None, ["grpo.kl_mode=reward", "rewards.aggregation=advantage"])
+        load_config(FLOW_GRPO_TOY, ["grpo.kl_mode=reward", "rewards.aggregation=advantage"])
 
 
 def test_sequence_parallel_size_must_divide_the_processes(tmp_path):
@@ -701,7 +705,7 @@ def test_sequence_parallel_size_must_divide_the_processes(tmp_path):
         train(config)
     assert not os.path.exists(config.out_dir)
     with pytest.raises(ConfigError, match=r"^parallel\.sequence_parallel_size: must be >= 1"):
-        load_config(None, ["parallel.sequence_parallel_size=0"])
+        load_config(FLOW_GRPO_TOY, ["parallel.sequence_parallel_size=0"])
 
 
 def test_a_subclass_overrides_a_phase_and_the_loop_uses_it(tmp_path):

@@ -20,6 +20,8 @@ from vsa2_rl.sampling import cfg_velocity, sample
 sys.path.insert(0, os.path.dirname(__file__))
 from wan_folders import KINDS, save_image, save_wan_folder
 
+FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
+
 VIDEO = (5, 32, 32)  # frames, height, width: 2 latent frames
 
 
@@ -156,7 +158,7 @@ def test_train_experts_must_name_experts_the_model_has(folders):
     ):
         load_wan_bundle(folders["wan21_t2v"], VSA2Config(), train_experts=("low_noise",))
     with pytest.raises(ConfigError, match=r"model\.train_experts: got 'middle'"):
-        load_config(None, ["model.train_experts=[middle]"])
+        load_config(FLOW_GRPO_TOY, ["model.train_experts=[middle]"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,7 +198,7 @@ def _prompt_file(tmp_path, image=None) -> str:
 
 
 def _run_config(tmp_path, folders, kind, *extra, name="run", image=None):
-    return load_config(None, [
+    return load_config(FLOW_GRPO_TOY, [
         *RUN, f"model.path={folders[kind]}", f"prompts.file={_prompt_file(tmp_path, image)}",
         f"out_dir={tmp_path / name}", *extra,
     ])  # fmt: skip
@@ -453,7 +455,7 @@ def test_deepspeed_refuses_two_experts_where_it_would_step_them_apart(
 
     monkeypatch.setattr(engines, "uses_deepspeed", lambda acc: True)
     monkeypatch.setattr(engines, "shards_parameters", lambda acc: zero3)
-    config = load_config(None, [f"grpo.algorithm={algorithm}"])
+    config = load_config(FLOW_GRPO_TOY, [f"grpo.algorithm={algorithm}"])
     both = WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5)
     one = WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5, train_experts=("high_noise",))
     engines.check_trained_experts(None, one, config)  # one expert: every engine steps it alike
