@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 from vsa2_rl.config import RunConfig, config_tree, to_yaml
@@ -17,7 +18,9 @@ class MetricsLogger:
     """Writes one line per step to metrics.jsonl and mirrors it to the configured trackers.
 
     On resume the file is cut back to the steps <= the checkpoint's step, so a run killed after
-    logging a step but before checkpointing it does not log that step twice.
+    logging a step but before checkpointing it does not log that step twice. A line that is not
+    a step's row (blank, garbled, torn by a crash) is never dropped: it is moved, with a
+    warning, to ``metrics.jsonl.unreadable`` beside it, and every row around it is kept.
     """
 
     def __init__(self, config: RunConfig, resume_step: int = 0, enabled: bool = True):
@@ -47,11 +50,33 @@ class MetricsLogger:
     def _truncate(self, resume_step: int) -> None:
         if not os.path.exists(self.path):
             return
-        kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
+        kept, unreadable = [], []
+        with open(self.path, encoding="utf-8", errors="surrogateescape") as handle:
+            for line in handle:
+                row = _row(line)
+                if row is None:
+                    unreadable.append(line if line.endswith("\n") else line + "\n")
+                elif row["step"] <= resume_step:
+                    kept.append(line)
+        if unreadable:
+            self._quarantine(unreadable)
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in kept)
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as handle:
+            handle.writelines(kept)
         os.replace(tmp, self.path)
+
+    def _quarantine(self, lines: list[str]) -> None:
+        """Appends ``lines`` to metrics.jsonl.unreadable (fsynced before the log is rewritten)."""
+        aside = self.path + ".unreadable"
+        with open(aside, "a", encoding="utf-8", errors="surrogateescape") as handle:
+            handle.writelines(lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+        warnings.warn(
+            f"{self.path}: {len(lines)} line(s) that are no metrics row moved to {aside}; the "
+            "other rows are kept",
+            stacklevel=3,
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -101,16 +126,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _row(line: str) -> dict[str, Any] | None:
+    """The metrics row a line of metrics.jsonl holds, or None for anything else."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        return None
+    return row
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl file (a torn last line from a crash is ignored)."""
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
+    """The rows of a metrics.jsonl file; lines that are no row (a torn last line from a crash,
+    a garbled one) are skipped, and the rows after them still read."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+        rows = [_row(line) for line in handle]
+    return [row for row in rows if row is not None]
 
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:

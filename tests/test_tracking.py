@@ -1,0 +1,33 @@
+"""metrics.jsonl across a resume: rows are cut back to the checkpoint's step, and a line that is
+no row is set aside, never taken as the end of the file."""
+
+import json
+
+import pytest
+
+from vsa2_rl.config import RunConfig
+from vsa2_rl.rl.tracking import MetricsLogger, read_metrics
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def test_resume_keeps_the_rows_after_a_blank_or_garbled_line(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": step, "loss": step / 10}) for step in (1, 2, 3, 4)]
+    _write(metrics, [rows[0], "", rows[1], '{"step": 3, "lo', rows[2], rows[3]])
+    with pytest.warns(UserWarning, match="2 line"):
+        logger = MetricsLogger(RunConfig(out_dir=str(tmp_path)), resume_step=4)
+    logger.log(5, {"loss": 0.5})
+    assert [row["step"] for row in read_metrics(str(metrics))] == [1, 2, 3, 4, 5]
+    aside = (tmp_path / "metrics.jsonl.unreadable").read_text(encoding="utf-8")
+    assert aside == '\n{"step": 3, "lo\n'
+
+
+def test_resume_drops_only_rows_past_the_checkpoint(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    _write(metrics, [json.dumps({"step": step}) for step in (1, 2, 3)])
+    MetricsLogger(RunConfig(out_dir=str(tmp_path)), resume_step=2)
+    assert [row["step"] for row in read_metrics(str(metrics))] == [1, 2]
+    assert not (tmp_path / "metrics.jsonl.unreadable").exists()
