@@ -327,3 +327,82 @@ def test_a_damaged_deepspeed_shard_stops_the_resume_before_deepspeed_reads_it(tm
     assert verify_checkpoint(final) == problem
     with pytest.raises(ValueError, match=rf"step_1 is not a usable checkpoint: {problem}"):
         load_checkpoint(final)
+
+
+def _tamper_meta(folder, edit):
+    """Rewrites meta.json with ``edit`` applied and the COMPLETE marker's checksum recomputed
+    (what a hand who knows the format can do)."""
+    import hashlib
+
+    meta = folder / "meta.json"
+    meta.write_text(edit(meta.read_text()))
+    digest = hashlib.sha256(meta.read_bytes()).hexdigest()
+    (folder / "COMPLETE").write_text(f"step 2\nmeta.json sha256 {digest}\n")
+
+
+def test_a_folder_named_for_a_newer_step_than_it_records_is_skipped(tmp_path):
+    import shutil
+
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
+    shutil.copytree(tmp_path / "step_2", tmp_path / "step_7")  # copied, or misnamed
+    problem = "meta.json records step 2 but the folder is named step_7"
+    assert problem in verify_checkpoint(tmp_path / "step_7")
+    with pytest.warns(UserWarning, match=f"step_7: {problem}"):
+        assert find_latest(tmp_path) == tmp_path / "step_4"
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda text: text.replace('"files"', '"filez"'), "has no valid 'files' record"),
+        (lambda text: text[:-5], "is not valid JSON"),
+        (lambda text: text.replace('"step": 2', '"step": "2"'), "has no valid 'step'"),
+    ],
+)
+def test_a_meta_json_rewritten_with_its_checksum_is_refused_naming_it(tmp_path, edit, problem):
+    from vsa2_rl.rl.checkpoint import load_latest
+
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
+    _tamper_meta(tmp_path / "step_2", edit)
+    assert problem in verify_checkpoint(tmp_path / "step_2")
+    assert str(tmp_path / "step_2" / "meta.json") in verify_checkpoint(tmp_path / "step_2")
+    with pytest.warns(UserWarning, match="skipping damaged checkpoints"):
+        path, state = load_latest(tmp_path)
+    assert path == tmp_path / "step_1" and state["model"]["w"].tolist() == [1.0, 1.0]
+
+
+class _Planted:
+    def __reduce__(self):
+        return (print, ("planted",))
+
+
+def test_a_pickle_planted_with_recomputed_checksums_falls_back_to_the_previous_checkpoint(
+    tmp_path,
+):
+    import hashlib
+    import json
+
+    from vsa2_rl.rl.checkpoint import load_latest
+
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"lr": 0.1}}
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, state)
+    planted = tmp_path / "step_2" / "optimizer.pt"
+    torch.save({"lr": _Planted()}, planted)
+    record = {"size": planted.stat().st_size, "sha256": hashlib.sha256(planted.read_bytes())}
+    record["sha256"] = record["sha256"].hexdigest()
+
+    def edit(text):
+        meta = json.loads(text)
+        meta["files"]["optimizer.pt"] = record
+        return json.dumps(meta)
+
+    _tamper_meta(tmp_path / "step_2", edit)
+    assert verify_checkpoint(tmp_path / "step_2") is None  # the checksums were recomputed
+    with pytest.raises(ValueError, match=r"optimizer.pt cannot be loaded \(Weights only load"):
+        load_checkpoint(tmp_path / "step_2")
+    with pytest.warns(UserWarning, match="step_2: optimizer.pt cannot be loaded"):
+        path, restored = load_latest(tmp_path)
+    assert path == tmp_path / "step_1" and restored["optimizer"] == {"lr": 0.1}

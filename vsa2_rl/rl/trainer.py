@@ -390,16 +390,16 @@ class RLTrainer:
     def resume(self) -> int:
         """Restores the checkpoint ``train.resume`` names (after checking it and its config),
         writes config.yaml, opens the logger; returns the step to continue after."""
-        from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
+        from vsa2_rl.rl.checkpoint import load_checkpoint, load_latest
 
         config = self.config
         resume_from, start_step = None, 0
-        try:  # a damaged checkpoint is skipped (find_latest warns) or named in one error line
+        try:  # a damaged checkpoint is skipped (load_latest warns) or named in one error line
             if config.train.resume == "auto":
-                resume_from = find_latest(self.checkpoints)
+                resume_from, restored = load_latest(self.checkpoints) or (None, None)
             elif config.train.resume != "none":
                 resume_from = config.train.resume
-            restored = load_checkpoint(resume_from) if resume_from else None
+                restored = load_checkpoint(resume_from)
         except ValueError as error:
             raise ConfigError(f"train.resume: {error}") from None
         if resume_from:
