@@ -16,8 +16,10 @@ A Wan2.2 A14B run exports each trained expert into the folder the diffusers pipe
 by (``transformer/`` for high noise, ``transformer_2/`` for low noise): its adapter files or its
 diffusers files, and its ``vsa2.safetensors``; ``vsa2_attention.json`` lists the experts.
 
-Nothing is written unless every file is: the folder is assembled next to ``out_dir`` and renamed
-into place, with the permissions the umask gives (0755 folders, 0644 files under umask 022).
+Nothing is written unless every file is: the folder is assembled next to ``out_dir`` (next to
+the folder it links to, where it is a symbolic link) and renamed into place, with the
+permissions the umask gives (0755 folders, 0644 files under umask 022). An ``out_dir`` inside
+a run's ``checkpoints/`` is refused.
 """
 
 from __future__ import annotations
@@ -99,15 +101,40 @@ def _give_usual_permissions(folder: str) -> None:
             os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
+def _checkpoint_holding(folder: str) -> str | None:
+    """The checkpoint, or the checkpoints folder of a run, that ``folder`` would lie in (a file
+    in a checkpoint breaks its checksums, and a resume deletes it with the checkpoint)."""
+    from vsa2_rl.rl.checkpoint import COMPLETE_MARKER
+
+    path = os.path.realpath(folder)
+    while True:
+        parent = os.path.dirname(path)
+        is_run_checkpoints = os.path.basename(path) == "checkpoints" and os.path.isfile(
+            os.path.join(parent, "config.yaml")
+        )
+        if is_run_checkpoints or os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+            return path
+        if parent == path:
+            return None
+        path = parent
+
+
 def _check_out_dir(out_dir: str) -> None:
-    """A new or empty folder that can be made, and a parent to assemble it in and rename it
-    from (checked before the model loads)."""
+    """A new or empty folder that can be made, outside any run's checkpoints, and a parent to
+    assemble it in and rename it from (checked before the model loads)."""
     from vsa2_rl.runtime import check_output_dir
 
     check_output_dir(out_dir)
-    check_output_dir(os.path.dirname(os.path.abspath(out_dir)))
+    check_output_dir(os.path.dirname(os.path.realpath(out_dir)))
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"out_dir: {out_dir} is not empty; export into a new folder")
+    holder = _checkpoint_holding(out_dir)
+    if holder is not None:
+        raise ConfigError(
+            f"out_dir: {out_dir} lies inside {holder}, a run's checkpoints (the export would "
+            "damage them, and a resume delete it); export into a folder outside the run's "
+            "checkpoints/"
+        )
 
 
 def export(config: RunConfig, targets: EvalTargets) -> str:
@@ -122,7 +149,8 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
     (target,) = resolve_targets(config, targets)
     trained = target.config
     bundle = load_model(trained, torch.device("cpu"), torch.float32, checkpoint=target.checkpoint)
-    parent = os.path.dirname(os.path.abspath(config.out_dir))
+    place = os.path.realpath(config.out_dir)  # a link to an empty folder: the folder it names
+    parent = os.path.dirname(place)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
@@ -137,9 +165,9 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
         with open(os.path.join(staging, VSA2_SETTINGS), "w", encoding="utf-8") as handle:
             json.dump(settings, handle, indent=2)
         _give_usual_permissions(staging)
-        if os.path.isdir(config.out_dir):
-            os.rmdir(config.out_dir)  # empty (checked above)
-        os.rename(staging, config.out_dir)
+        if os.path.isdir(place):
+            os.rmdir(place)  # empty (checked above)
+        os.rename(staging, place)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -4,6 +4,7 @@ bundle (toy or local Wan directory) with VSA2 attached, and the prompt sets."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -242,6 +243,34 @@ def _load_adapter(transformer: torch.nn.Module, folder: str, config: RunConfig) 
             f"model.lora.init_from: {folder} holds weights this model has no place for "
             f"({result.unexpected_keys[:3]}); was it trained on another model?"
         )
+    _load_vsa2(transformer, folder)
+
+
+def _load_vsa2(transformer: torch.nn.Module, folder: str) -> None:
+    """The VSA2 router and gate parameters an export wrote beside its adapter
+    (``vsa2.safetensors``), trained with it; a plain peft folder without them leaves the base
+    model's, with a warning."""
+    from safetensors.torch import load_file
+
+    from vsa2_rl.export import VSA2_WEIGHTS
+
+    path = os.path.join(folder, VSA2_WEIGHTS)
+    if not os.path.isfile(path):
+        warnings.warn(
+            f"model.lora.init_from: {folder} has no {VSA2_WEIGHTS}; the VSA2 routers and gates "
+            "start from the base model's, only the adapters from the folder",
+            stacklevel=2,
+        )
+        return
+    weights = load_file(path)
+    ours = {name for name in transformer.state_dict() if ".vsa2." in f".{name}"}
+    if set(weights) != ours:
+        odd = sorted(set(weights) ^ ours)[:3]
+        raise ConfigError(
+            f"model.lora.init_from: {path} does not fit this model's VSA2 layers ({odd} differ);"
+            " start from an export of a run with these model and attention settings"
+        )
+    transformer.load_state_dict(weights, strict=False)
 
 
 def trained_state(transformer: torch.nn.Module, config: RunConfig) -> dict:

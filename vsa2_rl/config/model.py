@@ -21,8 +21,9 @@ class LoraConfig:
     init_from: str | None = _doc(
         "A peft adapter folder (adapter_config.json + adapter_model.safetensors, e.g. from "
         "vsa2-rl export; for Wan2.2 A14B an export with transformer/ and transformer_2/ "
-        "adapter folders) to start the adapters from; its rank, alpha and target modules must "
-        "equal these. Empty = fresh adapters.",
+        "adapter folders) to start the adapters from, and the VSA2 routers and gates from its "
+        "vsa2.safetensors where it has one (an export's); its rank, alpha and target modules "
+        "must equal these. Empty = fresh adapters.",
         default=None,
     )
 
