@@ -48,6 +48,10 @@ def test_default_config_is_valid_and_embedded():
         (["attention.mode=top3"], "attention.mode: got 'top3'"),
         (["sparsity.train=1.0"], "sparsity.train: must be in [0, 1)"),
         (["sparsity.train=0.5", "sparsity.eval=0.8"], "sparsity.eval: hard-to-easy"),
+        (
+            ["sparsity.train=0.9", "sparsity.train_end=0.5", "sparsity.eval=0.75"],
+            "sparsity.train_end: hard-to-easy: the curriculum ends at sparsity 0.5, below",
+        ),
         (["model.kind=wan"], "model.path: model.kind=wan needs a local diffusers"),
         (["model.kind=wan", "model.path=/no/such/dir"], "model.path: directory not found"),
         (["sampler.sde_window=[3,99]"], "sampler.sde_window"),
@@ -304,3 +308,14 @@ def test_more_eval_prompts_than_the_set_holds_warns_and_takes_them_all():
     with pytest.warns(UserWarning, match=r"eval.num_prompts=30 but the evaluation prompt set hol"):
         selected = config.eval.select_prompts(prompts)
     assert selected == [p for p in prompts for _ in range(2)]
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
+def test_an_empty_config_file_is_an_error_naming_it(tmp_path, capsys, text):
+    empty = tmp_path / "e.yaml"
+    empty.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^--config: {empty} holds no settings"):
+        load_config(str(empty))
+    assert main(["train", "--config", str(empty), f"out_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --config: {empty} holds no settings")
+    assert os.listdir(tmp_path) == ["e.yaml"]

@@ -166,6 +166,11 @@ def _load_yaml(path: str, key: str) -> DictConfig:
             f"{key}: {path} must hold a mapping of keys (e.g. 'train: {{num_steps: 2}}'), "
             f"got a {type(loaded).__name__}"
         )
+    if not loaded:  # empty or comments only: surely not meant as "the schema's defaults"
+        raise ConfigError(
+            f"{key}: {path} holds no settings (empty, or comments only); write the settings "
+            f"into it, or leave --config out for {DEFAULT_CONFIG}"
+        )
     return loaded
 
 

@@ -190,6 +190,12 @@ class SparsityConfig:
             f"sparsity ({self.train}); lower sparsity.eval or raise sparsity.train",
         )
         _check(
+            self.train_end is None or self.eval <= self.train_end,
+            "sparsity.train_end",
+            f"hard-to-easy: the curriculum ends at sparsity {self.train_end}, below the "
+            f"evaluation sparsity ({self.eval}); raise sparsity.train_end or lower sparsity.eval",
+        )
+        _check(
             self.warmup_steps >= 0,
             "sparsity.warmup_steps",
             f"must be >= 0, got {self.warmup_steps}",
