@@ -406,3 +406,47 @@ def test_a_pickle_planted_with_recomputed_checksums_falls_back_to_the_previous_c
     with pytest.warns(UserWarning, match="step_2: optimizer.pt cannot be loaded"):
         path, restored = load_latest(tmp_path)
     assert path == tmp_path / "step_1" and restored["optimizer"] == {"lr": 0.1}
+
+
+@pytest.mark.parametrize("entry", ["model", "optimizer"])
+def test_a_save_that_fills_the_disk_is_one_line_naming_the_file_and_leaves_nothing(tmp_path, entry):
+    # a file-size limit (ulimit -f) fails writes as a full disk does; python ignores SIGXFSZ
+    script = textwrap.dedent(
+        f"""
+        import resource, sys, torch
+        from vsa2_rl.rl.checkpoint import DiskFull, save_checkpoint
+        save_checkpoint(sys.argv[1], 1, {{"model": {{"w": torch.ones(4)}}}})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+        big = torch.ones(1_000_000)  # 4 MB
+        state = {{"model": {{"w": torch.ones(4)}}, "optimizer": {{"lr": 0.1, "m": torch.ones(4)}}}}
+        state["{entry}"] = {{"w": big}} if "{entry}" == "model" else {{"lr": 0.1, "m": big}}
+        try:
+            save_checkpoint(sys.argv[1], 2, state)
+        except DiskFull as error:
+            print(error.strerror)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    suffix = "safetensors" if entry == "model" else "pt"
+    assert re.match(
+        rf"checkpoint: writing \S+/\.tmp-step_2-\S+/{entry}\.{suffix} failed: its disk", line
+    )
+    assert "it needs about 3.8 MiB" in line and "\n" not in line
+    assert sorted(os.listdir(tmp_path)) == ["step_1"]  # the partial save is gone
+    assert verify_checkpoint(tmp_path / "step_1") is None
+
+
+def test_every_checkpoint_file_gets_the_mode_the_umask_gives(tmp_path):
+    before = os.umask(0o022)
+    try:
+        final = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}, "rng": {"a": 1}})
+    finally:
+        os.umask(before)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in final.iterdir()}
+    assert modes == {
+        "model.safetensors": 0o644, "rng.pt": 0o644, "meta.json": 0o644, "COMPLETE": 0o644
+    }  # fmt: skip

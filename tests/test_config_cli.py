@@ -319,3 +319,15 @@ def test_an_empty_config_file_is_an_error_naming_it(tmp_path, capsys, text):
     assert main(["train", "--config", str(empty), f"out_dir={tmp_path / 'run'}"]) == 2
     assert capsys.readouterr().err.startswith(f"error: --config: {empty} holds no settings")
     assert os.listdir(tmp_path) == ["e.yaml"]
+
+
+def test_a_full_disk_during_a_checkpoint_save_is_one_error_line(tmp_path, monkeypatch, capsys):
+    from vsa2_rl.rl.checkpoint import DiskFull
+
+    def fills_the_disk(config):
+        raise DiskFull(28, "checkpoint: writing X/model.safetensors failed: its disk is full")
+
+    monkeypatch.setattr("vsa2_rl.rl.trainer.train", fills_the_disk)
+    assert main(["train", f"out_dir={tmp_path / 'run'}"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: checkpoint: writing X/model.safetensors failed: its disk is full\n"

@@ -22,6 +22,7 @@ from vsa2_rl.config import (
     load_eval_config,
 )
 from vsa2_rl.rewards import RewardError
+from vsa2_rl.rl.checkpoint import DiskFull
 
 _EPILOG = """Overrides are KEY=VALUE pairs (OmegaConf dotlist), e.g.
   vsa2-rl train train.num_steps=2 out_dir=runs/x "eval.sparsities=[0.0,0.9]"
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RewardError as error:  # a reward failed (rewards.on_error=stop, or during eval)
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except DiskFull as error:  # a checkpoint save: the earlier checkpoints are whole
+        print(f"error: {error.strerror}", file=sys.stderr)
         return 1
     except RuntimeError as error:
         from vsa2_rl.rl.rollout import RolloutDiverged

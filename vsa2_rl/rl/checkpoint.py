@@ -35,6 +35,8 @@ refuses, planted with recomputed checksums).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -274,6 +276,95 @@ def stage_checkpoint(checkpoints_dir: str | os.PathLike, step: int) -> Path:
     return tmp
 
 
+class DiskFull(OSError):
+    """A checkpoint file that could not be written because its disk is full or a file-size
+    limit (``ulimit -f``) was hit: one line naming the file and the space it needed."""
+
+
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# how torch and safetensors report a failed write: their errors carry no errno
+_OUT_OF_SPACE_TEXT = (
+    "os error 28",
+    "os error 27",
+    "os error 122",
+    "unexpected pos",
+    "write failed",
+)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (containers walked): what writing it needs."""
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+@contextlib.contextmanager
+def _space_for(path: Path, needed: int):
+    """Turns a write of ``path`` that ran out of space into :class:`DiskFull`."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error).lower()
+        if getattr(error, "errno", None) not in _OUT_OF_SPACE and not any(
+            mark in text for mark in _OUT_OF_SPACE_TEXT
+        ):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise DiskFull(
+            errno.ENOSPC,
+            f"checkpoint: writing {path} failed: its disk is full or a file-size limit "
+            f"(ulimit -f) was hit; it needs about {needed / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB are free there. The earlier checkpoints are whole: free "
+            "space (or lower train.keep_last) and continue with train.resume=auto",
+        ) from None
+
+
+def _file_mode() -> int:
+    """The mode the umask gives a new file (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _write_entry(folder: Path, name: str, value: Any) -> str:
+    """Writes one state entry into ``folder`` and fsyncs it; returns its format."""
+    fmt = "safetensors" if _is_tensor_dict(value) else "torch"
+    path = folder / _entry_file(name, fmt)
+    with _space_for(path, _tensor_bytes(value)):
+        if fmt == "safetensors":
+            save_file(_safetensors_ready(value), str(path), metadata={"format": "pt"})
+            os.chmod(path, _file_mode())  # safetensors makes it owner-only, unlike the rest
+        else:
+            with open(path, "wb") as f:
+                torch.save(value, f)
+        _fsync_path(path)
+    return fmt
+
+
+def _write_state(tmp: Path, step: int, state: dict[str, Any]) -> None:
+    """Every entry, then meta.json, then the COMPLETE marker, all fsynced, into ``tmp``."""
+    formats = {name: _write_entry(tmp, name, value) for name, value in state.items()}
+    files = {
+        str(file.relative_to(tmp)): {"size": file.stat().st_size, "sha256": _sha256(file)}
+        for file in sorted(tmp.rglob("*"))
+        if file.is_file()
+    }
+    meta = json.dumps({"step": step, "entries": formats, "files": files}, indent=1)
+    for file_name, text in ((META_FILE, meta), (COMPLETE_MARKER, None)):
+        if text is None:  # the marker carries meta.json's checksum: written last
+            text = f"step {step}\n{META_FILE} sha256 {_sha256(tmp / META_FILE)}\n"
+        with _space_for(tmp / file_name, len(text)), open(tmp / file_name, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_path(tmp)
+
+
 def save_checkpoint(
     checkpoints_dir: str | os.PathLike,
     step: int,
@@ -286,7 +377,10 @@ def save_checkpoint(
 
     ``state`` maps entry names (file-name safe: letters, digits, ``_.-``) to values: a flat
     ``{str: Tensor}`` dict goes to ``<name>.safetensors``, anything else to ``<name>.pt``.
-    An existing ``step_{step}`` is replaced. Leftovers of crashed saves are removed first.
+    An existing ``step_{step}`` is replaced. Leftovers of crashed saves are removed first. A
+    disk that fills up mid-save raises :class:`DiskFull` (one line: the file, the space it
+    needed and the space left) after removing the partial save. Files get the mode the umask
+    gives (0644 under umask 022), safetensors' included.
     ``keep_last=N`` then deletes all but the N highest-step complete checkpoints (the one just
     written is always kept). ``staged``: a directory from :func:`stage_checkpoint` that other
     files were written into; it is committed with them (every file in it is fsynced).
@@ -311,32 +405,11 @@ def save_checkpoint(
             raise ValueError(f"staged={staged} is not a directory staged under {root}")
         for path in sorted(tmp.rglob("*")):
             _fsync_path(path)
-    formats = {}
-    for name, value in state.items():
-        if _is_tensor_dict(value):
-            path = tmp / f"{name}.safetensors"
-            save_file(_safetensors_ready(value), str(path), metadata={"format": "pt"})
-            formats[name] = "safetensors"
-        else:
-            path = tmp / f"{name}.pt"
-            with open(path, "wb") as f:
-                torch.save(value, f)
-            formats[name] = "torch"
-        _fsync_path(path)
-    files = {
-        str(file.relative_to(tmp)): {"size": file.stat().st_size, "sha256": _sha256(file)}
-        for file in sorted(tmp.rglob("*"))
-        if file.is_file()
-    }
-    meta = json.dumps({"step": step, "entries": formats, "files": files}, indent=1)
-    for file_name, text in ((META_FILE, meta), (COMPLETE_MARKER, None)):
-        if text is None:  # the marker carries meta.json's checksum: written last
-            text = f"step {step}\n{META_FILE} sha256 {_sha256(tmp / META_FILE)}\n"
-        with open(tmp / file_name, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    _fsync_path(tmp)
+    try:
+        _write_state(tmp, step, state)
+    except DiskFull:
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took goes back; nothing else moved
+        raise
 
     final = root / f"step_{step}"
     if final.exists():
