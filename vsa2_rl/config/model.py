@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vsa2_rl.config.checks import _check, _check_choice, _doc
+from vsa2_rl.config.checks import _check, _check_choice, _doc, _expand_user
 
 
 @dataclass
@@ -28,6 +28,7 @@ class LoraConfig:
     )
 
     def __post_init__(self) -> None:
+        _expand_user(self, "init_from")
         _check(self.rank >= 1, "model.lora.rank", f"must be >= 1, got {self.rank}")
         _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _check(bool(self.target_modules), "model.lora.target_modules", "must not be empty")
@@ -79,6 +80,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        _expand_user(self, "path", "text_cache_dir")
         _check_choice(self.kind, "model.kind", ("toy", "wan"))
         for expert in self.train_experts:
             _check_choice(expert, "model.train_experts", ("high_noise", "low_noise"))
