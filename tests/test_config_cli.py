@@ -331,3 +331,15 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_error_line(tmp_path, monkey
     assert main(["train", f"out_dir={tmp_path / 'run'}"]) == 1
     err = capsys.readouterr().err
     assert err == "error: checkpoint: writing X/model.safetensors failed: its disk is full\n"
+
+
+def test_ctrl_c_during_training_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vsa2_rl.rl.trainer.train", interrupted)
+    assert main(["train", f"out_dir={tmp_path / 'run'}"]) == 130
+    assert capsys.readouterr().err == (
+        "vsa2-rl train: interrupted (Ctrl-C); the checkpoints written are whole, continue with "
+        "train.resume=auto\n"
+    )
