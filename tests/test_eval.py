@@ -180,3 +180,32 @@ def test_a_run_given_twice_is_refused(tmp_path):
     config, targets = load_eval_config(None, [*SMALL, f"run_dirs=[{tmp_path},{tmp_path}/]"])
     with pytest.raises(ConfigError, match=r"^run_dirs: .* is given twice"):
         evaluate(config, targets)
+
+
+PLANTED = []
+
+
+def planted(**kwargs):
+    """A reward a run folder's config could name: it must never be built by eval."""
+    PLANTED.append(kwargs)
+    return broken
+
+
+def test_eval_never_builds_the_rewards_a_run_folder_records(tmp_path):
+    from test_trainer import TINY
+
+    from vsa2_rl.rl.trainer import train
+
+    run = tmp_path / "run"
+    brightness = "rewards.functions=[{name: 'test_trainer:brightness'}]"
+    train(load_config(None, [*TINY, brightness, "train.num_steps=1", f"out_dir={run}"]))
+    recorded = (run / "config.yaml").read_text()
+    assert "test_trainer:brightness" in recorded  # TINY's trained reward, replaced below
+    (run / "config.yaml").write_text(
+        recorded.replace("test_trainer:brightness", "test_eval:planted")
+    )
+    config, targets = load_eval_config(
+        None, [*SMALL, f"run_dir={run}", f"out_dir={tmp_path / 'eval'}", "eval.sparsities=[0.9]"]
+    )
+    (row,) = evaluate(config, targets)
+    assert PLANTED == [] and "reward/motion_quality" in row
