@@ -153,6 +153,15 @@ def test_a_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
     assert [row["step"] for row in _rows(tmp_path / "run")] == [1]
 
 
+@pytest.mark.parametrize(("name", "kind"), [("checkpoints", "folder"), ("metrics.jsonl", "file")])
+def test_a_file_or_folder_where_the_run_writes_is_refused_before_any_step(tmp_path, name, kind):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).mkdir() if kind == "file" else (tmp_path / "run" / name).touch()
+    with pytest.raises(ConfigError, match=rf"^out_dir: .*/run/{name} is not a {kind}, and the"):
+        train(_config(tmp_path, "train.num_steps=1"))
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", name]  # no step ran
+
+
 def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     from vsa2_rl.eval.sweep import resolve_targets
 

@@ -92,7 +92,17 @@ def _trained_with(restored: dict, checkpoint) -> dict:
 
 def _refuse_abandoned_run(config: RunConfig) -> None:
     """A fresh run (``train.resume=none``) must not share its folder with an earlier run: a later
-    ``resume=auto`` would continue from the abandoned run's checkpoints and metrics."""
+    ``resume=auto`` would continue from the abandoned run's checkpoints and metrics. Either,
+    where it exists, must be what the run writes there (a folder, a file): found at the first
+    save, a file named checkpoints would stop the run after its first steps."""
+    for name, kind, is_kind in (("checkpoints", "folder", os.path.isdir),
+                                ("metrics.jsonl", "file", os.path.isfile)):  # fmt: skip
+        path = os.path.join(config.out_dir, name)
+        if os.path.lexists(path) and not is_kind(path):
+            raise ConfigError(
+                f"out_dir: {path} is not a {kind}, and the run writes its {name} there; move "
+                "it away or give another out_dir"
+            )
     held = [
         name
         for name in ("checkpoints", "metrics.jsonl")
