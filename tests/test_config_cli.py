@@ -58,6 +58,9 @@ def test_default_config_is_valid_and_embedded():
         (["eval.sparsities=[0.0,1.0]"], "eval.sparsities: each must be in [0, 1)"),
         (["rewards.functions=[{weight: 1}]"], "rewards.functions[0].name"),
         (["prompts.file=/no/such/prompts.txt"], "prompts.file: file not found"),
+        (["prompts.file=/tmp"], "prompts.file: /tmp is a folder; give a prompt file"),
+        (["prompts.file=/dev/null"], "prompts.file: /dev/null is not a regular file; give a"),
+        (["out_dir="], "out_dir: needs a value (nothing follows '='), e.g. out_dir=VALUE"),
         (["train.warmup_steps=-2"], "train.warmup_steps: must be >= 0, got -2"),
         (["train.checkpoint_every=-1"], "train.checkpoint_every: must be >= 0"),
         (["train.sample_every=-5"], "train.sample_every: must be >= 0 (0 = never)"),
@@ -343,3 +346,8 @@ def test_ctrl_c_during_training_is_one_line_and_exit_130(tmp_path, monkeypatch, 
         "vsa2-rl train: interrupted (Ctrl-C); the checkpoints written are whole, continue with "
         "train.resume=auto\n"
     )
+
+
+def test_a_config_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^--config: {tmp_path} is a folder; give a YAML file"):
+        load_config(str(tmp_path))

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vsa2_rl.config.checks import ConfigError
-from vsa2_rl.config.paths import check_paths, check_target_paths
+from vsa2_rl.config.paths import _not_a_file, check_paths, check_target_paths
 from vsa2_rl.config.run import RunConfig
 from vsa2_rl.config.targets import TARGET_KEYS, EvalTargets
 
@@ -54,6 +54,8 @@ def _friendly(error: OmegaConfBaseException) -> ConfigError:
         close = difflib.get_close_matches(key, known, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return ConfigError(f"{key}: unknown config key{hint}; see `vsa2-rl train --help`")
+    if message.startswith("Incompatible value 'None'"):  # KEY= with nothing after it
+        return ConfigError(f"{key}: needs a value (nothing follows '='), e.g. {key}=VALUE")
     return ConfigError(f"{key or 'config'}: {message}")
 
 
@@ -61,7 +63,7 @@ def _layers(path: str | None, overrides: list[str] | None) -> list[DictConfig]:
     """The YAML file ``path`` (None: configs/default.yaml) and each override, parsed."""
     path = path or DEFAULT_CONFIG
     if not os.path.isfile(path):
-        raise ConfigError(f"--config: file not found: {path}")
+        raise ConfigError(f"--config: {_not_a_file(path, 'a YAML file')}")
     return [_load_yaml(path, "--config")] + [_parse_override(item) for item in overrides or []]
 
 

@@ -33,6 +33,14 @@ def _is_adapter_folder(folder: str) -> bool:
     )
 
 
+def _not_a_file(path: str, wanted: str) -> str:
+    """Why ``path`` is no regular file: missing, a folder, or something else (a device)."""
+    if not os.path.exists(path):
+        return f"file not found: {path}"
+    what = "a folder" if os.path.isdir(path) else "not a regular file"
+    return f"{path} is {what}; give {wanted}"
+
+
 def check_model_paths(config: RunConfig) -> None:
     """What loading ``config``'s model reads: ``model.path`` and ``model.lora.init_from``."""
     model = config.model
@@ -72,7 +80,7 @@ def check_paths(config: RunConfig) -> None:
     for key in ("file", "eval_file"):
         path = getattr(config.prompts, key)
         if path:
-            _check(os.path.isfile(path), f"prompts.{key}", f"file not found: {path}")
+            _check(os.path.isfile(path), f"prompts.{key}", _not_a_file(path, "a prompt file"))
     resume = config.train.resume
     if resume not in ("auto", "none"):
         _check(
