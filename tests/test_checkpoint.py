@@ -358,6 +358,10 @@ def test_a_folder_named_for_a_newer_step_than_it_records_is_skipped(tmp_path):
         (lambda text: text.replace('"files"', '"filez"'), "has no valid 'files' record"),
         (lambda text: text[:-5], "is not valid JSON"),
         (lambda text: text.replace('"step": 2', '"step": "2"'), "has no valid 'step'"),
+        (
+            lambda text: text.replace('"model.safetensors"', '"../step_1/model.safetensors"'),
+            "records a file outside the checkpoint folder: ../step_1/model.safetensors",
+        ),
     ],
 )
 def test_a_meta_json_rewritten_with_its_checksum_is_refused_naming_it(tmp_path, edit, problem):

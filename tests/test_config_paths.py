@@ -226,3 +226,9 @@ def test_a_tilde_in_every_path_key_is_the_home_folder(tmp_path, monkeypatch):
     assert found.run_dir == str(tmp_path / "a") and found.run_dirs == [str(tmp_path / "b")]
     assert found.checkpoint == str(tmp_path / "c")
     assert load_config(None, ["train.resume=auto"], check_files=False).train.resume == "auto"
+
+
+def test_a_text_cache_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "cache").touch()
+    with pytest.raises(ConfigError, match=r"^model.text_cache_dir: .*/cache is not a folder"):
+        check_paths(RunConfig(model=ModelConfig(text_cache_dir=str(tmp_path / "cache"))))

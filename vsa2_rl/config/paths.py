@@ -42,7 +42,8 @@ def _not_a_file(path: str, wanted: str) -> str:
 
 
 def check_model_paths(config: RunConfig) -> None:
-    """What loading ``config``'s model reads: ``model.path`` and ``model.lora.init_from``."""
+    """What loading ``config``'s model reads: ``model.path``, ``model.text_cache_dir`` and
+    ``model.lora.init_from``."""
     model = config.model
     if model.path:
         hint = (
@@ -59,6 +60,13 @@ def check_model_paths(config: RunConfig) -> None:
             "model.path",
             f"{model.path} is an empty folder; point it at the model's files",
         )
+    cache = model.text_cache_dir
+    _check(
+        not cache or not os.path.lexists(cache) or os.path.isdir(cache),
+        "model.text_cache_dir",
+        f"{cache} is not a folder; give a folder for the cached prompt embeddings, or leave it "
+        "empty for out_dir/text_cache",
+    )
     init_from = model.lora.init_from
     if init_from:
         # one adapter folder, or a two-expert export with one per expert (Wan2.2 A14B)

@@ -134,6 +134,9 @@ def _read_meta(path: Path) -> tuple[dict[str, Any], str | None]:
         isinstance(r, dict) and {"size", "sha256"} <= set(r) for r in records.values()
     ):
         return {}, f"{where} has no valid 'files' record (size and sha256 of each file)"
+    outside = [name for name in records if Path(name).is_absolute() or ".." in Path(name).parts]
+    if outside:
+        return {}, f"{where} records a file outside the checkpoint folder: {outside[0]}"
     step, entries = meta.get("step"), meta.get("entries")
     if isinstance(step, bool) or not isinstance(step, int) or not isinstance(entries, dict):
         return {}, f"{where} has no valid 'step' and 'entries' records"
