@@ -18,7 +18,8 @@ otherwise, handles at most ``max_connections`` connections at once (one more get
 drops a connection whose whole request (headers and body) has not arrived ``client_timeout_s``
 after it opened. A client that leaves early is one log line, not a traceback.
 
-The client has a timeout per request and a bounded number of retries (with a short backoff) for
+The client has a timeout per request (for connecting, and then for the whole exchange: a server
+that trickles its reply is cut off) and a bounded number of retries (with a short backoff) for
 connection failures and server errors (5xx); a 4xx is the request's fault and is not retried.
 Its errors name the reward, the address and the server's reason, and the trainer's
 ``rewards.on_error`` policy applies to them like to any reward's failure.
@@ -33,10 +34,10 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import warnings
 import zlib
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -362,13 +363,13 @@ class RewardServer(ThreadingHTTPServer):
         self.shutdown_request(request)
 
 
-def _reason(error: urllib.error.HTTPError) -> str:
+def _reason(body: bytes) -> str:
     """The server's one-line reason (its JSON ``error``), else the start of the body."""
-    body = error.read().decode(errors="replace")
+    text = body.decode(errors="replace")
     try:
-        return str(json.loads(body)["error"])
+        return str(json.loads(text)["error"])
     except (ValueError, KeyError, TypeError):
-        return body[:500]
+        return text[:500]
 
 
 class RemoteReward:
@@ -381,24 +382,51 @@ class RemoteReward:
             raise ValueError(f"{PREFIX}{url}: timeout must be > 0 and retries >= 0")
         self.url, self.timeout, self.retries = url.rstrip("/"), timeout, retries
 
+    def _exchange(self, path: str, body: bytes | None) -> tuple[int, bytes]:
+        """One attempt: (HTTP status, reply body). Connecting takes at most ``timeout``, and
+        then the whole exchange too: a watchdog closes the connection when it runs over, so a
+        server that trickles its reply cannot hold the run (a socket timeout bounds one read)."""
+        parts = urllib.parse.urlsplit(self.url)
+        kind = HTTPSConnection if parts.scheme == "https" else HTTPConnection
+        connection = kind(parts.hostname, parts.port, timeout=self.timeout)
+        connection.connect()
+        sock, expired = connection.sock, threading.Event()  # the response takes the socket over
+
+        def expire() -> None:
+            expired.set()
+            with contextlib.suppress(OSError):  # wakes the blocked read
+                sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(self.timeout, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            connection.request("POST" if body else "GET", parts.path + path, body=body)
+            response = connection.getresponse()
+            return response.status, response.read()
+        except (OSError, HTTPException):
+            if expired.is_set():
+                raise TimeoutError(f"no whole reply within {self.timeout:g} s") from None
+            raise
+        finally:
+            watchdog.cancel()
+            connection.close()
+
     def _request(self, path: str, body: bytes | None = None) -> bytes:
-        request = urllib.request.Request(
-            self.url + path, data=body, method="POST" if body else "GET"
-        )
         last = None
         for attempt in range(self.retries + 1):
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return response.read()
-            except urllib.error.HTTPError as error:
-                detail = _reason(error)
-                if error.code < 500:  # the request is wrong: retrying will not help
+                status, reply = self._exchange(path, body)
+            except (OSError, HTTPException) as error:  # refused, reset, timed out, cut short
+                last = str(error) or type(error).__name__
+            else:
+                if status < 300:
+                    return reply
+                if status < 500:  # the request is wrong: retrying will not help
                     raise RuntimeError(
-                        f"{self.url}{path}: HTTP {error.code} (not retried): {detail}"
-                    ) from None
-                last = f"HTTP {error.code}: {detail}"
-            except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
-                last = str(getattr(error, "reason", error))
+                        f"{self.url}{path}: HTTP {status} (not retried): {_reason(reply)}"
+                    )
+                last = f"HTTP {status}: {_reason(reply)}"
             if attempt < self.retries:
                 time.sleep(0.2 * 2**attempt)
         raise RuntimeError(f"{self.url}{path}: failed after {self.retries + 1} attempts: {last}")

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from vsa2_rl.rewards import RewardError, RewardMixer, RewardSkip, get_reward
-from vsa2_rl.rewards.remote import encode_request
+from vsa2_rl.rewards.remote import RemoteReward, encode_request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -379,3 +379,28 @@ def test_ctrl_c_stops_the_server_with_one_line_and_exit_130():
         process.kill()
     assert process.returncode == 130
     assert err == "vsa2-rl serve-reward: stopped (Ctrl-C)\n"
+
+
+def test_a_server_that_trickles_its_reply_is_cut_off_at_the_client_timeout():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle():  # headers at once, then one byte of the body every 0.2 s
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n")
+            for _ in range(40):
+                try:
+                    connection.sendall(b"x")
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    remote = RemoteReward(url, timeout=1, retries=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"failed after 1 attempts: no whole reply within 1 s"):
+        remote(torch.rand(1, 2, 3, 8, 8), ["a"], [{}])
+    assert time.monotonic() - start < 3  # not the 8 s the trickle lasts
+    listener.close()
