@@ -8,6 +8,7 @@ import pytest
 
 from vsa2_rl.cli import main
 from vsa2_rl.config import ConfigError, RunConfig, help_lines, load_config, load_eval_config
+from vsa2_rl.config.loading import load_recorded_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -351,3 +352,11 @@ def test_ctrl_c_during_training_is_one_line_and_exit_130(tmp_path, monkeypatch, 
 def test_a_config_that_is_a_folder_says_so(tmp_path):
     with pytest.raises(ConfigError, match=rf"^--config: {tmp_path} is a folder; give a YAML file"):
         load_config(str(tmp_path))
+
+
+def test_an_emptied_run_config_names_the_key_that_led_to_it(tmp_path):
+    (tmp_path / "config.yaml").write_text("# nothing\n")
+    with pytest.raises(
+        ConfigError, match=r"^run_dir: .*config.yaml holds no settings .*restore it$"
+    ):
+        load_recorded_config(str(tmp_path / "config.yaml"), "run_dir")

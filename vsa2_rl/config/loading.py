@@ -169,9 +169,10 @@ def _load_yaml(path: str, key: str) -> DictConfig:
             f"got a {type(loaded).__name__}"
         )
     if not loaded:  # empty or comments only: surely not meant as "the schema's defaults"
+        fix = f"leave --config out for {DEFAULT_CONFIG}" if key == "--config" else "restore it"
         raise ConfigError(
             f"{key}: {path} holds no settings (empty, or comments only); write the settings "
-            f"into it, or leave --config out for {DEFAULT_CONFIG}"
+            f"into it, or {fix}"
         )
     return loaded
 
