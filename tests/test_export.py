@@ -261,3 +261,18 @@ def test_export_of_a_damaged_checkpoint_is_one_line_before_config_pt_is_read(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert err[0].startswith(f"error: checkpoint: {copy} is not a usable checkpoint: config.pt")
+
+
+def test_init_from_refuses_router_weights_of_another_shape_in_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    from vsa2_rl.runtime import _load_vsa2
+
+    config = load_config(None, [*TINY, *LORA])
+    model = build_bundle(config, torch.device("cpu"), torch.float32).transformer
+    routers = {k: v for k, v in model.state_dict().items() if ".vsa2." in f".{k}"}
+    name = sorted(routers)[0]
+    routers[name] = torch.zeros(routers[name].numel() + 1)  # another model's layer size
+    save_file(routers, str(tmp_path / VSA2_WEIGHTS))
+    with pytest.raises(ConfigError, match=rf"^model.lora.init_from: .* \(\['{name}'\] differ\)"):
+        _load_vsa2(model, str(tmp_path))

@@ -263,9 +263,11 @@ def _load_vsa2(transformer: torch.nn.Module, folder: str) -> None:
         )
         return
     weights = load_file(path)
-    ours = {name for name in transformer.state_dict() if ".vsa2." in f".{name}"}
-    if set(weights) != ours:
-        odd = sorted(set(weights) ^ ours)[:3]
+    state = transformer.state_dict()
+    ours = {name: state[name].shape for name in state if ".vsa2." in f".{name}"}
+    theirs = {name: value.shape for name, value in weights.items()}
+    if theirs != ours:
+        odd = sorted(name for name in {*ours, *theirs} if ours.get(name) != theirs.get(name))[:3]
         raise ConfigError(
             f"model.lora.init_from: {path} does not fit this model's VSA2 layers ({odd} differ);"
             " start from an export of a run with these model and attention settings"
