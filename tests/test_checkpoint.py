@@ -454,3 +454,10 @@ def test_every_checkpoint_file_gets_the_mode_the_umask_gives(tmp_path):
     assert modes == {
         "model.safetensors": 0o644, "rng.pt": 0o644, "meta.json": 0o644, "COMPLETE": 0o644
     }  # fmt: skip
+
+
+def test_a_checkpoint_removed_after_it_was_found_says_it_is_gone(tmp_path):
+    found = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}})
+    save_checkpoint(tmp_path, 2, {"model": {"w": torch.ones(2)}}, keep_last=1)  # a running train
+    with pytest.raises(ValueError, match=r"step_1 is not a usable checkpoint: the folder is gone"):
+        load_checkpoint(found)

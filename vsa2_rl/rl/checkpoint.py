@@ -161,6 +161,8 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """
     path = Path(path)
     marker = path / COMPLETE_MARKER
+    if not path.is_dir():  # e.g. removed by a running train's keep_last since it was found
+        return "the folder is gone (a training run's train.keep_last may have removed it)"
     if not marker.is_file():
         return f"no {COMPLETE_MARKER} marker (a save that did not finish)"
     fields = marker.read_text().split()
