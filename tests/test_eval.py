@@ -209,3 +209,23 @@ def test_eval_never_builds_the_rewards_a_run_folder_records(tmp_path):
     )
     (row,) = evaluate(config, targets)
     assert PLANTED == [] and "reward/motion_quality" in row
+
+
+def test_eval_refuses_an_out_dir_inside_a_checkpoint(tmp_path):
+    from vsa2_rl.rl.checkpoint import save_checkpoint, verify_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "run" / "checkpoints", 1, {"m": {"w": torch.ones(1)}})
+    config = load_config(None, [*SMALL, f"out_dir={checkpoint / 'eval'}"])
+    with pytest.raises(ConfigError, match=rf"^out_dir: {checkpoint}/eval lies inside {checkpoint}"):
+        evaluate(config)
+    assert verify_checkpoint(checkpoint) is None
+
+
+def test_a_folder_named_checkpoints_that_holds_no_run_may_hold_outputs(tmp_path):
+    from vsa2_rl.runtime import check_output_dir
+
+    (tmp_path / "config.yaml").write_text("seed: 0\n")  # a project's config, not a run's
+    check_output_dir(str(tmp_path / "checkpoints" / "eval"))  # no error: no run there
+    (tmp_path / ".lock").touch()  # now it is a training run's folder
+    with pytest.raises(ConfigError, match=r"lies inside .*/checkpoints, a run's checkpoints"):
+        check_output_dir(str(tmp_path / "checkpoints" / "eval"))

@@ -101,26 +101,8 @@ def _give_usual_permissions(folder: str) -> None:
             os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
-def _checkpoint_holding(folder: str) -> str | None:
-    """The checkpoint, or the checkpoints folder of a run, that ``folder`` would lie in (a file
-    in a checkpoint breaks its checksums, and a resume deletes it with the checkpoint)."""
-    from vsa2_rl.rl.checkpoint import COMPLETE_MARKER
-
-    path = os.path.realpath(folder)
-    while True:
-        parent = os.path.dirname(path)
-        is_run_checkpoints = os.path.basename(path) == "checkpoints" and os.path.isfile(
-            os.path.join(parent, "config.yaml")
-        )
-        if is_run_checkpoints or os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            return path
-        if parent == path:
-            return None
-        path = parent
-
-
 def _check_out_dir(out_dir: str) -> None:
-    """A new or empty folder that can be made, outside any run's checkpoints, and a parent to
+    """A new or empty folder that can be made (outside any run's checkpoints), and a parent to
     assemble it in and rename it from (checked before the model loads)."""
     from vsa2_rl.runtime import check_output_dir
 
@@ -128,13 +110,6 @@ def _check_out_dir(out_dir: str) -> None:
     check_output_dir(os.path.dirname(os.path.realpath(out_dir)))
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"out_dir: {out_dir} is not empty; export into a new folder")
-    holder = _checkpoint_holding(out_dir)
-    if holder is not None:
-        raise ConfigError(
-            f"out_dir: {out_dir} lies inside {holder}, a run's checkpoints (the export would "
-            "damage them, and a resume delete it); export into a folder outside the run's "
-            "checkpoints/"
-        )
 
 
 def export(config: RunConfig, targets: EvalTargets) -> str:

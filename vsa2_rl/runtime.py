@@ -29,10 +29,35 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _checkpoint_holding(folder: str) -> str | None:
+    """The checkpoint, or the checkpoints folder of a run, that ``folder`` would lie in."""
+    from vsa2_rl.rl.checkpoint import COMPLETE_MARKER
+    from vsa2_rl.rl.run_folder import LOCK_FILE
+
+    path = os.path.realpath(folder)
+    while True:
+        parent = os.path.dirname(path)
+        is_run_checkpoints = os.path.basename(path) == "checkpoints" and all(
+            os.path.isfile(os.path.join(parent, name)) for name in ("config.yaml", LOCK_FILE)
+        )  # a training run's folder holds both
+        if is_run_checkpoints or os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+            return path
+        if parent == path:
+            return None
+        path = parent
+
+
 def check_output_dir(path: str, key: str = "out_dir") -> None:
     """Refuses, before any work, an output folder that cannot be made or written into: a file,
-    a dangling symbolic link, a path under a file, or one whose nearest existing folder (where
-    the rest would be made) this user cannot write into."""
+    a dangling symbolic link, a path under a file, one whose nearest existing folder (where
+    the rest would be made) this user cannot write into, or one inside a run's checkpoints (a
+    file there breaks a checkpoint's checksums, and a resume deletes it with the checkpoint)."""
+    holder = _checkpoint_holding(path)
+    if holder is not None:
+        raise ConfigError(
+            f"{key}: {path} lies inside {holder}, a run's checkpoints (writing there would "
+            "damage them, and a resume delete it); give a folder outside the run's checkpoints/"
+        )
     if os.path.lexists(path) and not os.path.isdir(path):
         what = "a file" if os.path.exists(path) else "a symbolic link to a missing target"
         raise ConfigError(f"{key}: {path} is {what}, not a folder; give a new or existing folder")
