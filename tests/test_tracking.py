@@ -31,3 +31,26 @@ def test_resume_drops_only_rows_past_the_checkpoint(tmp_path):
     MetricsLogger(RunConfig(out_dir=str(tmp_path)), resume_step=2)
     assert [row["step"] for row in read_metrics(str(metrics))] == [1, 2]
     assert not (tmp_path / "metrics.jsonl.unreadable").exists()
+
+
+def test_a_full_disk_while_logging_is_one_line_naming_metrics_jsonl(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, sys\n"
+        "from vsa2_rl.config import RunConfig\n"
+        "from vsa2_rl.rl.checkpoint import DiskFull\n"
+        "from vsa2_rl.rl.tracking import MetricsLogger\n"
+        "logger = MetricsLogger(RunConfig(out_dir=sys.argv[1]))\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    logger.log(1, {'note': 'x' * 5000})\n"
+        "except DiskFull as error:\n"
+        "    print(error.strerror)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"metrics: writing {tmp_path}/metrics.jsonl failed: its disk")

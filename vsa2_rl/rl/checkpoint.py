@@ -309,8 +309,9 @@ def _tensor_bytes(value: Any) -> int:
 
 
 @contextlib.contextmanager
-def _space_for(path: Path, needed: int):
-    """Turns a write of ``path`` that ran out of space into :class:`DiskFull`."""
+def space_for(path: Path, needed: int, what: str = "checkpoint"):
+    """Turns a write of ``path`` (part of ``what``) that ran out of space into :class:`DiskFull`,
+    whose one line names the file, the space it needed and the space left."""
     try:
         yield
     except Exception as error:
@@ -319,10 +320,10 @@ def _space_for(path: Path, needed: int):
             mark in text for mark in _OUT_OF_SPACE_TEXT
         ):
             raise
-        free = shutil.disk_usage(path.parent).free
+        free = shutil.disk_usage(Path(path).parent).free
         raise DiskFull(
             errno.ENOSPC,
-            f"checkpoint: writing {path} failed: its disk is full or a file-size limit "
+            f"{what}: writing {path} failed: its disk is full or a file-size limit "
             f"(ulimit -f) was hit; it needs about {needed / 2**20:.1f} MiB, "
             f"{free / 2**20:.1f} MiB are free there. The earlier checkpoints are whole: free "
             "space (or lower train.keep_last) and continue with train.resume=auto",
@@ -340,7 +341,7 @@ def _write_entry(folder: Path, name: str, value: Any) -> str:
     """Writes one state entry into ``folder`` and fsyncs it; returns its format."""
     fmt = "safetensors" if _is_tensor_dict(value) else "torch"
     path = folder / _entry_file(name, fmt)
-    with _space_for(path, _tensor_bytes(value)):
+    with space_for(path, _tensor_bytes(value)):
         if fmt == "safetensors":
             save_file(_safetensors_ready(value), str(path), metadata={"format": "pt"})
             os.chmod(path, _file_mode())  # safetensors makes it owner-only, unlike the rest
@@ -363,7 +364,7 @@ def _write_state(tmp: Path, step: int, state: dict[str, Any]) -> None:
     for file_name, text in ((META_FILE, meta), (COMPLETE_MARKER, None)):
         if text is None:  # the marker carries meta.json's checksum: written last
             text = f"step {step}\n{META_FILE} sha256 {_sha256(tmp / META_FILE)}\n"
-        with _space_for(tmp / file_name, len(text)), open(tmp / file_name, "w") as f:
+        with space_for(tmp / file_name, len(text)), open(tmp / file_name, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from vsa2_rl.config import RunConfig, config_tree, to_yaml
+from vsa2_rl.rl.checkpoint import space_for
 
 
 class MetricsLogger:
@@ -82,8 +83,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{key: _plain(value) for key, value in metrics.items()}}
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
+        line = json.dumps(row) + "\n"
+        with (
+            space_for(self.path, len(line), "metrics"),
+            open(self.path, "a", encoding="utf-8") as f,
+        ):
+            f.write(line)
         if self._wandb is not None:
             self._wandb.log(row, step=step)
         if self._tensorboard is not None:
