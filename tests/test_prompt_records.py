@@ -226,3 +226,10 @@ def test_a_condition_image_whose_pixels_do_not_decode_is_refused_at_start(tmp_pa
     path = _jsonl(tmp_path / "prompts.jsonl", {"prompt": "x", "image": "bad.png"})
     with pytest.raises(ConfigError, match=rf"line 1: image {picture} cannot be read as an image"):
         read_prompt_records(path, KEY)
+
+
+def test_a_condition_image_under_the_home_folder_may_be_given_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    picture = _png(tmp_path / "home" / "pictures" / "a.png", np.full((4, 4, 3), 9))
+    path = _jsonl(tmp_path / "prompts.jsonl", {"prompt": "x", "image": "~/pictures/a.png"})
+    assert read_prompt_records(path, KEY) == [PromptRecord("x", picture)]

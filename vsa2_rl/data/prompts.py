@@ -127,7 +127,7 @@ def _check_image(image: object, folder: str, where: str) -> str:
             f'{where}: "image" must be a non-empty string (the condition image\'s path), got '
             f"{json.dumps(image)}; leave the key out for a prompt without an image"
         )
-    resolved = os.path.abspath(os.path.join(folder, image))
+    resolved = os.path.abspath(os.path.join(folder, os.path.expanduser(image)))
     if not os.path.isfile(resolved):
         relative = "" if os.path.isabs(image) else f" ({image} read from the prompt file's folder)"
         raise ConfigError(f"{where}: image file not found: {resolved}{relative}")
