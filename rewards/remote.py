@@ -191,6 +191,10 @@ class _Handler(BaseHTTPRequestHandler):
             )
         self._held += size
 
+    def _release(self, size: int) -> None:
+        self.server.budget.give(size)
+        self._held -= size
+
     def finish(self) -> None:
         self._watchdog.cancel()
         self.server.budget.give(self._held)
@@ -258,11 +262,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._request_read()
             self._error(413, f"request of {length} bytes exceeds {limit}")
             return None
-        self._reserve(length)
-        body = self.rfile.read(length)
+        chunks, arrived = [], 0
+        while arrived < length:  # budget taken as bytes arrive: a promise alone holds none
+            chunk = self.rfile.read1(min(length - arrived, 2**20))
+            if not chunk:  # the client stopped, or the deadline closed the connection
+                raise ConnectionAbortedError(f"{arrived} of {length} bytes arrived in time")
+            self._reserve(2 * len(chunk))  # the chunks, then the body they are joined into
+            chunks.append(chunk)
+            arrived += len(chunk)
         self._request_read()
-        if len(body) < length:  # the client stopped, or the deadline closed the connection
-            raise ConnectionAbortedError(f"{len(body)} of {length} bytes arrived in time")
+        body = b"".join(chunks)
+        del chunks
+        self._release(length)
         return body
 
     def log_message(self, format: str, *args) -> None:  # quiet: one line per failure only

@@ -341,9 +341,9 @@ def test_requests_beyond_the_memory_in_flight_get_503_until_it_frees():
     threading.Thread(target=server.serve, args=(get_reward("test_trainer:brightness"),)).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        holders = [_connect(url) for _ in range(2)]  # each holds 1 MiB of body in reserve
+        holders = [_connect(url) for _ in range(2)]  # each holds ~1 MiB of body, read so far
         for holder in holders:
-            holder.sendall(_post(b"", length=str(2**20)) + b"partial")
+            holder.sendall(_post(bytes(2**20 - 10), length=str(2**20)))
         time.sleep(0.3)
         request = _post(_request_of(2, (3, 256, 340)))  # ~1 MB of pixels: 5 MB with float32
         reply = _exchange(url, request)
@@ -352,6 +352,24 @@ def test_requests_beyond_the_memory_in_flight_get_503_until_it_frees():
             holder.close()
         time.sleep(0.3)
         assert _status(_exchange(url, request)) == 200
+    finally:
+        server.shutdown()
+
+
+def test_connections_that_only_promise_a_large_body_hold_no_memory():
+    from vsa2_rl.rewards.remote import RewardServer
+
+    server = RewardServer("127.0.0.1", 0, max_request_mb=1, client_timeout_s=10, max_inflight_mb=6)
+    threading.Thread(target=server.serve, args=(get_reward("test_trainer:brightness"),)).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        promises = [_connect(url) for _ in range(8)]  # 8 MiB promised, nothing sent
+        for promise in promises:
+            promise.sendall(_post(b"", length=str(2**20)))
+        time.sleep(0.3)
+        assert _status(_exchange(url, _post(_request_of(2, (3, 256, 340))))) == 200
+        for promise in promises:
+            promise.close()
     finally:
         server.shutdown()
 
