@@ -46,6 +46,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _newest_usable(checkpoints_dir: str | os.PathLike, use: Any) -> Any:
+def _newest_usable(checkpoints_dir: str | os.PathLike, use: Callable[[Path], Any]) -> Any:
     """``use(path)`` of the newest complete checkpoint for which it raises no ValueError (whose
     message says what is wrong), or None when there is no checkpoint at all.
 
