@@ -229,3 +229,9 @@ def test_a_folder_named_checkpoints_that_holds_no_run_may_hold_outputs(tmp_path)
     (tmp_path / ".lock").touch()  # now it is a training run's folder
     with pytest.raises(ConfigError, match=r"lies inside .*/checkpoints, a run's checkpoints"):
         check_output_dir(str(tmp_path / "checkpoints" / "eval"))
+
+
+def test_a_run_dir_that_does_not_exist_is_named_as_missing(tmp_path):
+    config, targets = load_eval_config(None, [*SMALL, f"run_dir={tmp_path / 'gone'}"])
+    with pytest.raises(ConfigError, match=rf"^run_dir: folder not found: {tmp_path / 'gone'} \("):
+        evaluate(config, targets)

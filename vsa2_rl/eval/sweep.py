@@ -140,6 +140,8 @@ def resolve_targets(config: RunConfig, targets: EvalTargets | None = None) -> li
     found = []  # (path, the config it was trained with, checkpoint)
     for key, run_dir in run_folders:
         saved = os.path.join(run_dir, "config.yaml")
+        if not os.path.isdir(run_dir):
+            raise ConfigError(f"{key}: folder not found: {run_dir} (give a training run's out_dir)")
         if not os.path.isfile(saved):
             raise ConfigError(f"{key}: {run_dir} is not a training run (no config.yaml)")
         try:
