@@ -461,3 +461,13 @@ def test_a_checkpoint_removed_after_it_was_found_says_it_is_gone(tmp_path):
     save_checkpoint(tmp_path, 2, {"model": {"w": torch.ones(2)}}, keep_last=1)  # a running train
     with pytest.raises(ValueError, match=r"step_1 is not a usable checkpoint: the folder is gone"):
         load_checkpoint(found)
+
+
+def test_keep_last_neither_counts_nor_deletes_a_folder_named_for_another_step(tmp_path):
+    import shutil
+
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
+    shutil.copytree(tmp_path / "step_2", tmp_path / "step_7")  # a copy under another name
+    save_checkpoint(tmp_path, 5, {"model": {"w": torch.ones(2)}}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5", "step_7"]

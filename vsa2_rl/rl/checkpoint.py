@@ -389,7 +389,8 @@ def save_checkpoint(
     needed and the space left) after removing the partial save. Files get the mode the umask
     gives (0644 under umask 022), safetensors' included.
     ``keep_last=N`` then deletes all but the N highest-step complete checkpoints (the one just
-    written is always kept). ``staged``: a directory from :func:`stage_checkpoint` that other
+    written is always kept; a folder whose meta.json records another step than its name is left
+    alone and not counted). ``staged``: a directory from :func:`stage_checkpoint` that other
     files were written into; it is committed with them (every file in it is fsynced).
     """
     _check_step(step)
@@ -425,7 +426,11 @@ def save_checkpoint(
     _fsync_path(root)
 
     if keep_last is not None:
-        others = [path for _, path in list_checkpoints(root) if path != final]
+        others = [
+            path
+            for step_of_name, path in list_checkpoints(root)
+            if path != final and _read_meta(path)[0].get("step") == step_of_name
+        ]  # a folder whose name is not its step (a copy?) is neither counted nor deleted
         for path in others[: max(0, len(others) - (keep_last - 1))]:
             _remove_dir(path)
     return final
