@@ -1,6 +1,7 @@
 """metrics.jsonl across a resume: rows are cut back to the checkpoint's step, and a line that is
 no row is set aside, never taken as the end of the file."""
 
+import importlib.machinery
 import json
 
 import pytest
@@ -54,3 +55,23 @@ def test_a_full_disk_while_logging_is_one_line_naming_metrics_jsonl(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"metrics: writing {tmp_path}/metrics.jsonl failed: its disk")
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    import sys
+
+    from vsa2_rl.config import LoggingConfig
+
+    started = []
+    fake = type(sys)("wandb")
+    fake.init = lambda **kwargs: started.append(kwargs)
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec("wandb") works
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = RunConfig(out_dir=str(tmp_path), logging=LoggingConfig(report_to=["wandb"]))
+    MetricsLogger(config)  # the first start
+    MetricsLogger(config, resume_step=3)  # a resume
+    (tmp_path / "other").mkdir()
+    MetricsLogger(RunConfig(out_dir=str(tmp_path / "other"), logging=config.logging))
+    first, resumed, other = (kwargs["id"] for kwargs in started)
+    assert first == resumed and other != first and len(first) == 16
+    assert all(kwargs["resume"] == "allow" for kwargs in started)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 import warnings
 from typing import Any
 
@@ -40,6 +41,7 @@ class MetricsLogger:
                 dir=config.out_dir,
                 mode=config.logging.wandb_mode,
                 config=config_tree(config),
+                id=_wandb_run_id(config.out_dir),
                 resume="allow",
             )
         if "tensorboard" in config.logging.report_to:
@@ -120,6 +122,22 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _wandb_run_id(out_dir: str) -> str:
+    """The wandb run id of the run in ``out_dir``, made at its first start and kept in
+    ``out_dir/.wandb_id``: every resume logs into the same wandb run (``resume="allow"``
+    without an id started a new one each time, splitting the run's curves)."""
+    path = os.path.join(out_dir, ".wandb_id")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            saved = handle.read().strip()
+        if saved:
+            return saved
+    run_id = uuid.uuid4().hex[:16]
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(run_id + "\n")
+    return run_id
 
 
 def _plain(value: Any) -> Any:
