@@ -2,6 +2,7 @@
 ratio is 1, resume equals an uninterrupted run, failures never touch the weights."""
 
 import contextlib
+import importlib.machinery
 import json
 import math
 import os
@@ -621,6 +622,7 @@ def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch
 
     fake = type(sys)("wandb")
     fake.init, fake.Video = init, FakeVideo
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec("wandb") works
     monkeypatch.setitem(sys.modules, "wandb", fake)
     config = _config(
         tmp_path, "train.num_steps=1", "eval.every=1", "eval.num_prompts=2",
