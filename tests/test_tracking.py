@@ -75,3 +75,23 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     first, resumed, other = (kwargs["id"] for kwargs in started)
     assert first == resumed and other != first and len(first) == 16
     assert all(kwargs["resume"] == "allow" for kwargs in started)
+
+
+def test_a_resume_purges_the_tensorboard_events_logged_after_its_checkpoint(tmp_path, monkeypatch):
+    import torch.utils.tensorboard
+
+    from vsa2_rl.config import LoggingConfig
+
+    opened = []
+
+    class Writer:
+        def __init__(self, log_dir, **kwargs):
+            opened.append(kwargs)
+
+        def add_text(self, *args):
+            pass
+
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", Writer)
+    config = RunConfig(out_dir=str(tmp_path), logging=LoggingConfig(report_to=["tensorboard"]))
+    MetricsLogger(config, resume_step=3)
+    assert opened == [{"purge_step": 4}]  # steps 4.. were logged by the run that was cut

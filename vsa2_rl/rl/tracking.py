@@ -47,7 +47,10 @@ class MetricsLogger:
         if "tensorboard" in config.logging.report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(os.path.join(config.out_dir, "tensorboard"))
+            # a resume drops the events logged after its checkpoint, as metrics.jsonl does
+            self._tensorboard = SummaryWriter(
+                os.path.join(config.out_dir, "tensorboard"), purge_step=resume_step + 1
+            )
             self._tensorboard.add_text("config", f"```\n{to_yaml(config)}```", 0)
 
     def _truncate(self, resume_step: int) -> None:
