@@ -90,6 +90,18 @@ def _trained_with(restored: dict, checkpoint) -> dict:
         return yaml.safe_load(handle)
 
 
+def _write_config(config: RunConfig) -> None:
+    """out_dir/config.yaml, replaced whole: a run stopped while writing it (Ctrl-C, a full disk)
+    leaves the previous one, which eval and export read, never an empty or cut one."""
+    path = os.path.join(config.out_dir, "config.yaml")
+    text = to_yaml(config)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def _refuse_abandoned_run(config: RunConfig) -> None:
     """A fresh run (``train.resume=none``) must not share its folder with an earlier run: a later
     ``resume=auto`` would continue from the abandoned run's checkpoints and metrics. Either,
@@ -420,8 +432,7 @@ class RLTrainer:
             start_step = int(restored["step"])
         if self.is_main:
             os.makedirs(config.out_dir, exist_ok=True)
-            with open(os.path.join(config.out_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                f.write(to_yaml(config))
+            _write_config(config)
         self.logger = MetricsLogger(config, resume_step=start_step, enabled=self.is_main)
         if resume_from and self.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
