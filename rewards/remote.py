@@ -11,11 +11,15 @@ error status. ``GET /health`` returns ``{"reward": NAME}``. Any other dtype (flo
 the server does not guess their scale) or shape, or a malformed body, gets HTTP 400 with a
 one-line reason; 500 means the reward itself failed. Request bodies, compressed and
 decompressed, are bounded (``max_request_mb``; a larger one gets HTTP 413, read off the socket
-first up to 4x the bound so the client sees the reply, and the connection closed). The server
-binds 127.0.0.1 unless told otherwise, handles at most ``max_connections`` connections at once
-(one more gets 503) and drops a connection silent for ``client_timeout_s``.
+first up to 4x the bound so the client sees the reply, and the connection closed); a body is
+inflated no further than its header's shape needs, and the memory of all requests in flight is
+bounded (``max_inflight_mb``; beyond it, 503). The server binds 127.0.0.1 unless told
+otherwise, handles at most ``max_connections`` connections at once (one more gets 503) and
+drops a connection whose whole request (headers and body) has not arrived ``client_timeout_s``
+after it opened. A client that leaves early is one log line, not a traceback.
 
-The client has a timeout per request and a bounded number of retries (with a short backoff) for
+The client has a timeout per request (for connecting, and then for the whole exchange: a server
+that trickles its reply is cut off) and a bounded number of retries (with a short backoff) for
 connection failures and server errors (5xx); a 4xx is the request's fault and is not retried.
 Its errors name the reward, the address and the server's reason, and the trainer's
 ``rewards.on_error`` policy applies to them like to any reward's failure.
@@ -25,12 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
+import sys
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
+import warnings
 import zlib
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -61,32 +68,80 @@ def _json_list(header: dict, key: str, kind: type) -> list:
     return value
 
 
-def _wire_videos(tensors: dict) -> torch.Tensor:
-    """The wire's ``videos`` (uint8 pixels) as the [0, 1] floats a reward takes."""
-    if "videos" not in tensors:
-        raise ValueError(f"videos: no 'videos' tensor in the body (got {sorted(tensors)})")
-    pixels = tensors["videos"]
-    if pixels.dtype != torch.uint8:
+class ServerBusy(Exception):
+    """The server's budget of request memory is spent for now (HTTP 503, which clients retry)."""
+
+
+def _inflate(inflater, size: int, data: bytes | None = None) -> bytes:
+    """Up to ``size`` more bytes of the zlib stream: from ``data``, else from the input the
+    last call left (``decompress(b"")`` would drop it)."""
+    out, pending = b"", inflater.unconsumed_tail if data is None else data
+    while len(out) < size:
+        more = inflater.decompress(pending, size - len(out))
+        pending = inflater.unconsumed_tail
+        if not more:
+            break
+        out += more
+    return out
+
+
+def _video_record(header: dict) -> tuple[list[int], int]:
+    """The shape and byte count of the header's ``videos`` entry: uint8 pixels, the only tensor."""
+    names = sorted(key for key in header if key != "__metadata__")
+    if names != ["videos"]:
+        raise ValueError(f"videos: expected one tensor, 'videos', in the body (got {names})")
+    record = header["videos"]
+    dtype, shape = record.get("dtype"), record.get("shape")
+    if dtype != "U8":
         raise ValueError(
-            f"videos: expected uint8 pixels 0..255 (the wire format), got {pixels.dtype}; "
-            f"send round(videos.clamp(0, 1) * 255) as uint8, as encode_request does"
+            f"videos: expected uint8 pixels 0..255 (the wire format), got {dtype}; send "
+            "round(videos.clamp(0, 1) * 255) as uint8, as encode_request does"
         )
-    return pixels.float() / 255.0
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"videos: the header's shape is not a list of sizes: {shape!r}")
+    size = math.prod(shape)
+    if record.get("data_offsets") != [0, size]:
+        raise ValueError(f"videos: data_offsets {record.get('data_offsets')} do not fit {shape}")
+    return shape, size
 
 
-def decode_request(body: bytes, max_bytes: int) -> tuple[torch.Tensor, list[str], list[dict]]:
-    """The videos, prompts and metadata of a request body; a ValueError says what is wrong."""
+def decode_request(
+    body: bytes, max_bytes: int, reserve=lambda size: None
+) -> tuple[torch.Tensor, list[str], list[dict]]:
+    """The videos, prompts and metadata of a request body; a ValueError says what is wrong.
+
+    The body is inflated no further than its safetensors header declares (and never past
+    ``max_bytes``), and ``reserve(n)`` is told the bytes the header, then the pixels and their
+    float32 copy take, before they are inflated (it raises :class:`ServerBusy` to refuse them).
+    """
     inflater = zlib.decompressobj()
-    raw = inflater.decompress(body, max_bytes)
-    if inflater.unconsumed_tail:
+    start = _inflate(inflater, 8, body)
+    if len(start) < 8:
+        raise ValueError("the body is not a zlib-compressed safetensors file (too short)")
+    header_size = int.from_bytes(start, "little")
+    if 8 + header_size > max_bytes:
         raise ValueError(f"request decompresses to more than {max_bytes} bytes")
-    tensors = load_tensors(raw)
-    # the safetensors header: an 8-byte little-endian length, then JSON with __metadata__
-    header_size = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + header_size]).get("__metadata__") or {}
-    videos = _wire_videos(tensors)
-    prompts = _json_list(header, "prompts", str)
-    metadata = _json_list(header, "metadata", dict)
+    reserve(header_size)
+    try:
+        header = json.loads(_inflate(inflater, header_size))
+    except ValueError as error:
+        raise ValueError(f"the safetensors header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    shape, size = _video_record(header)
+    if 8 + header_size + size > max_bytes:
+        raise ValueError(f"request decompresses to more than {max_bytes} bytes")
+    reserve(5 * size)  # the uint8 pixels, then their float32 copy
+    data = _inflate(inflater, size)
+    if len(data) < size or _inflate(inflater, 1):
+        raise ValueError(f"videos: the body does not hold the {size} bytes its header declares")
+    metadata_header = header.get("__metadata__") or {}
+    prompts = _json_list(metadata_header, "prompts", str)
+    metadata = _json_list(metadata_header, "metadata", dict)
+    with warnings.catch_warnings():  # read-only bytes: torch only copies from them
+        warnings.simplefilter("ignore", UserWarning)
+        pixels = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0)
+    videos = pixels.view(shape).float().div_(255.0)  # one float32 copy, divided in place
     check_videos(videos, prompts, metadata)  # rank, frames, batch >= 1, one prompt per video
     return videos, prompts, metadata
 
@@ -98,11 +153,54 @@ def _content_length(value: str | None) -> int:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One connection: ``GET /health`` or ``POST /score`` (HTTP/1.0: one request each)."""
+    """One connection: ``GET /health`` or ``POST /score`` (HTTP/1.0: one request each).
+
+    The whole request, headers and body, must arrive within ``client_timeout_s`` of the
+    connection (a watchdog closes the socket when it has not), so a client that trickles bytes
+    cannot hold a slot; the reward's scoring and the reply are not under that deadline.
+    """
 
     def setup(self) -> None:
         self.timeout = self.server.client_timeout_s  # bounds every read and write of this socket
         super().setup()
+        self._held = 0  # bytes of the server's request budget this request holds
+        self._lock = threading.Lock()
+        self._read = False  # the request is in: the deadline no longer applies
+        self._watchdog = threading.Timer(self.server.client_timeout_s, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._read:
+                return
+            with contextlib.suppress(OSError):  # wakes the blocked read: it sees the end
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _request_read(self) -> None:
+        """The request is in: the deadline stops (a reply may take as long as scoring does)."""
+        with self._lock:
+            self._read = True
+        self._watchdog.cancel()
+
+    def _reserve(self, size: int) -> None:
+        if not self.server.budget.take(size):
+            raise ServerBusy(
+                f"the server holds its limit of request memory ({self.server.budget.total} "
+                "bytes); retry later"
+            )
+        self._held += size
+
+    def _release(self, size: int) -> None:
+        self.server.budget.give(size)
+        self._held -= size
+
+    def finish(self) -> None:
+        self._watchdog.cancel()
+        self.server.budget.give(self._held)
+        self._held = 0
+        with contextlib.suppress(OSError):  # a client that left: nothing more to flush
+            super().finish()
 
     def _reply(self, status: int, body: bytes, kind: str) -> None:
         self.send_response(status)
@@ -123,6 +221,7 @@ class _Handler(BaseHTTPRequestHandler):
             length -= len(chunk)
 
     def do_GET(self) -> None:
+        self._request_read()
         if self.path != "/health":
             return self._error(404, f"no {self.path}; POST /score or GET /health")
         self._reply(
@@ -131,24 +230,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         if self.path != "/score":
+            self._request_read()
             return self._error(404, f"no {self.path}; POST /score")
-        limit = self.server.limit
+        self.close_connection = True  # one request per connection
         try:
-            length = _content_length(self.headers.get("Content-Length"))
-        except ValueError as error:
-            self.close_connection = True
-            return self._error(400, f"bad request: {error}")
-        if length > limit:
-            self.close_connection = True
-            if length <= 4 * limit:  # read it off the socket, so the client gets the reply
-                self._discard(length)
-            return self._error(413, f"request of {length} bytes exceeds {limit}")
-        try:
-            videos, prompts, metadata = decode_request(self.rfile.read(length), limit)
-        except TimeoutError:  # a client that stops sending: handle_one_request drops it
+            body = self._body()
+            if body is None:
+                return None
+            videos, prompts, metadata = decode_request(body, self.server.limit, self._reserve)
+        except ServerBusy as error:
+            return self._error(503, str(error))
+        except OSError:  # the client left, or its time ran out: handle_error says so
             raise
         except Exception as error:  # a malformed body: the client's fault, not to be retried
             return self._error(400, f"bad request: {error}")
+        del body
         try:
             scores = self.server.reward.evaluate(videos, prompts, metadata, checked_input=True)
         except Exception as error:  # the reward failed: reported, the server keeps serving
@@ -156,9 +252,53 @@ class _Handler(BaseHTTPRequestHandler):
         body = save_tensors({"scores": scores.cpu().contiguous()})
         self._reply(200, body, "application/octet-stream")
 
+    def _body(self) -> bytes | None:
+        """The request body, read within the deadline and the budget; None when answered."""
+        limit = self.server.limit
+        length = _content_length(self.headers.get("Content-Length"))  # ValueError: 400
+        if length > limit:
+            if length <= 4 * limit:  # read it off the socket, so the client gets the reply
+                self._discard(length)
+            self._request_read()
+            self._error(413, f"request of {length} bytes exceeds {limit}")
+            return None
+        chunks, arrived = [], 0
+        while arrived < length:  # budget taken as bytes arrive: a promise alone holds none
+            chunk = self.rfile.read1(min(length - arrived, 2**20))
+            if not chunk:  # the client stopped, or the deadline closed the connection
+                raise ConnectionAbortedError(f"{arrived} of {length} bytes arrived in time")
+            self._reserve(2 * len(chunk))  # the chunks, then the body they are joined into
+            chunks.append(chunk)
+            arrived += len(chunk)
+        self._request_read()
+        body = b"".join(chunks)
+        del chunks
+        self._release(length)
+        return body
+
     def log_message(self, format: str, *args) -> None:  # quiet: one line per failure only
-        if args and str(args[1]) not in ("200",):
+        if len(args) < 2 or str(args[1]) != "200":
             super().log_message(format, *args)
+
+
+class _Budget:
+    """Bytes of request memory (bodies, pixels, their float32 copies) the server may hold at
+    once, across connections."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        with self._lock:
+            if self.used + size > self.total:
+                return False
+            self.used += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
 
 
 class RewardServer(ThreadingHTTPServer):
@@ -167,7 +307,11 @@ class RewardServer(ThreadingHTTPServer):
 
     At most ``max_connections`` connections are handled at once, each in its own thread; one more
     gets HTTP 503 at once (the client retries it) rather than a queue that grows without bound.
-    A connection that sends nothing, or stops mid-request, for ``client_timeout_s`` is dropped.
+    A connection whose request has not fully arrived ``client_timeout_s`` after it opened is
+    dropped. The memory requests take is bounded: a body inflates no further than its header
+    declares, and all requests together hold at most ``max_inflight_mb`` (default: 6 x
+    ``max_request_mb``, one largest request: its body, its pixels and their float32 copy); a
+    request beyond it gets 503.
     """
 
     def __init__(
@@ -178,10 +322,12 @@ class RewardServer(ThreadingHTTPServer):
         max_request_mb: int = 512,
         client_timeout_s: float = 60.0,
         max_connections: int = 32,
+        max_inflight_mb: int | None = None,
     ) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self.address_family = family  # read by TCPServer.__init__: IPv6 hosts work too
         self.limit = max_request_mb * 2**20
+        self.budget = _Budget((max_inflight_mb or 6 * max_request_mb) * 2**20)
         self.client_timeout_s = client_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self.reward = None
@@ -208,6 +354,16 @@ class RewardServer(ThreadingHTTPServer):
         finally:
             self._slots.release()
 
+    def handle_error(self, request, client_address) -> None:
+        """One line for a connection that failed (a client that left, or ran out of time), not
+        socketserver's traceback."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, (OSError, ValueError)):
+            return super().handle_error(request, client_address)
+        reason = " ".join(str(error).split()) or type(error).__name__
+        print(f"{client_address[0]}: connection dropped ({reason})", file=sys.stderr, flush=True)
+        return None
+
     def _refuse(self, request: socket.socket) -> None:
         body = b'{"error": "too many connections; retry later"}'
         head = "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -218,13 +374,13 @@ class RewardServer(ThreadingHTTPServer):
         self.shutdown_request(request)
 
 
-def _reason(error: urllib.error.HTTPError) -> str:
+def _reason(body: bytes) -> str:
     """The server's one-line reason (its JSON ``error``), else the start of the body."""
-    body = error.read().decode(errors="replace")
+    text = body.decode(errors="replace")
     try:
-        return str(json.loads(body)["error"])
+        return str(json.loads(text)["error"])
     except (ValueError, KeyError, TypeError):
-        return body[:500]
+        return text[:500]
 
 
 class RemoteReward:
@@ -237,24 +393,51 @@ class RemoteReward:
             raise ValueError(f"{PREFIX}{url}: timeout must be > 0 and retries >= 0")
         self.url, self.timeout, self.retries = url.rstrip("/"), timeout, retries
 
+    def _exchange(self, path: str, body: bytes | None) -> tuple[int, bytes]:
+        """One attempt: (HTTP status, reply body). Connecting takes at most ``timeout``, and
+        then the whole exchange too: a watchdog closes the connection when it runs over, so a
+        server that trickles its reply cannot hold the run (a socket timeout bounds one read)."""
+        parts = urllib.parse.urlsplit(self.url)
+        kind = HTTPSConnection if parts.scheme == "https" else HTTPConnection
+        connection = kind(parts.hostname, parts.port, timeout=self.timeout)
+        connection.connect()
+        sock, expired = connection.sock, threading.Event()  # the response takes the socket over
+
+        def expire() -> None:
+            expired.set()
+            with contextlib.suppress(OSError):  # wakes the blocked read
+                sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(self.timeout, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            connection.request("POST" if body else "GET", parts.path + path, body=body)
+            response = connection.getresponse()
+            return response.status, response.read()
+        except (OSError, HTTPException):
+            if expired.is_set():
+                raise TimeoutError(f"no whole reply within {self.timeout:g} s") from None
+            raise
+        finally:
+            watchdog.cancel()
+            connection.close()
+
     def _request(self, path: str, body: bytes | None = None) -> bytes:
-        request = urllib.request.Request(
-            self.url + path, data=body, method="POST" if body else "GET"
-        )
         last = None
         for attempt in range(self.retries + 1):
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return response.read()
-            except urllib.error.HTTPError as error:
-                detail = _reason(error)
-                if error.code < 500:  # the request is wrong: retrying will not help
+                status, reply = self._exchange(path, body)
+            except (OSError, HTTPException) as error:  # refused, reset, timed out, cut short
+                last = str(error) or type(error).__name__
+            else:
+                if status < 300:
+                    return reply
+                if status < 500:  # the request is wrong: retrying will not help
                     raise RuntimeError(
-                        f"{self.url}{path}: HTTP {error.code} (not retried): {detail}"
-                    ) from None
-                last = f"HTTP {error.code}: {detail}"
-            except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
-                last = str(getattr(error, "reason", error))
+                        f"{self.url}{path}: HTTP {status} (not retried): {_reason(reply)}"
+                    )
+                last = f"HTTP {status}: {_reason(reply)}"
             if attempt < self.retries:
                 time.sleep(0.2 * 2**attempt)
         raise RuntimeError(f"{self.url}{path}: failed after {self.retries + 1} attempts: {last}")

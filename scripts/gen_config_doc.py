@@ -40,7 +40,9 @@ prints the same keys with the values a run without `--config` uses. `vsa2-rl eva
 also take the models they work on, given the same way (`run_dir=DIR`): the
 [targets](#eval-and-export-targets), which are not settings of a run.
 
-An empty default means the key is unset (`null` in YAML); its help says what that does.
+An empty default means the key is unset (`null` in YAML); its help says what that does. A `~` at
+the start of a path key's value is the home folder, as in a shell. An empty `--config` file (or
+one holding only comments) is an error, not the schema's defaults.
 """
 
 

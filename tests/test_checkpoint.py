@@ -327,3 +327,147 @@ def test_a_damaged_deepspeed_shard_stops_the_resume_before_deepspeed_reads_it(tm
     assert verify_checkpoint(final) == problem
     with pytest.raises(ValueError, match=rf"step_1 is not a usable checkpoint: {problem}"):
         load_checkpoint(final)
+
+
+def _tamper_meta(folder, edit):
+    """Rewrites meta.json with ``edit`` applied and the COMPLETE marker's checksum recomputed
+    (what a hand who knows the format can do)."""
+    import hashlib
+
+    meta = folder / "meta.json"
+    meta.write_text(edit(meta.read_text()))
+    digest = hashlib.sha256(meta.read_bytes()).hexdigest()
+    (folder / "COMPLETE").write_text(f"step 2\nmeta.json sha256 {digest}\n")
+
+
+def test_a_folder_named_for_a_newer_step_than_it_records_is_skipped(tmp_path):
+    import shutil
+
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
+    shutil.copytree(tmp_path / "step_2", tmp_path / "step_7")  # copied, or misnamed
+    problem = "meta.json records step 2 but the folder is named step_7"
+    assert problem in verify_checkpoint(tmp_path / "step_7")
+    with pytest.warns(UserWarning, match=f"step_7: {problem}"):
+        assert find_latest(tmp_path) == tmp_path / "step_4"
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda text: text.replace('"files"', '"filez"'), "has no valid 'files' record"),
+        (lambda text: text[:-5], "is not valid JSON"),
+        (lambda text: text.replace('"step": 2', '"step": "2"'), "has no valid 'step'"),
+        (
+            lambda text: text.replace('"model.safetensors"', '"../step_1/model.safetensors"'),
+            "records a file outside the checkpoint folder: ../step_1/model.safetensors",
+        ),
+    ],
+)
+def test_a_meta_json_rewritten_with_its_checksum_is_refused_naming_it(tmp_path, edit, problem):
+    from vsa2_rl.rl.checkpoint import load_latest
+
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
+    _tamper_meta(tmp_path / "step_2", edit)
+    assert problem in verify_checkpoint(tmp_path / "step_2")
+    assert str(tmp_path / "step_2" / "meta.json") in verify_checkpoint(tmp_path / "step_2")
+    with pytest.warns(UserWarning, match="skipping damaged checkpoints"):
+        path, state = load_latest(tmp_path)
+    assert path == tmp_path / "step_1" and state["model"]["w"].tolist() == [1.0, 1.0]
+
+
+class _Planted:
+    def __reduce__(self):
+        return (print, ("planted",))
+
+
+def test_a_pickle_planted_with_recomputed_checksums_falls_back_to_the_previous_checkpoint(
+    tmp_path,
+):
+    import hashlib
+    import json
+
+    from vsa2_rl.rl.checkpoint import load_latest
+
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"lr": 0.1}}
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, state)
+    planted = tmp_path / "step_2" / "optimizer.pt"
+    torch.save({"lr": _Planted()}, planted)
+    record = {"size": planted.stat().st_size, "sha256": hashlib.sha256(planted.read_bytes())}
+    record["sha256"] = record["sha256"].hexdigest()
+
+    def edit(text):
+        meta = json.loads(text)
+        meta["files"]["optimizer.pt"] = record
+        return json.dumps(meta)
+
+    _tamper_meta(tmp_path / "step_2", edit)
+    assert verify_checkpoint(tmp_path / "step_2") is None  # the checksums were recomputed
+    with pytest.raises(ValueError, match=r"optimizer.pt cannot be loaded \(Weights only load"):
+        load_checkpoint(tmp_path / "step_2")
+    with pytest.warns(UserWarning, match="step_2: optimizer.pt cannot be loaded"):
+        path, restored = load_latest(tmp_path)
+    assert path == tmp_path / "step_1" and restored["optimizer"] == {"lr": 0.1}
+
+
+@pytest.mark.parametrize("entry", ["model", "optimizer"])
+def test_a_save_that_fills_the_disk_is_one_line_naming_the_file_and_leaves_nothing(tmp_path, entry):
+    # a file-size limit (ulimit -f) fails writes as a full disk does; python ignores SIGXFSZ
+    script = textwrap.dedent(
+        f"""
+        import resource, sys, torch
+        from vsa2_rl.rl.checkpoint import DiskFull, save_checkpoint
+        save_checkpoint(sys.argv[1], 1, {{"model": {{"w": torch.ones(4)}}}})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+        big = torch.ones(1_000_000)  # 4 MB
+        state = {{"model": {{"w": torch.ones(4)}}, "optimizer": {{"lr": 0.1, "m": torch.ones(4)}}}}
+        state["{entry}"] = {{"w": big}} if "{entry}" == "model" else {{"lr": 0.1, "m": big}}
+        try:
+            save_checkpoint(sys.argv[1], 2, state)
+        except DiskFull as error:
+            print(error.strerror)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    suffix = "safetensors" if entry == "model" else "pt"
+    assert re.match(
+        rf"checkpoint: writing \S+/\.tmp-step_2-\S+/{entry}\.{suffix} failed: its disk", line
+    )
+    assert "it needs about 3.8 MiB" in line and "\n" not in line
+    assert sorted(os.listdir(tmp_path)) == ["step_1"]  # the partial save is gone
+    assert verify_checkpoint(tmp_path / "step_1") is None
+
+
+def test_every_checkpoint_file_gets_the_mode_the_umask_gives(tmp_path):
+    before = os.umask(0o022)
+    try:
+        final = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}, "rng": {"a": 1}})
+    finally:
+        os.umask(before)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in final.iterdir()}
+    assert modes == {
+        "model.safetensors": 0o644, "rng.pt": 0o644, "meta.json": 0o644, "COMPLETE": 0o644
+    }  # fmt: skip
+
+
+def test_a_checkpoint_removed_after_it_was_found_says_it_is_gone(tmp_path):
+    found = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}})
+    save_checkpoint(tmp_path, 2, {"model": {"w": torch.ones(2)}}, keep_last=1)  # a running train
+    with pytest.raises(ValueError, match=r"step_1 is not a usable checkpoint: the folder is gone"):
+        load_checkpoint(found)
+
+
+def test_keep_last_neither_counts_nor_deletes_a_folder_named_for_another_step(tmp_path):
+    import shutil
+
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
+    shutil.copytree(tmp_path / "step_2", tmp_path / "step_7")  # a copy under another name
+    save_checkpoint(tmp_path, 5, {"model": {"w": torch.ones(2)}}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5", "step_7"]

@@ -8,6 +8,7 @@ import pytest
 
 from vsa2_rl.cli import main
 from vsa2_rl.config import ConfigError, RunConfig, help_lines, load_config, load_eval_config
+from vsa2_rl.config.loading import load_recorded_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,12 +49,19 @@ def test_default_config_is_valid_and_embedded():
         (["attention.mode=top3"], "attention.mode: got 'top3'"),
         (["sparsity.train=1.0"], "sparsity.train: must be in [0, 1)"),
         (["sparsity.train=0.5", "sparsity.eval=0.8"], "sparsity.eval: hard-to-easy"),
+        (
+            ["sparsity.train=0.9", "sparsity.train_end=0.5", "sparsity.eval=0.75"],
+            "sparsity.train_end: hard-to-easy: the curriculum ends at sparsity 0.5, below",
+        ),
         (["model.kind=wan"], "model.path: model.kind=wan needs a local diffusers"),
         (["model.kind=wan", "model.path=/no/such/dir"], "model.path: directory not found"),
         (["sampler.sde_window=[3,99]"], "sampler.sde_window"),
         (["eval.sparsities=[0.0,1.0]"], "eval.sparsities: each must be in [0, 1)"),
         (["rewards.functions=[{weight: 1}]"], "rewards.functions[0].name"),
         (["prompts.file=/no/such/prompts.txt"], "prompts.file: file not found"),
+        (["prompts.file=/tmp"], "prompts.file: /tmp is a folder; give a prompt file"),
+        (["prompts.file=/dev/null"], "prompts.file: /dev/null is not a regular file; give a"),
+        (["out_dir="], "out_dir: needs a value (nothing follows '='), e.g. out_dir=VALUE"),
         (["train.warmup_steps=-2"], "train.warmup_steps: must be >= 0, got -2"),
         (["train.checkpoint_every=-1"], "train.checkpoint_every: must be >= 0"),
         (["train.sample_every=-5"], "train.sample_every: must be >= 0 (0 = never)"),
@@ -304,3 +312,51 @@ def test_more_eval_prompts_than_the_set_holds_warns_and_takes_them_all():
     with pytest.warns(UserWarning, match=r"eval.num_prompts=30 but the evaluation prompt set hol"):
         selected = config.eval.select_prompts(prompts)
     assert selected == [p for p in prompts for _ in range(2)]
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
+def test_an_empty_config_file_is_an_error_naming_it(tmp_path, capsys, text):
+    empty = tmp_path / "e.yaml"
+    empty.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^--config: {empty} holds no settings"):
+        load_config(str(empty))
+    assert main(["train", "--config", str(empty), f"out_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --config: {empty} holds no settings")
+    assert os.listdir(tmp_path) == ["e.yaml"]
+
+
+def test_a_full_disk_during_a_checkpoint_save_is_one_error_line(tmp_path, monkeypatch, capsys):
+    from vsa2_rl.rl.checkpoint import DiskFull
+
+    def fills_the_disk(config):
+        raise DiskFull(28, "checkpoint: writing X/model.safetensors failed: its disk is full")
+
+    monkeypatch.setattr("vsa2_rl.rl.trainer.train", fills_the_disk)
+    assert main(["train", f"out_dir={tmp_path / 'run'}"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: checkpoint: writing X/model.safetensors failed: its disk is full\n"
+
+
+def test_ctrl_c_during_training_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vsa2_rl.rl.trainer.train", interrupted)
+    assert main(["train", f"out_dir={tmp_path / 'run'}"]) == 130
+    assert capsys.readouterr().err == (
+        "vsa2-rl train: interrupted (Ctrl-C); the checkpoints written are whole, continue with "
+        "train.resume=auto\n"
+    )
+
+
+def test_a_config_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^--config: {tmp_path} is a folder; give a YAML file"):
+        load_config(str(tmp_path))
+
+
+def test_an_emptied_run_config_names_the_key_that_led_to_it(tmp_path):
+    (tmp_path / "config.yaml").write_text("# nothing\n")
+    with pytest.raises(
+        ConfigError, match=r"^run_dir: .*config.yaml holds no settings .*restore it$"
+    ):
+        load_recorded_config(str(tmp_path / "config.yaml"), "run_dir")

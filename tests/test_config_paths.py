@@ -181,11 +181,14 @@ def test_configs_recorded_with_the_eval_targets_still_load_and_resume(tmp_path):
 
 
 def test_a_trained_model_is_checked_for_the_folders_its_model_loads_from_alone(tmp_path):
-    from vsa2_rl.eval.sweep import resolve_targets
+    import torch
 
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_1"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "COMPLETE").write_text("")
+    from vsa2_rl.eval.sweep import resolve_targets
+    from vsa2_rl.rl.checkpoint import save_checkpoint
+
+    checkpoint = save_checkpoint(
+        tmp_path / "run" / "checkpoints", 1, {"model": {"w": torch.ones(1)}}
+    )
     gone = tmp_path / "gone"
     recorded = tmp_path / "run" / "config.yaml"  # what _checkpoint_config reads (no config.pt)
     # trained from a prompt file and a checkpoint that are gone since: no use to an evaluation
@@ -196,3 +199,36 @@ def test_a_trained_model_is_checked_for_the_folders_its_model_loads_from_alone(t
     recorded.write_text(f"model:\n  path: {gone}\n")
     with pytest.raises(ConfigError, match=rf"^model.path: directory not found: {gone} .*step_1\)$"):
         resolve_targets(RunConfig(), EvalTargets(checkpoint=str(checkpoint)))
+
+
+def test_a_tilde_in_every_path_key_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    keys = {
+        "out_dir": "~/run",
+        "model.path": "~/wan",
+        "model.text_cache_dir": "~/cache",
+        "model.lora.init_from": "~/adapter",
+        "prompts.file": "~/p.txt",
+        "prompts.eval_file": "~/e.txt",
+        "train.resume": "~/run/checkpoints/step_2",
+    }
+    targets = ["run_dir=~/a", "run_dirs=[~/b]", "checkpoint=~/c"]
+    config, found = load_eval_config(
+        None, [f"{key}={value}" for key, value in keys.items()] + targets, check_files=False
+    )
+    tree = config_tree(config)
+    for key, value in keys.items():
+        section, *rest = key.split(".")
+        leaf = tree[section] if rest else tree
+        for part in rest[:-1]:
+            leaf = leaf[part]
+        assert leaf[rest[-1] if rest else key] == str(tmp_path / value[2:]), key
+    assert found.run_dir == str(tmp_path / "a") and found.run_dirs == [str(tmp_path / "b")]
+    assert found.checkpoint == str(tmp_path / "c")
+    assert load_config(None, ["train.resume=auto"], check_files=False).train.resume == "auto"
+
+
+def test_a_text_cache_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "cache").touch()
+    with pytest.raises(ConfigError, match=r"^model.text_cache_dir: .*/cache is not a folder"):
+        check_paths(RunConfig(model=ModelConfig(text_cache_dir=str(tmp_path / "cache"))))

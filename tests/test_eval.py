@@ -184,3 +184,58 @@ def test_a_run_given_twice_is_refused(tmp_path):
     config, targets = load_eval_config(None, [*SMALL, f"run_dirs=[{tmp_path},{tmp_path}/]"])
     with pytest.raises(ConfigError, match=r"^run_dirs: .* is given twice"):
         evaluate(config, targets)
+
+
+PLANTED = []
+
+
+def planted(**kwargs):
+    """A reward a run folder's config could name: it must never be built by eval."""
+    PLANTED.append(kwargs)
+    return broken
+
+
+def test_eval_never_builds_the_rewards_a_run_folder_records(tmp_path):
+    from test_trainer import TINY
+
+    from vsa2_rl.rl.trainer import train
+
+    run = tmp_path / "run"
+    brightness = "rewards.functions=[{name: 'test_trainer:brightness'}]"
+    train(load_config(None, [*TINY, brightness, "train.num_steps=1", f"out_dir={run}"]))
+    recorded = (run / "config.yaml").read_text()
+    assert "test_trainer:brightness" in recorded  # TINY's trained reward, replaced below
+    (run / "config.yaml").write_text(
+        recorded.replace("test_trainer:brightness", "test_eval:planted")
+    )
+    config, targets = load_eval_config(
+        None, [*SMALL, f"run_dir={run}", f"out_dir={tmp_path / 'eval'}", "eval.sparsities=[0.9]"]
+    )
+    (row,) = evaluate(config, targets)
+    assert PLANTED == [] and "reward/motion_quality" in row
+
+
+def test_eval_refuses_an_out_dir_inside_a_checkpoint(tmp_path):
+    from vsa2_rl.rl.checkpoint import save_checkpoint, verify_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "run" / "checkpoints", 1, {"m": {"w": torch.ones(1)}})
+    config = load_config(None, [*SMALL, f"out_dir={checkpoint / 'eval'}"])
+    with pytest.raises(ConfigError, match=rf"^out_dir: {checkpoint}/eval lies inside {checkpoint}"):
+        evaluate(config)
+    assert verify_checkpoint(checkpoint) is None
+
+
+def test_a_folder_named_checkpoints_that_holds_no_run_may_hold_outputs(tmp_path):
+    from vsa2_rl.runtime import check_output_dir
+
+    (tmp_path / "config.yaml").write_text("seed: 0\n")  # a project's config, not a run's
+    check_output_dir(str(tmp_path / "checkpoints" / "eval"))  # no error: no run there
+    (tmp_path / ".lock").touch()  # now it is a training run's folder
+    with pytest.raises(ConfigError, match=r"lies inside .*/checkpoints, a run's checkpoints"):
+        check_output_dir(str(tmp_path / "checkpoints" / "eval"))
+
+
+def test_a_run_dir_that_does_not_exist_is_named_as_missing(tmp_path):
+    config, targets = load_eval_config(None, [*SMALL, f"run_dir={tmp_path / 'gone'}"])
+    with pytest.raises(ConfigError, match=rf"^run_dir: folder not found: {tmp_path / 'gone'} \("):
+        evaluate(config, targets)

@@ -92,6 +92,11 @@ def test_init_from_starts_the_adapters_from_an_export_of_the_same_shape(tmp_path
     state = model.state_dict()
     for key, value in saved.items():  # peft saves without the adapter name
         torch.testing.assert_close(state[key.replace(".weight", ".default.weight")], value)
+    routers = load_file(f"{folder}/{VSA2_WEIGHTS}")  # trained with the adapters: taken too
+    base = build_bundle(started, torch.device("cpu"), torch.float32).transformer.state_dict()
+    assert any(not torch.equal(base[key], value) for key, value in routers.items())
+    for key, value in routers.items():
+        torch.testing.assert_close(state[key], value)
     other = load_config(
         None, [*TINY, *LORA[:1], "model.lora.rank=8", f"model.lora.init_from={folder}"]
     )
@@ -112,7 +117,7 @@ def test_export_refuses_a_folder_that_is_not_empty_and_writes_nothing(tmp_path):
 
 
 def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, monkeypatch):
-    # a LoRA run started from a trained adapter differs from its reference (adapters off) at
+    # a LoRA run started from a trained export differs from its reference (adapters off) at
     # step 1: its logged penalty is the mean over samples of sum_j log p - log p_ref of the
     # transitions it drew, recomputed here with the base model
     from vsa2_rl.rl import rollout as rollout_module
@@ -132,6 +137,8 @@ def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, m
     logged = json.loads((tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()[-1])
 
     reference = build_bundle(run, torch.device("cpu"), torch.float32)  # no adapters
+    # the routers and gates the run started from (the export's), which adapters-off keeps
+    reference.transformer.load_state_dict(load_file(f"{folder}/{VSA2_WEIGHTS}"), strict=False)
     reference.sparsity_state.sparsity = 0.9
     sigmas = sigma_schedule(run.sampler.num_steps)
     prompts = [load_prompts(run)[i] for i in _batch_prompts(run)]
@@ -223,3 +230,55 @@ def test_export_needs_an_out_dir_of_its_own(trained_run, tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: out_dir: export needs out_dir=DIR")
     assert os.listdir(tmp_path) == []
+
+
+def test_export_refuses_an_out_dir_inside_a_checkpoint(trained_run, tmp_path, capsys):
+    checkpoint = find_latest(trained_run / "checkpoints")
+    for out_dir in (checkpoint / "peft", trained_run / "checkpoints" / "peft"):
+        assert main(["export", f"run_dir={trained_run}", f"out_dir={out_dir}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: out_dir: {out_dir} lies inside")
+        assert not out_dir.exists()
+    assert find_latest(trained_run / "checkpoints") == checkpoint  # still whole
+
+
+def test_export_into_a_link_to_an_empty_folder_fills_that_folder(trained_run, tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    export(*load_eval_config(None, [f"run_dir={trained_run}", f"out_dir={tmp_path / 'link'}"]))
+    assert os.path.islink(tmp_path / "link")
+    assert VSA2_WEIGHTS in os.listdir(tmp_path / "real")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "pickle"])
+def test_export_of_a_damaged_checkpoint_is_one_line_before_config_pt_is_read(
+    trained_run, tmp_path, capsys, damage
+):
+    import shutil
+
+    copy = tmp_path / "step_1"
+    shutil.copytree(find_latest(trained_run / "checkpoints"), copy)
+    recorded = copy / "config.pt"
+    if damage == "truncate":
+        recorded.write_bytes(recorded.read_bytes()[:100])
+    else:
+        recorded.write_bytes(b"\x80\x04cos\nsystem\n.")
+    assert main(["export", f"checkpoint={copy}", f"out_dir={tmp_path / 'x'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(f"error: checkpoint: {copy} is not a usable checkpoint: config.pt")
+
+
+def test_init_from_refuses_router_weights_of_another_shape_in_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    from vsa2_rl.runtime import _load_vsa2
+
+    config = load_config(None, [*TINY, *LORA])
+    model = build_bundle(config, torch.device("cpu"), torch.float32).transformer
+    routers = {k: v for k, v in model.state_dict().items() if ".vsa2." in f".{k}"}
+    name = sorted(routers)[0]
+    routers[name] = torch.zeros(routers[name].numel() + 1)  # another model's layer size
+    save_file(routers, str(tmp_path / VSA2_WEIGHTS))
+    with pytest.raises(ConfigError, match=rf"^model.lora.init_from: .* \(\['{name}'\] differ\)"):
+        _load_vsa2(model, str(tmp_path))

@@ -251,6 +251,17 @@ def test_load_tiny_wan_directory(tmp_path):
     assert len(list((tmp_path / "cache").iterdir())) == 2
     again = bundle.encode_prompts(["a red square"])  # now served from the cache
     torch.testing.assert_close(again[0], emb[1])
+    for damage in (b"\x80\x04garbage", b""):  # a file cut short or overwritten: encoded anew
+        for cached in (tmp_path / "cache").iterdir():
+            cached.write_bytes(damage)
+        fresh = load_wan_bundle(  # a new run: nothing in memory, the damaged files on disk
+            str(tmp_path / "wan"),
+            VSA2Config(backend="torch"),
+            text_cache_dir=str(tmp_path / "cache"),
+        )
+        with pytest.warns(UserWarning, match=r"model.text_cache_dir: .*\.pt cannot be loaded"):
+            again = fresh.encode_prompts(["a red square"])
+        torch.testing.assert_close(again[0], emb[1])
 
     latents = torch.randn(2, *shape)
     velocity = bundle.velocity(latents, torch.tensor([0.9, 0.2]), emb)

@@ -190,3 +190,46 @@ def test_condition_images_that_cannot_be_opened_name_the_path(tmp_path):
     for path in (str(tmp_path / "fake.png"), str(tmp_path / "missing.png")):
         with pytest.raises(ValueError, match=f"condition image {path}: cannot be opened"):
             load_condition_image(path, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("prompts.txt", "a red ball\na blue cube\n"), ("prompts.jsonl", '{"prompt": "a red ball"}\n')],
+)
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, name, text):
+    (tmp_path / name).write_text("\ufeff" + text, encoding="utf-8")  # as Notepad saves UTF-8
+    assert read_prompt_records(str(tmp_path / name), KEY)[0] == PromptRecord("a red ball")
+
+
+def _corrupt_pixels(path):
+    """Rewrites the PNG's pixel data (IDAT) with bytes that do not inflate, and a CRC that
+    matches them: the file's checksums all hold, its pixels do not decode."""
+    import struct
+    import zlib
+
+    with open(path, "rb") as handle:
+        data = handle.read()
+    at = data.index(b"IDAT") - 4
+    length = struct.unpack(">I", data[at : at + 4])[0]
+    garbage = b"\x78\x9c" + bytes(i % 251 for i in range(7, 5 + length))
+    chunk = b"IDAT" + garbage
+    fixed = struct.pack(">I", len(garbage)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    with open(path, "wb") as handle:
+        handle.write(data[:at] + fixed + data[at + 12 + length :])
+    with Image.open(path) as image:
+        image.verify()  # what the old check did: it passes
+
+
+def test_a_condition_image_whose_pixels_do_not_decode_is_refused_at_start(tmp_path):
+    picture = _png(tmp_path / "bad.png", np.random.default_rng(0).integers(0, 255, (16, 16, 3)))
+    _corrupt_pixels(picture)
+    path = _jsonl(tmp_path / "prompts.jsonl", {"prompt": "x", "image": "bad.png"})
+    with pytest.raises(ConfigError, match=rf"line 1: image {picture} cannot be read as an image"):
+        read_prompt_records(path, KEY)
+
+
+def test_a_condition_image_under_the_home_folder_may_be_given_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    picture = _png(tmp_path / "home" / "pictures" / "a.png", np.full((4, 4, 3), 9))
+    path = _jsonl(tmp_path / "prompts.jsonl", {"prompt": "x", "image": "~/pictures/a.png"})
+    assert read_prompt_records(path, KEY) == [PromptRecord("x", picture)]

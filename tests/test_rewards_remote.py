@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from vsa2_rl.rewards import RewardError, RewardMixer, RewardSkip, get_reward
-from vsa2_rl.rewards.remote import encode_request
+from vsa2_rl.rewards.remote import RemoteReward, encode_request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +41,9 @@ def weights_from(path):
 def _start(*options):
     """A served ``test_trainer:brightness`` on a free port: (process, its URL)."""
     command = [*SERVE, "--port", "0", "--reward", "test_trainer:brightness", *options]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO
+    )
     line = process.stdout.readline()  # "serving reward NAME on http://127.0.0.1:PORT"
     assert "serving reward brightness on http://127.0.0.1:" in line, line
     return process, line.split(" on ")[1].strip()
@@ -240,6 +242,10 @@ BAD_ARGUMENTS = {
     "max_request_mb_0": (["--max-request-mb", "0"], "--max-request-mb: must be > 0"),
     "client_timeout_0": (["--client-timeout-s", "0"], "--client-timeout-s: must be > 0"),
     "max_connections_0": (["--max-connections", "0"], "--max-connections: must be >= 1"),
+    "max_inflight_below_one_request": (
+        ["--max-request-mb", "2", "--max-inflight-mb", "11"],
+        "--max-inflight-mb: 11 cannot hold one largest request (6 x --max-request-mb = 12)",
+    ),
     "kwargs_a_list": (["--kwargs", "[1, 2]"], "--kwargs: expected a JSON object"),
     "port_out_of_range": (["--port", "70000"], "--port: 70000 is not a port"),
     "host_unresolvable": (["--host", "no-such-host.invalid"], "--host: cannot resolve"),
@@ -278,3 +284,141 @@ def test_a_port_in_use_is_refused_before_the_reward_loads():
         # a reward that cannot load: the port's error shows it was checked first
         line = _serve_reward_error("--port", str(port), "--reward", "no_such_module:reward")
     assert f"--port: {port} is in use on 127.0.0.1" in line
+
+
+# ---- what one client can hold: time, memory, a traceback --------------------------------------
+
+
+def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(server):
+    import select
+
+    _, url = server  # --client-timeout-s 1: for the whole request, not for each read
+    start = time.monotonic()
+    with _connect(url) as trickling:
+        for byte in _post(b"x" * 50)[:25]:  # one byte every 0.2 s: each read well within 1 s
+            if select.select([trickling], [], [], 0)[0]:  # the server closed it
+                break
+            trickling.sendall(bytes([byte]))
+            time.sleep(0.2)
+        elapsed = time.monotonic() - start
+        assert select.select([trickling], [], [], 0)[0] and trickling.recv(65536) == b""
+    assert elapsed < 3, f"the trickling client held its slot for {elapsed:.1f} s"
+    assert _status(_exchange(url, b"GET /health HTTP/1.1\r\n\r\n")) == 200
+
+
+def _request_of(batch: int, frame=(3, 4, 2), trailing: bytes = b"") -> bytes:
+    """A zlib body of ``batch`` 2-frame black videos of ``frame`` (C, H, W), then ``trailing``."""
+    videos = torch.zeros(batch, 2, *frame, dtype=torch.uint8)
+    header = {"prompts": json.dumps(["p"] * batch), "metadata": json.dumps([{}] * batch)}
+    return zlib.compress(save_tensors({"videos": videos}, metadata=header) + trailing)
+
+
+def test_a_body_inflates_no_further_than_its_header_declares():
+    from vsa2_rl.rewards.remote import ServerBusy, decode_request
+
+    reserved = []
+    bomb = _request_of(2, trailing=bytes(50 * 2**20))  # 50 MiB of zeros behind 96 pixels
+    with pytest.raises(ValueError, match="does not hold the 96 bytes its header declares"):
+        decode_request(bomb, 64 * 2**20, reserved.append)
+    assert reserved[1:] == [5 * 96]  # the header, then the pixels and their float32 copy
+
+    def busy(size):
+        if size > 2**20:
+            raise ServerBusy("full")
+
+    with pytest.raises(ServerBusy):  # refused before the 4.8 MB of pixels are inflated
+        decode_request(_request_of(2, (3, 400, 200)), 64 * 2**20, busy)
+    videos, prompts, _ = decode_request(_request_of(2), 2**20)
+    assert (
+        videos.shape == (2, 2, 3, 4, 2) and videos.dtype == torch.float32 and prompts == ["p"] * 2
+    )
+
+
+def test_requests_beyond_the_memory_in_flight_get_503_until_it_frees():
+    from vsa2_rl.rewards.remote import RewardServer
+
+    server = RewardServer("127.0.0.1", 0, max_request_mb=1, client_timeout_s=10, max_inflight_mb=6)
+    threading.Thread(target=server.serve, args=(get_reward("test_trainer:brightness"),)).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        holders = [_connect(url) for _ in range(2)]  # each holds ~1 MiB of body, read so far
+        for holder in holders:
+            holder.sendall(_post(bytes(2**20 - 10), length=str(2**20)))
+        time.sleep(0.3)
+        request = _post(_request_of(2, (3, 256, 340)))  # ~1 MB of pixels: 5 MB with float32
+        reply = _exchange(url, request)
+        assert _status(reply) == 503 and b"limit of request memory" in reply
+        for holder in holders:
+            holder.close()
+        time.sleep(0.3)
+        assert _status(_exchange(url, request)) == 200
+    finally:
+        server.shutdown()
+
+
+def test_connections_that_only_promise_a_large_body_hold_no_memory():
+    from vsa2_rl.rewards.remote import RewardServer
+
+    server = RewardServer("127.0.0.1", 0, max_request_mb=1, client_timeout_s=10, max_inflight_mb=6)
+    threading.Thread(target=server.serve, args=(get_reward("test_trainer:brightness"),)).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        promises = [_connect(url) for _ in range(8)]  # 8 MiB promised, nothing sent
+        for promise in promises:
+            promise.sendall(_post(b"", length=str(2**20)))
+        time.sleep(0.3)
+        assert _status(_exchange(url, _post(_request_of(2, (3, 256, 340))))) == 200
+        for promise in promises:
+            promise.close()
+    finally:
+        server.shutdown()
+
+
+def test_a_client_that_leaves_is_one_log_line(capsys):
+    from vsa2_rl.rewards.remote import RewardServer
+
+    server = RewardServer("127.0.0.1", 0)
+    try:
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError:
+            server.handle_error(None, ("127.0.0.1", 5555))
+    finally:
+        server.server_close()
+    assert capsys.readouterr().err == "127.0.0.1: connection dropped ([Errno 32] Broken pipe)\n"
+
+
+def test_ctrl_c_stops_the_server_with_one_line_and_exit_130():
+    process, _ = _start()
+    process.send_signal(2)  # SIGINT, as Ctrl-C sends
+    try:
+        _, err = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert err == "vsa2-rl serve-reward: stopped (Ctrl-C)\n"
+
+
+def test_a_server_that_trickles_its_reply_is_cut_off_at_the_client_timeout():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle():  # headers at once, then one byte of the body every 0.2 s
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n")
+            for _ in range(40):
+                try:
+                    connection.sendall(b"x")
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    remote = RemoteReward(url, timeout=1, retries=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"failed after 1 attempts: no whole reply within 1 s"):
+        remote(torch.rand(1, 2, 3, 8, 8), ["a"], [{}])
+    assert time.monotonic() - start < 3  # not the 8 s the trickle lasts
+    listener.close()

@@ -2,6 +2,7 @@
 ratio is 1, resume equals an uninterrupted run, failures never touch the weights."""
 
 import contextlib
+import importlib.machinery
 import json
 import math
 import os
@@ -153,6 +154,30 @@ def test_a_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
         train(_config(tmp_path, "train.num_steps=2", "train.resume=none"))
     assert sorted(os.listdir(tmp_path / "run")) == before  # nothing moved, nothing written
     assert [row["step"] for row in _rows(tmp_path / "run")] == [1]
+
+
+@pytest.mark.parametrize(("name", "kind"), [("checkpoints", "folder"), ("metrics.jsonl", "file")])
+def test_a_file_or_folder_where_the_run_writes_is_refused_before_any_step(tmp_path, name, kind):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).mkdir() if kind == "file" else (tmp_path / "run" / name).touch()
+    with pytest.raises(ConfigError, match=rf"^out_dir: .*/run/{name} is not a {kind}, and the"):
+        train(_config(tmp_path, "train.num_steps=1"))
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", name]  # no step ran
+
+
+def test_a_resume_stopped_while_writing_config_yaml_leaves_the_old_one(tmp_path, monkeypatch):
+    from vsa2_rl.rl import trainer as trainer_module
+
+    train(_config(tmp_path, "train.num_steps=1"))
+    before = (tmp_path / "run" / "config.yaml").read_text()
+
+    def interrupted(config):
+        raise KeyboardInterrupt  # Ctrl-C (or a full disk) while config.yaml is being written
+
+    monkeypatch.setattr(trainer_module, "to_yaml", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(tmp_path, "train.num_steps=2"))
+    assert (tmp_path / "run" / "config.yaml").read_text() == before  # eval and export read it
 
 
 def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
@@ -616,6 +641,7 @@ def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch
 
     fake = type(sys)("wandb")
     fake.init, fake.Video = init, FakeVideo
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec("wandb") works
     monkeypatch.setitem(sys.modules, "wandb", fake)
     config = _config(
         tmp_path, "train.num_steps=1", "eval.every=1", "eval.num_prompts=2",

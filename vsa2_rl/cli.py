@@ -6,6 +6,7 @@ models they work on, given like keys (``run_dir=DIR``, ``"run_dirs=[A,B]"``, ``c
 :class:`vsa2_rl.config.EvalTargets`). A configuration problem (missing file, unknown key, wrong
 type, missing local model path) prints one ``error:`` line and exits with status 2 before
 anything is written; a failing reward prints one ``error:`` line naming it and exits with 1.
+Ctrl-C (``serve-reward``'s way to stop) prints one line and exits with 130.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vsa2_rl.config import (
     load_eval_config,
 )
 from vsa2_rl.rewards import RewardError
+from vsa2_rl.rl.checkpoint import DiskFull
 
 _EPILOG = """Overrides are KEY=VALUE pairs (OmegaConf dotlist), e.g.
   vsa2-rl train train.num_steps=2 out_dir=runs/x "eval.sparsities=[0.0,0.9]"
@@ -81,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
         "--client-timeout-s",
         type=float,
         default=60.0,
-        help="drop a connection that sends nothing, or stops mid-request, this long (default: 60)",
+        help="drop a connection whose whole request (headers and body) has not arrived this "
+        "long after it opened (default: 60)",
     )
     serve.add_argument(
         "--max-connections",
@@ -89,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
         default=32,
         help="connections handled at once, one thread each; one more gets HTTP 503, which "
         "clients retry (default: 32)",
+    )
+    serve.add_argument(
+        "--max-inflight-mb",
+        type=int,
+        default=None,
+        help="memory all requests in flight may hold together, in MiB (bodies, pixels and their "
+        "float32 copies); a request beyond it gets HTTP 503 (default: 6 x --max-request-mb, "
+        "one largest request; at least that)",
     )
     return parser
 
@@ -117,6 +128,11 @@ def _check_serve_limits(args) -> None:
         raise ConfigError(f"--client-timeout-s: must be > 0, got {args.client_timeout_s} (e.g. 60)")
     if args.max_connections < 1:
         raise ConfigError(f"--max-connections: must be >= 1, got {args.max_connections} (e.g. 32)")
+    if args.max_inflight_mb is not None and args.max_inflight_mb < 6 * args.max_request_mb:
+        raise ConfigError(
+            f"--max-inflight-mb: {args.max_inflight_mb} cannot hold one largest request (6 x "
+            f"--max-request-mb = {6 * args.max_request_mb}); raise it or lower --max-request-mb"
+        )
 
 
 def _bind_reward_server(args):
@@ -133,6 +149,7 @@ def _bind_reward_server(args):
             max_request_mb=args.max_request_mb,
             client_timeout_s=args.client_timeout_s,
             max_connections=args.max_connections,
+            max_inflight_mb=args.max_inflight_mb,
         )
     except socket.gaierror as error:
         raise ConfigError(
@@ -201,6 +218,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C, serve-reward's way to stop: one line, not a traceback
+        what = "stopped" if args.command == "serve-reward" else "interrupted"
+        after = {
+            "train": "; the checkpoints written are whole, continue with train.resume=auto",
+            "export": "; nothing was written to out_dir",
+        }
+        print(f"vsa2-rl {args.command}: {what} (Ctrl-C){after.get(args.command, '')}",
+              file=sys.stderr)  # fmt: skip
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "serve-reward":
         try:
             _serve_reward(args)
@@ -231,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RewardError as error:  # a reward failed (rewards.on_error=stop, or during eval)
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except DiskFull as error:  # a checkpoint save: the earlier checkpoints are whole
+        print(f"error: {error.strerror}", file=sys.stderr)
         return 1
     except RuntimeError as error:
         from vsa2_rl.rl.rollout import RolloutDiverged

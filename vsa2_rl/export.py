@@ -16,8 +16,10 @@ A Wan2.2 A14B run exports each trained expert into the folder the diffusers pipe
 by (``transformer/`` for high noise, ``transformer_2/`` for low noise): its adapter files or its
 diffusers files, and its ``vsa2.safetensors``; ``vsa2_attention.json`` lists the experts.
 
-Nothing is written unless every file is: the folder is assembled next to ``out_dir`` and renamed
-into place, with the permissions the umask gives (0755 folders, 0644 files under umask 022).
+Nothing is written unless every file is: the folder is assembled next to ``out_dir`` (next to
+the folder it links to, where it is a symbolic link) and renamed into place, with the
+permissions the umask gives (0755 folders, 0644 files under umask 022). An ``out_dir`` inside
+a run's ``checkpoints/`` is refused.
 """
 
 from __future__ import annotations
@@ -100,12 +102,12 @@ def _give_usual_permissions(folder: str) -> None:
 
 
 def _check_out_dir(out_dir: str) -> None:
-    """A new or empty folder that can be made, and a parent to assemble it in and rename it
-    from (checked before the model loads)."""
+    """A new or empty folder that can be made (outside any run's checkpoints), and a parent to
+    assemble it in and rename it from (checked before the model loads)."""
     from vsa2_rl.runtime import check_output_dir
 
     check_output_dir(out_dir)
-    check_output_dir(os.path.dirname(os.path.abspath(out_dir)))
+    check_output_dir(os.path.dirname(os.path.realpath(out_dir)))
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"out_dir: {out_dir} is not empty; export into a new folder")
 
@@ -122,7 +124,8 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
     (target,) = resolve_targets(config, targets)
     trained = target.config
     bundle = load_model(trained, torch.device("cpu"), torch.float32, checkpoint=target.checkpoint)
-    parent = os.path.dirname(os.path.abspath(config.out_dir))
+    place = os.path.realpath(config.out_dir)  # a link to an empty folder: the folder it names
+    parent = os.path.dirname(place)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
@@ -137,9 +140,9 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
         with open(os.path.join(staging, VSA2_SETTINGS), "w", encoding="utf-8") as handle:
             json.dump(settings, handle, indent=2)
         _give_usual_permissions(staging)
-        if os.path.isdir(config.out_dir):
-            os.rmdir(config.out_dir)  # empty (checked above)
-        os.rename(staging, config.out_dir)
+        if os.path.isdir(place):
+            os.rmdir(place)  # empty (checked above)
+        os.rename(staging, place)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -4,6 +4,7 @@ bundle (toy or local Wan directory) with VSA2 attached, and the prompt sets."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -28,10 +29,35 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _checkpoint_holding(folder: str) -> str | None:
+    """The checkpoint, or the checkpoints folder of a run, that ``folder`` would lie in."""
+    from vsa2_rl.rl.checkpoint import COMPLETE_MARKER
+    from vsa2_rl.rl.run_folder import LOCK_FILE
+
+    path = os.path.realpath(folder)
+    while True:
+        parent = os.path.dirname(path)
+        is_run_checkpoints = os.path.basename(path) == "checkpoints" and all(
+            os.path.isfile(os.path.join(parent, name)) for name in ("config.yaml", LOCK_FILE)
+        )  # a training run's folder holds both
+        if is_run_checkpoints or os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+            return path
+        if parent == path:
+            return None
+        path = parent
+
+
 def check_output_dir(path: str, key: str = "out_dir") -> None:
     """Refuses, before any work, an output folder that cannot be made or written into: a file,
-    a dangling symbolic link, a path under a file, or one whose nearest existing folder (where
-    the rest would be made) this user cannot write into."""
+    a dangling symbolic link, a path under a file, one whose nearest existing folder (where
+    the rest would be made) this user cannot write into, or one inside a run's checkpoints (a
+    file there breaks a checkpoint's checksums, and a resume deletes it with the checkpoint)."""
+    holder = _checkpoint_holding(path)
+    if holder is not None:
+        raise ConfigError(
+            f"{key}: {path} lies inside {holder}, a run's checkpoints (writing there would "
+            "damage them, and a resume delete it); give a folder outside the run's checkpoints/"
+        )
     if os.path.lexists(path) and not os.path.isdir(path):
         what = "a file" if os.path.exists(path) else "a symbolic link to a missing target"
         raise ConfigError(f"{key}: {path} is {what}, not a folder; give a new or existing folder")
@@ -242,6 +268,36 @@ def _load_adapter(transformer: torch.nn.Module, folder: str, config: RunConfig) 
             f"model.lora.init_from: {folder} holds weights this model has no place for "
             f"({result.unexpected_keys[:3]}); was it trained on another model?"
         )
+    _load_vsa2(transformer, folder)
+
+
+def _load_vsa2(transformer: torch.nn.Module, folder: str) -> None:
+    """The VSA2 router and gate parameters an export wrote beside its adapter
+    (``vsa2.safetensors``), trained with it; a plain peft folder without them leaves the base
+    model's, with a warning."""
+    from safetensors.torch import load_file
+
+    from vsa2_rl.export import VSA2_WEIGHTS
+
+    path = os.path.join(folder, VSA2_WEIGHTS)
+    if not os.path.isfile(path):
+        warnings.warn(
+            f"model.lora.init_from: {folder} has no {VSA2_WEIGHTS}; the VSA2 routers and gates "
+            "start from the base model's, only the adapters from the folder",
+            stacklevel=2,
+        )
+        return
+    weights = load_file(path)
+    state = transformer.state_dict()
+    ours = {name: state[name].shape for name in state if ".vsa2." in f".{name}"}
+    theirs = {name: value.shape for name, value in weights.items()}
+    if theirs != ours:
+        odd = sorted(name for name in {*ours, *theirs} if ours.get(name) != theirs.get(name))[:3]
+        raise ConfigError(
+            f"model.lora.init_from: {path} does not fit this model's VSA2 layers ({odd} differ);"
+            " start from an export of a run with these model and attention settings"
+        )
+    transformer.load_state_dict(weights, strict=False)
 
 
 def trained_state(transformer: torch.nn.Module, config: RunConfig) -> dict:

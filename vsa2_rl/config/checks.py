@@ -1,14 +1,16 @@
 """The value checks every config section's ``__post_init__`` uses, and :class:`ConfigError`.
 
 These look at values alone, never at the file system: a config constructs the same on any
-machine, and :mod:`vsa2_rl.config.paths` checks the folders and files it names where a command
-is about to use them.
+machine (only a ``~`` in a path key becomes the home folder, :func:`_expand_user`), and
+:mod:`vsa2_rl.config.paths` checks the folders and files it names where a command is about to
+use them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import field
 from typing import Any
 
@@ -20,6 +22,17 @@ class ConfigError(ValueError):
 def _doc(text: str, **kwargs: Any) -> Any:
     """A dataclass field with its help text (kept in ``metadata`` for ``--help``)."""
     return field(metadata={"help": text}, **kwargs)
+
+
+def _expand_user(section: Any, *names: str) -> None:
+    """``~`` and ``~user`` at the start of the path fields ``names`` of ``section`` (strings, or
+    lists of them) become home folders, as a shell would have made them."""
+    for name in names:
+        value = getattr(section, name)
+        if isinstance(value, str):
+            setattr(section, name, os.path.expanduser(value))
+        elif isinstance(value, list):
+            setattr(section, name, [os.path.expanduser(item) for item in value])
 
 
 def _check(condition: bool, key: str, message: str) -> None:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vsa2_rl.config.checks import ConfigError
-from vsa2_rl.config.paths import check_paths, check_target_paths
+from vsa2_rl.config.paths import _not_a_file, check_paths, check_target_paths
 from vsa2_rl.config.run import RunConfig
 from vsa2_rl.config.targets import TARGET_KEYS, EvalTargets
 
@@ -54,6 +54,8 @@ def _friendly(error: OmegaConfBaseException) -> ConfigError:
         close = difflib.get_close_matches(key, known, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return ConfigError(f"{key}: unknown config key{hint}; see `vsa2-rl train --help`")
+    if message.startswith("Incompatible value 'None'"):  # KEY= with nothing after it
+        return ConfigError(f"{key}: needs a value (nothing follows '='), e.g. {key}=VALUE")
     return ConfigError(f"{key or 'config'}: {message}")
 
 
@@ -61,7 +63,7 @@ def _layers(path: str | None, overrides: list[str] | None) -> list[DictConfig]:
     """The YAML file ``path`` (None: configs/default.yaml) and each override, parsed."""
     path = path or DEFAULT_CONFIG
     if not os.path.isfile(path):
-        raise ConfigError(f"--config: file not found: {path}")
+        raise ConfigError(f"--config: {_not_a_file(path, 'a YAML file')}")
     return [_load_yaml(path, "--config")] + [_parse_override(item) for item in overrides or []]
 
 
@@ -165,6 +167,12 @@ def _load_yaml(path: str, key: str) -> DictConfig:
         raise ConfigError(
             f"{key}: {path} must hold a mapping of keys (e.g. 'train: {{num_steps: 2}}'), "
             f"got a {type(loaded).__name__}"
+        )
+    if not loaded:  # empty or comments only: surely not meant as "the schema's defaults"
+        fix = f"leave --config out for {DEFAULT_CONFIG}" if key == "--config" else "restore it"
+        raise ConfigError(
+            f"{key}: {path} holds no settings (empty, or comments only); write the settings "
+            f"into it, or {fix}"
         )
     return loaded
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vsa2_rl.config.checks import _check, _check_choice, _doc
+from vsa2_rl.config.checks import _check, _check_choice, _doc, _expand_user
 
 
 @dataclass
@@ -21,12 +21,14 @@ class LoraConfig:
     init_from: str | None = _doc(
         "A peft adapter folder (adapter_config.json + adapter_model.safetensors, e.g. from "
         "vsa2-rl export; for Wan2.2 A14B an export with transformer/ and transformer_2/ "
-        "adapter folders) to start the adapters from; its rank, alpha and target modules must "
-        "equal these. Empty = fresh adapters.",
+        "adapter folders) to start the adapters from, and the VSA2 routers and gates from its "
+        "vsa2.safetensors where it has one (an export's); its rank, alpha and target modules "
+        "must equal these. Empty = fresh adapters.",
         default=None,
     )
 
     def __post_init__(self) -> None:
+        _expand_user(self, "init_from")
         _check(self.rank >= 1, "model.lora.rank", f"must be >= 1, got {self.rank}")
         _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _check(bool(self.target_modules), "model.lora.target_modules", "must not be empty")
@@ -78,6 +80,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        _expand_user(self, "path", "text_cache_dir")
         _check_choice(self.kind, "model.kind", ("toy", "wan"))
         for expert in self.train_experts:
             _check_choice(expert, "model.train_experts", ("high_noise", "low_noise"))
@@ -187,6 +190,12 @@ class SparsityConfig:
             "sparsity.eval",
             f"hard-to-easy: evaluation sparsity ({self.eval}) must not exceed the train "
             f"sparsity ({self.train}); lower sparsity.eval or raise sparsity.train",
+        )
+        _check(
+            self.train_end is None or self.eval <= self.train_end,
+            "sparsity.train_end",
+            f"hard-to-easy: the curriculum ends at sparsity {self.train_end}, below the "
+            f"evaluation sparsity ({self.eval}); raise sparsity.train_end or lower sparsity.eval",
         )
         _check(
             self.warmup_steps >= 0,

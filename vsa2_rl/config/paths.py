@@ -33,8 +33,17 @@ def _is_adapter_folder(folder: str) -> bool:
     )
 
 
+def _not_a_file(path: str, wanted: str) -> str:
+    """Why ``path`` is no regular file: missing, a folder, or something else (a device)."""
+    if not os.path.exists(path):
+        return f"file not found: {path}"
+    what = "a folder" if os.path.isdir(path) else "not a regular file"
+    return f"{path} is {what}; give {wanted}"
+
+
 def check_model_paths(config: RunConfig) -> None:
-    """What loading ``config``'s model reads: ``model.path`` and ``model.lora.init_from``."""
+    """What loading ``config``'s model reads: ``model.path``, ``model.text_cache_dir`` and
+    ``model.lora.init_from``."""
     model = config.model
     if model.path:
         hint = (
@@ -51,6 +60,13 @@ def check_model_paths(config: RunConfig) -> None:
             "model.path",
             f"{model.path} is an empty folder; point it at the model's files",
         )
+    cache = model.text_cache_dir
+    _check(
+        not cache or not os.path.lexists(cache) or os.path.isdir(cache),
+        "model.text_cache_dir",
+        f"{cache} is not a folder; give a folder for the cached prompt embeddings, or leave it "
+        "empty for out_dir/text_cache",
+    )
     init_from = model.lora.init_from
     if init_from:
         # one adapter folder, or a two-expert export with one per expert (Wan2.2 A14B)
@@ -72,7 +88,7 @@ def check_paths(config: RunConfig) -> None:
     for key in ("file", "eval_file"):
         path = getattr(config.prompts, key)
         if path:
-            _check(os.path.isfile(path), f"prompts.{key}", f"file not found: {path}")
+            _check(os.path.isfile(path), f"prompts.{key}", _not_a_file(path, "a prompt file"))
     resume = config.train.resume
     if resume not in ("auto", "none"):
         _check(

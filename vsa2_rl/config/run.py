@@ -21,6 +21,7 @@ from vsa2_rl.config.checks import (
     _check_finite_fields,
     _check_int_fields,
     _doc,
+    _expand_user,
 )
 from vsa2_rl.config.model import AttentionConfig, ModelConfig, SparsityConfig
 
@@ -40,6 +41,9 @@ class PromptsConfig:
         '{"prompt": ..., "image": ...} per line (image-to-video models); empty = prompts.file.',
         default=None,
     )
+
+    def __post_init__(self) -> None:
+        _expand_user(self, "file", "eval_file")
 
 
 @dataclass
@@ -64,6 +68,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        _expand_user(self, "resume")
         _check(self.num_steps >= 1, "train.num_steps", f"must be >= 1, got {self.num_steps}")
         _check(
             self.learning_rate > 0,
@@ -229,6 +234,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        _expand_user(self, "out_dir")
         _check_finite_fields(self, "")
         _check_int_fields(self, "")
         _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from vsa2_rl.config.checks import _doc
+from vsa2_rl.config.checks import _doc, _expand_user
 
 
 @dataclass
@@ -32,6 +32,9 @@ class EvalTargets:
         "One checkpoint folder (a run's checkpoints/step_N) to evaluate or export.",
         default=None,
     )
+
+    def __post_init__(self) -> None:
+        _expand_user(self, "run_dirs", "run_dir", "checkpoint")
 
     @property
     def run_folders(self) -> list[tuple[str, str]]:

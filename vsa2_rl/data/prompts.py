@@ -61,7 +61,7 @@ def read_prompt_records(path: str, key: str) -> list[PromptRecord]:
 
 def _read_lines(path: str, key: str) -> list[str]:
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is no text
             return list(handle)
     except UnicodeDecodeError as error:
         raise ConfigError(
@@ -127,13 +127,13 @@ def _check_image(image: object, folder: str, where: str) -> str:
             f'{where}: "image" must be a non-empty string (the condition image\'s path), got '
             f"{json.dumps(image)}; leave the key out for a prompt without an image"
         )
-    resolved = os.path.abspath(os.path.join(folder, image))
+    resolved = os.path.abspath(os.path.join(folder, os.path.expanduser(image)))
     if not os.path.isfile(resolved):
         relative = "" if os.path.isabs(image) else f" ({image} read from the prompt file's folder)"
         raise ConfigError(f"{where}: image file not found: {resolved}{relative}")
     try:
         with Image.open(resolved) as handle:
-            handle.verify()
+            handle.load()  # decodes every pixel: verify() checks only the checksums
     except Exception as error:  # PIL signals a bad image with many exception types
         raise ConfigError(
             f"{where}: image {resolved} cannot be read as an image ({error}); save it as PNG "

@@ -75,10 +75,14 @@ def _checkpoint_config(checkpoint: str, command_line: RunConfig) -> RunConfig:
     """What ``checkpoint`` was trained with: its own record, else the config.yaml of the run
     folder holding it; only a checkpoint with neither falls back to ``command_line``'s settings,
     with a warning (they may differ from the trained ones)."""
+    from vsa2_rl.rl.checkpoint import verify_checkpoint
+
+    problem = verify_checkpoint(checkpoint)  # before any of its files is read
+    if problem is not None:
+        raise ConfigError(f"checkpoint: {checkpoint} is not a usable checkpoint: {problem}")
     recorded = os.path.join(checkpoint, "config.pt")
     if os.path.isfile(recorded):
-        tree = torch.load(recorded, map_location="cpu", weights_only=True)
-        return config_from_tree(tree, f"checkpoint: {checkpoint}")
+        return config_from_tree(_recorded_tree(recorded), f"checkpoint: {checkpoint}")
     run_dir = os.path.dirname(os.path.dirname(os.path.normpath(checkpoint)))
     saved = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(saved):
@@ -89,6 +93,14 @@ def _checkpoint_config(checkpoint: str, command_line: RunConfig) -> RunConfig:
         file=sys.stderr,
     )
     return command_line
+
+
+def _recorded_tree(recorded: str) -> dict:
+    try:
+        return torch.load(recorded, map_location="cpu", weights_only=True)
+    except Exception as error:  # verified, yet not loadable: written by hand, not by a run
+        reason = " ".join(str(error).split())[:200]
+        raise ConfigError(f"checkpoint: {recorded} cannot be loaded ({reason})") from None
 
 
 def run_labels(paths: list[str]) -> list[str]:
@@ -128,6 +140,8 @@ def resolve_targets(config: RunConfig, targets: EvalTargets | None = None) -> li
     found = []  # (path, the config it was trained with, checkpoint)
     for key, run_dir in run_folders:
         saved = os.path.join(run_dir, "config.yaml")
+        if not os.path.isdir(run_dir):
+            raise ConfigError(f"{key}: folder not found: {run_dir} (give a training run's out_dir)")
         if not os.path.isfile(saved):
             raise ConfigError(f"{key}: {run_dir} is not a training run (no config.yaml)")
         try:

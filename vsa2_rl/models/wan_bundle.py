@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Protocol, runtime_checkable
@@ -122,6 +123,25 @@ def read_wan_variant(path: str) -> WanVariant:
     )
 
 
+def _read_cached(path: str) -> torch.Tensor | None:
+    """The embedding a text-cache file holds, or None (encode the prompt, which rewrites the
+    file) when it is missing or is not a [L, D] float tensor: a file cut short or overwritten
+    costs one encoding, with a warning naming it, not the run."""
+    if not os.path.exists(path):
+        return None
+    try:
+        cached = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many kinds for a damaged file
+        cached = f"cannot be loaded ({' '.join(str(error).split())[:120]})"
+    if isinstance(cached, torch.Tensor) and cached.dim() == 2 and cached.is_floating_point():
+        return cached
+    problem = cached if isinstance(cached, str) else "holds no [tokens, dim] float tensor"
+    warnings.warn(
+        f"model.text_cache_dir: {path} {problem}; encoding its prompt again", stacklevel=3
+    )
+    return None
+
+
 @dataclass
 class WanBundle:
     """A Wan model as a ``VideoDiTBundle`` (see the module docstring).
@@ -209,8 +229,8 @@ class WanBundle:
             path = self._cache_path(prompt)
             if prompt in self._memory_cache:
                 embeddings[prompt] = self._memory_cache[prompt]
-            elif path is not None and os.path.exists(path):
-                embeddings[prompt] = torch.load(path, map_location="cpu", weights_only=True)
+            elif path is not None and (cached := _read_cached(path)) is not None:
+                embeddings[prompt] = cached
             else:
                 missing.append(prompt)
         if missing:

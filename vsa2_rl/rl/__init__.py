@@ -10,6 +10,7 @@ from vsa2_rl.rl.checkpoint import (
     find_latest,
     list_checkpoints,
     load_checkpoint,
+    load_latest,
     restore_rng_state,
     save_checkpoint,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "grpo_loss",
     "list_checkpoints",
     "load_checkpoint",
+    "load_latest",
     "plot_schedule",
     "restore_rng_state",
     "save_checkpoint",

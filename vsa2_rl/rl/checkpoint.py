@@ -25,11 +25,18 @@ containers of them: optimizer and LR-scheduler ``state_dict()``s and :func:`capt
 Every file's size and sha256 are recorded at save time and checked before anything is read
 (:func:`verify_checkpoint`): a truncated or overwritten file (a disk filling up, a copy cut short)
 is reported by name, and :func:`find_latest` falls back to the newest checkpoint that verifies,
-with a warning naming the bad ones, so one damaged checkpoint never blocks a resume.
+with a warning naming the bad ones, so one damaged checkpoint never blocks a resume. A checksum
+only proves a file unchanged since meta.json was written, so meta.json's own records are checked
+too (its step must be the one a ``step_N`` folder is named by: a copied or renamed folder never
+passes for a newer step), and :func:`load_latest` (what ``train.resume=auto`` uses) also falls
+back past a checkpoint whose files verify but do not load (a pickle that ``weights_only``
+refuses, planted with recomputed checksums).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -39,6 +46,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +121,49 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _read_meta(path: Path) -> tuple[dict[str, Any], str | None]:
+    """meta.json of the checkpoint at ``path`` and None, or ``{}`` and what is wrong with it:
+    a checksum proves only that meta.json was not changed after the marker was written, not
+    that whoever wrote both wrote what a save writes."""
+    where = path / META_FILE
+    try:
+        meta = json.loads(where.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        return {}, f"{where} is not valid JSON ({error})"
+    records = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(records, dict) or not all(
+        isinstance(r, dict) and {"size", "sha256"} <= set(r) for r in records.values()
+    ):
+        return {}, f"{where} has no valid 'files' record (size and sha256 of each file)"
+    outside = [name for name in records if Path(name).is_absolute() or ".." in Path(name).parts]
+    if outside:
+        return {}, f"{where} records a file outside the checkpoint folder: {outside[0]}"
+    step, entries = meta.get("step"), meta.get("entries")
+    if isinstance(step, bool) or not isinstance(step, int) or not isinstance(entries, dict):
+        return {}, f"{where} has no valid 'step' and 'entries' records"
+    unrecorded = [name for name, fmt in entries.items() if _entry_file(name, fmt) not in records]
+    if unrecorded:
+        return {}, f"{where} lists an entry {unrecorded[0]!r} whose file it does not record"
+    return meta, None
+
+
+def _entry_file(name: str, fmt: str) -> str:
+    return f"{name}.safetensors" if fmt == "safetensors" else f"{name}.pt"
+
+
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """None if the checkpoint at ``path`` is whole, else what is wrong with it (one line).
 
-    Checks the completion marker and the meta.json checksum it carries, every file against the
-    size and sha256 that meta.json recorded, and that the folder holds no file meta.json does
-    not record: only the files the run wrote reach a loader (DeepSpeed unpickles its shards).
+    Checks the completion marker and the meta.json checksum it carries, that meta.json holds
+    the records a save writes and, for a ``step_N`` folder, records step N (a copied or renamed
+    folder must not pass for another step), every file against the size and sha256 that
+    meta.json recorded, and that the folder holds no file meta.json does not record: only the
+    files the run wrote reach a loader (DeepSpeed unpickles its shards).
     """
     path = Path(path)
     marker = path / COMPLETE_MARKER
+    if not path.is_dir():  # e.g. removed by a running train's keep_last since it was found
+        return "the folder is gone (a training run's train.keep_last may have removed it)"
     if not marker.is_file():
         return f"no {COMPLETE_MARKER} marker (a save that did not finish)"
     fields = marker.read_text().split()
@@ -132,7 +174,16 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     expected = fields[fields.index("sha256") + 1]
     if not (path / META_FILE).is_file() or _sha256(path / META_FILE) != expected:
         return f"{META_FILE} is missing or does not match the checksum in {COMPLETE_MARKER}"
-    recorded = json.loads((path / META_FILE).read_text())["files"]
+    meta, problem = _read_meta(path)
+    if problem is not None:
+        return problem
+    named = _STEP_DIR.fullmatch(path.name)
+    if named and int(named.group(1)) != meta["step"]:
+        return (
+            f"{META_FILE} records step {meta['step']} but the folder is named {path.name} "
+            "(copied or renamed?)"
+        )
+    recorded = meta["files"]
     for name, record in recorded.items():
         file = path / name
         if not file.is_file():
@@ -148,30 +199,64 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return None
 
 
-def find_latest(checkpoints_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint that verifies, or None when there is none at all.
+def _newest_usable(checkpoints_dir: str | os.PathLike, use: Callable[[Path], Any]) -> Any:
+    """``use(path)`` of the newest complete checkpoint for which it raises no ValueError (whose
+    message says what is wrong), or None when there is no checkpoint at all.
 
-    Newer checkpoints that fail :func:`verify_checkpoint` are skipped with a warning naming
-    them; if checkpoints exist but none verifies, raises ValueError listing what is wrong with
-    each (resuming from scratch would silently discard the run).
+    Newer checkpoints it fails on are skipped with a warning naming them; if checkpoints exist
+    but it fails on all, raises ValueError listing what is wrong with each (resuming from
+    scratch would silently discard the run).
     """
     problems = []
-    for step, path in reversed(list_checkpoints(checkpoints_dir)):
-        problem = verify_checkpoint(path)
-        if problem is None:
-            if problems:
-                warnings.warn(
-                    f"skipping damaged checkpoints ({'; '.join(problems)}); using {path}",
-                    stacklevel=2,
-                )
-            return path
-        problems.append(f"step_{step}: {problem}")
+    for _, path in reversed(list_checkpoints(checkpoints_dir)):
+        try:
+            result = use(path)
+        except ValueError as error:
+            problems.append(f"{path.name}: {error}")
+            continue
+        if problems:
+            warnings.warn(
+                f"skipping damaged checkpoints ({'; '.join(problems)}); using {path}",
+                stacklevel=3,
+            )
+        return result
     if problems:
         raise ValueError(
             f"no checkpoint under {checkpoints_dir} verifies ({'; '.join(problems)}); start a "
             "new out_dir or point train.resume at a checkpoint folder copied from elsewhere"
         )
     return None
+
+
+def _verified(path: Path) -> Path:
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(problem)
+    return path
+
+
+def find_latest(checkpoints_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint that verifies (:func:`verify_checkpoint`), or None when
+    there is none at all; damaged ones are skipped with a warning naming them, and ValueError
+    lists them all when none verifies."""
+    return _newest_usable(checkpoints_dir, _verified)
+
+
+def load_latest(
+    checkpoints_dir: str | os.PathLike, **load_options: Any
+) -> tuple[Path, dict[str, Any]] | None:
+    """``(path, state)`` of the newest checkpoint that verifies *and loads*
+    (:func:`load_checkpoint` with ``load_options``), or None when there is none; the others are
+    skipped like :func:`find_latest`'s (a file whose checksum was recomputed after it was
+    tampered with verifies, and is refused only when it is read)."""
+
+    def load(path: Path) -> tuple[Path, dict[str, Any]]:
+        try:
+            return path, load_checkpoint(path, **load_options)
+        except UnusableCheckpoint as error:
+            raise ValueError(error.problem) from None
+
+    return _newest_usable(checkpoints_dir, load)
 
 
 def _check_step(step: Any) -> None:
@@ -197,6 +282,96 @@ def stage_checkpoint(checkpoints_dir: str | os.PathLike, step: int) -> Path:
     return tmp
 
 
+class DiskFull(OSError):
+    """A checkpoint file that could not be written because its disk is full or a file-size
+    limit (``ulimit -f``) was hit: one line naming the file and the space it needed."""
+
+
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# how torch and safetensors report a failed write: their errors carry no errno
+_OUT_OF_SPACE_TEXT = (
+    "os error 28",
+    "os error 27",
+    "os error 122",
+    "unexpected pos",
+    "write failed",
+)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (containers walked): what writing it needs."""
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+@contextlib.contextmanager
+def space_for(path: Path, needed: int, what: str = "checkpoint"):
+    """Turns a write of ``path`` (part of ``what``) that ran out of space into :class:`DiskFull`,
+    whose one line names the file, the space it needed and the space left."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error).lower()
+        if getattr(error, "errno", None) not in _OUT_OF_SPACE and not any(
+            mark in text for mark in _OUT_OF_SPACE_TEXT
+        ):
+            raise
+        free = shutil.disk_usage(Path(path).parent).free
+        raise DiskFull(
+            errno.ENOSPC,
+            f"{what}: writing {path} failed: its disk is full or a file-size limit "
+            f"(ulimit -f) was hit; it needs about {needed / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB are free there. The earlier checkpoints are whole: free "
+            "space (or lower train.keep_last) and continue with train.resume=auto",
+        ) from None
+
+
+def _file_mode() -> int:
+    """The mode the umask gives a new file (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _write_entry(folder: Path, name: str, value: Any) -> str:
+    """Writes one state entry into ``folder`` and fsyncs it; returns its format."""
+    fmt = "safetensors" if _is_tensor_dict(value) else "torch"
+    path = folder / _entry_file(name, fmt)
+    with space_for(path, _tensor_bytes(value)):
+        if fmt == "safetensors":
+            save_file(_safetensors_ready(value), str(path), metadata={"format": "pt"})
+            os.chmod(path, _file_mode())  # safetensors makes it owner-only, unlike the rest
+        else:
+            with open(path, "wb") as f:
+                torch.save(value, f)
+        _fsync_path(path)
+    return fmt
+
+
+def _write_state(tmp: Path, step: int, state: dict[str, Any]) -> None:
+    """Every entry, then meta.json, then the COMPLETE marker, all fsynced, into ``tmp``."""
+    formats = {name: _write_entry(tmp, name, value) for name, value in state.items()}
+    files = {
+        str(file.relative_to(tmp)): {"size": file.stat().st_size, "sha256": _sha256(file)}
+        for file in sorted(tmp.rglob("*"))
+        if file.is_file()
+    }
+    meta = json.dumps({"step": step, "entries": formats, "files": files}, indent=1)
+    for file_name, text in ((META_FILE, meta), (COMPLETE_MARKER, None)):
+        if text is None:  # the marker carries meta.json's checksum: written last
+            text = f"step {step}\n{META_FILE} sha256 {_sha256(tmp / META_FILE)}\n"
+        with space_for(tmp / file_name, len(text)), open(tmp / file_name, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_path(tmp)
+
+
 def save_checkpoint(
     checkpoints_dir: str | os.PathLike,
     step: int,
@@ -209,9 +384,13 @@ def save_checkpoint(
 
     ``state`` maps entry names (file-name safe: letters, digits, ``_.-``) to values: a flat
     ``{str: Tensor}`` dict goes to ``<name>.safetensors``, anything else to ``<name>.pt``.
-    An existing ``step_{step}`` is replaced. Leftovers of crashed saves are removed first.
+    An existing ``step_{step}`` is replaced. Leftovers of crashed saves are removed first. A
+    disk that fills up mid-save raises :class:`DiskFull` (one line: the file, the space it
+    needed and the space left) after removing the partial save. Files get the mode the umask
+    gives (0644 under umask 022), safetensors' included.
     ``keep_last=N`` then deletes all but the N highest-step complete checkpoints (the one just
-    written is always kept). ``staged``: a directory from :func:`stage_checkpoint` that other
+    written is always kept; a folder whose meta.json records another step than its name is left
+    alone and not counted). ``staged``: a directory from :func:`stage_checkpoint` that other
     files were written into; it is committed with them (every file in it is fsynced).
     """
     _check_step(step)
@@ -234,32 +413,11 @@ def save_checkpoint(
             raise ValueError(f"staged={staged} is not a directory staged under {root}")
         for path in sorted(tmp.rglob("*")):
             _fsync_path(path)
-    formats = {}
-    for name, value in state.items():
-        if _is_tensor_dict(value):
-            path = tmp / f"{name}.safetensors"
-            save_file(_safetensors_ready(value), str(path), metadata={"format": "pt"})
-            formats[name] = "safetensors"
-        else:
-            path = tmp / f"{name}.pt"
-            with open(path, "wb") as f:
-                torch.save(value, f)
-            formats[name] = "torch"
-        _fsync_path(path)
-    files = {
-        str(file.relative_to(tmp)): {"size": file.stat().st_size, "sha256": _sha256(file)}
-        for file in sorted(tmp.rglob("*"))
-        if file.is_file()
-    }
-    meta = json.dumps({"step": step, "entries": formats, "files": files}, indent=1)
-    for file_name, text in ((META_FILE, meta), (COMPLETE_MARKER, None)):
-        if text is None:  # the marker carries meta.json's checksum: written last
-            text = f"step {step}\n{META_FILE} sha256 {_sha256(tmp / META_FILE)}\n"
-        with open(tmp / file_name, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    _fsync_path(tmp)
+    try:
+        _write_state(tmp, step, state)
+    except DiskFull:
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took goes back; nothing else moved
+        raise
 
     final = root / f"step_{step}"
     if final.exists():
@@ -268,10 +426,34 @@ def save_checkpoint(
     _fsync_path(root)
 
     if keep_last is not None:
-        others = [path for _, path in list_checkpoints(root) if path != final]
+        others = [
+            path
+            for step_of_name, path in list_checkpoints(root)
+            if path != final and _read_meta(path)[0].get("step") == step_of_name
+        ]  # a folder whose name is not its step (a copy?) is neither counted nor deleted
         for path in others[: max(0, len(others) - (keep_last - 1))]:
             _remove_dir(path)
     return final
+
+
+class UnusableCheckpoint(ValueError):
+    """A checkpoint that fails verification or whose files cannot be read; ``problem`` is what
+    is wrong, naming the file."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"{path} is not a usable checkpoint: {problem}")
+        self.problem = problem
+
+
+def _load_entry(path: Path, name: str, fmt: str, map_location: Any, weights_only: bool) -> Any:
+    file = path / _entry_file(name, fmt)
+    try:
+        if fmt == "safetensors":
+            return load_file(file, device=str(map_location))
+        return torch.load(file, map_location=map_location, weights_only=weights_only)
+    except Exception as error:  # torch and safetensors raise many kinds for a bad file
+        reason = " ".join(str(error).split())[:200]
+        raise UnusableCheckpoint(path, f"{file.name} cannot be loaded ({reason})") from None
 
 
 def load_checkpoint(
@@ -282,23 +464,20 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Read the ``state`` dict given to :func:`save_checkpoint` (see :func:`checkpoint_step`).
 
+    Raises :class:`UnusableCheckpoint` (a ValueError) naming the file when the checkpoint does
+    not verify or an entry cannot be read, e.g. a pickle that ``weights_only`` refuses.
     ``weights_only=False`` allows arbitrary pickled python objects in ``.pt`` entries (only for
     checkpoints you wrote yourself: unpickling runs code).
     """
     path = Path(path)
     problem = verify_checkpoint(path)
     if problem is not None:
-        raise ValueError(f"{path} is not a usable checkpoint: {problem}")
+        raise UnusableCheckpoint(path, problem)
     meta = json.loads((path / META_FILE).read_text())
-    state: dict[str, Any] = {}
-    for name, fmt in meta["entries"].items():
-        if fmt == "safetensors":
-            state[name] = load_file(path / f"{name}.safetensors", device=str(map_location))
-        else:
-            state[name] = torch.load(
-                path / f"{name}.pt", map_location=map_location, weights_only=weights_only
-            )
-    return state
+    return {
+        name: _load_entry(path, name, fmt, map_location, weights_only)
+        for name, fmt in meta["entries"].items()
+    }
 
 
 def checkpoint_step(path: str | os.PathLike) -> int:

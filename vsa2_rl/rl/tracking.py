@@ -8,16 +8,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
+import warnings
 from typing import Any
 
 from vsa2_rl.config import RunConfig, config_tree, to_yaml
+from vsa2_rl.rl.checkpoint import space_for
 
 
 class MetricsLogger:
     """Writes one line per step to metrics.jsonl and mirrors it to the configured trackers.
 
     On resume the file is cut back to the steps <= the checkpoint's step, so a run killed after
-    logging a step but before checkpointing it does not log that step twice.
+    logging a step but before checkpointing it does not log that step twice. A line that is not
+    a step's row (blank, garbled, torn by a crash) is never dropped: it is moved, with a
+    warning, to ``metrics.jsonl.unreadable`` beside it, and every row around it is kept.
     """
 
     def __init__(self, config: RunConfig, resume_step: int = 0, enabled: bool = True):
@@ -36,29 +41,59 @@ class MetricsLogger:
                 dir=config.out_dir,
                 mode=config.logging.wandb_mode,
                 config=config_tree(config),
+                id=_wandb_run_id(config.out_dir),
                 resume="allow",
             )
         if "tensorboard" in config.logging.report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(os.path.join(config.out_dir, "tensorboard"))
+            # a resume drops the events logged after its checkpoint, as metrics.jsonl does
+            self._tensorboard = SummaryWriter(
+                os.path.join(config.out_dir, "tensorboard"), purge_step=resume_step + 1
+            )
             self._tensorboard.add_text("config", f"```\n{to_yaml(config)}```", 0)
 
     def _truncate(self, resume_step: int) -> None:
         if not os.path.exists(self.path):
             return
-        kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
+        kept, unreadable = [], []
+        with open(self.path, encoding="utf-8", errors="surrogateescape") as handle:
+            for line in handle:
+                row = _row(line)
+                if row is None:
+                    unreadable.append(line if line.endswith("\n") else line + "\n")
+                elif row["step"] <= resume_step:
+                    kept.append(line)
+        if unreadable:
+            self._quarantine(unreadable)
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in kept)
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as handle:
+            handle.writelines(kept)
         os.replace(tmp, self.path)
+
+    def _quarantine(self, lines: list[str]) -> None:
+        """Appends ``lines`` to metrics.jsonl.unreadable (fsynced before the log is rewritten)."""
+        aside = self.path + ".unreadable"
+        with open(aside, "a", encoding="utf-8", errors="surrogateescape") as handle:
+            handle.writelines(lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+        warnings.warn(
+            f"{self.path}: {len(lines)} line(s) that are no metrics row moved to {aside}; the "
+            "other rows are kept",
+            stacklevel=3,
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{key: _plain(value) for key, value in metrics.items()}}
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
+        line = json.dumps(row) + "\n"
+        with (
+            space_for(self.path, len(line), "metrics"),
+            open(self.path, "a", encoding="utf-8") as f,
+        ):
+            f.write(line)
         if self._wandb is not None:
             self._wandb.log(row, step=step)
         if self._tensorboard is not None:
@@ -92,6 +127,22 @@ class MetricsLogger:
             self._tensorboard.close()
 
 
+def _wandb_run_id(out_dir: str) -> str:
+    """The wandb run id of the run in ``out_dir``, made at its first start and kept in
+    ``out_dir/.wandb_id``: every resume logs into the same wandb run (``resume="allow"``
+    without an id started a new one each time, splitting the run's curves)."""
+    path = os.path.join(out_dir, ".wandb_id")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            saved = handle.read().strip()
+        if saved:
+            return saved
+    run_id = uuid.uuid4().hex[:16]
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(run_id + "\n")
+    return run_id
+
+
 def _plain(value: Any) -> Any:
     """JSON-safe scalars: tensors become floats; NaN/inf are kept as strings JSON can hold."""
     if hasattr(value, "item"):
@@ -101,16 +152,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _row(line: str) -> dict[str, Any] | None:
+    """The metrics row a line of metrics.jsonl holds, or None for anything else."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        return None
+    return row
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl file (a torn last line from a crash is ignored)."""
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
+    """The rows of a metrics.jsonl file; lines that are no row (a torn last line from a crash,
+    a garbled one) are skipped, and the rows after them still read."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+        rows = [_row(line) for line in handle]
+    return [row for row in rows if row is not None]
 
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:

@@ -90,9 +90,31 @@ def _trained_with(restored: dict, checkpoint) -> dict:
         return yaml.safe_load(handle)
 
 
+def _write_config(config: RunConfig) -> None:
+    """out_dir/config.yaml, replaced whole: a run stopped while writing it (Ctrl-C, a full disk)
+    leaves the previous one, which eval and export read, never an empty or cut one."""
+    path = os.path.join(config.out_dir, "config.yaml")
+    text = to_yaml(config)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def _refuse_abandoned_run(config: RunConfig) -> None:
     """A fresh run (``train.resume=none``) must not share its folder with an earlier run: a later
-    ``resume=auto`` would continue from the abandoned run's checkpoints and metrics."""
+    ``resume=auto`` would continue from the abandoned run's checkpoints and metrics. Either,
+    where it exists, must be what the run writes there (a folder, a file): found at the first
+    save, a file named checkpoints would stop the run after its first steps."""
+    for name, kind, is_kind in (("checkpoints", "folder", os.path.isdir),
+                                ("metrics.jsonl", "file", os.path.isfile)):  # fmt: skip
+        path = os.path.join(config.out_dir, name)
+        if os.path.lexists(path) and not is_kind(path):
+            raise ConfigError(
+                f"out_dir: {path} is not a {kind}, and the run writes its {name} there; move "
+                "it away or give another out_dir"
+            )
     held = [
         name
         for name in ("checkpoints", "metrics.jsonl")
@@ -390,16 +412,16 @@ class RLTrainer:
     def resume(self) -> int:
         """Restores the checkpoint ``train.resume`` names (after checking it and its config),
         writes config.yaml, opens the logger; returns the step to continue after."""
-        from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
+        from vsa2_rl.rl.checkpoint import load_checkpoint, load_latest
 
         config = self.config
         resume_from, start_step = None, 0
-        try:  # a damaged checkpoint is skipped (find_latest warns) or named in one error line
+        try:  # a damaged checkpoint is skipped (load_latest warns) or named in one error line
             if config.train.resume == "auto":
-                resume_from = find_latest(self.checkpoints)
+                resume_from, restored = load_latest(self.checkpoints) or (None, None)
             elif config.train.resume != "none":
                 resume_from = config.train.resume
-            restored = load_checkpoint(resume_from) if resume_from else None
+                restored = load_checkpoint(resume_from)
         except ValueError as error:
             raise ConfigError(f"train.resume: {error}") from None
         if resume_from:
@@ -410,8 +432,7 @@ class RLTrainer:
             start_step = int(restored["step"])
         if self.is_main:
             os.makedirs(config.out_dir, exist_ok=True)
-            with open(os.path.join(config.out_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                f.write(to_yaml(config))
+            _write_config(config)
         self.logger = MetricsLogger(config, resume_step=start_step, enabled=self.is_main)
         if resume_from and self.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
