@@ -265,8 +265,8 @@ class RunConfig:
             self.model.kind == "toy" or bool(self.prompts.file),
             "prompts.file",
             f"model.kind={self.model.kind} needs a prompt file (the built-in prompts are the toy "
-            "task's); give one, e.g. prompts.file=/data/prompts.txt (one prompt per line, or "
-            ".jsonl with condition images)",
+            "task's); give one (one prompt per line, or .jsonl with condition images), e.g. the "
+            "shipped prompts.file=configs/prompts/wan_motion_train.txt",
         )
 
     def _check_algorithm(self) -> None:
