@@ -1,4 +1,5 @@
-"""The ``vsa2-rl`` console script: ``vsa2-rl train``, ``eval``, ``export`` and ``serve-reward``.
+"""The ``vsa2-rl`` console script: ``vsa2-rl train``, ``check``, ``eval``, ``export`` and
+``serve-reward``.
 
 All but ``serve-reward`` take ``--config FILE`` (default ``configs/default.yaml``) and OmegaConf
 dotlist overrides (``train.num_steps=2 out_dir=runs/x``); ``eval`` and ``export`` also take the
@@ -6,6 +7,8 @@ models they work on, given like keys (``run_dir=DIR``, ``"run_dirs=[A,B]"``, ``c
 :class:`vsa2_rl.config.EvalTargets`). A configuration problem (missing file, unknown key, wrong
 type, missing local model path) prints one ``error:`` line and exits with status 2 before
 anything is written; a failing reward prints one ``error:`` line naming it and exits with 1.
+``check`` prints a training config's plan and every problem it finds (:mod:`vsa2_rl.check`) and
+exits with 1 when there is one, else 0.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     descriptions = {
         "train": "Flow-GRPO fine-tuning with VSA2 rollouts and a hard-to-easy sparsity schedule.",
+        "check": "Pre-flight of a training config, no weights loaded: prints the plan (model, "
+        "what trains, tokens per video, sparsity schedule, prompts, rewards) and every problem, "
+        "one line each naming the key; exit status 1 if there is one.",
         "eval": "Evaluate rewards and latency at several inference sparsities "
         "(run_dir=DIR | run_dirs=[...] | checkpoint=DIR | model.path=DIR).",
         "export": "Write a run's weights as a peft adapter (LoRA runs) or a diffusers folder "
@@ -47,7 +53,11 @@ def _parser() -> argparse.ArgumentParser:
         "config's out_dir is a training run's folder, never an export's).",
     }
     for name, description in descriptions.items():
-        targets = [_TARGETS, *help_lines(EvalTargets, path=None)] if name != "train" else []
+        targets = (
+            [_TARGETS, *help_lines(EvalTargets, path=None)]
+            if name not in ("train", "check")
+            else []
+        )
         command = commands.add_parser(
             name,
             description=description,
@@ -208,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "check":
+        from vsa2_rl.check import check
+
+        report = check(args.config, args.overrides)
+        print(report.text())
+        return 1 if report.problems else 0
     bad = [item for item in args.overrides if "=" not in item]
     try:
         if bad:

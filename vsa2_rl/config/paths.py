@@ -67,12 +67,23 @@ def check_model_paths(config: RunConfig) -> None:
 
 def check_paths(config: RunConfig) -> None:
     """Every file and folder ``config`` names: the model's (:func:`check_model_paths`), the
-    prompt files and the checkpoint ``train.resume`` names."""
+    prompt files (:func:`check_prompt_path`) and the checkpoint ``train.resume`` names
+    (:func:`check_resume_path`)."""
     check_model_paths(config)
     for key in ("file", "eval_file"):
-        path = getattr(config.prompts, key)
-        if path:
-            _check(os.path.isfile(path), f"prompts.{key}", f"file not found: {path}")
+        check_prompt_path(config, key)
+    check_resume_path(config)
+
+
+def check_prompt_path(config: RunConfig, key: str) -> None:
+    """The prompt file ``prompts.<key>`` names, if any, is a file."""
+    path = getattr(config.prompts, key)
+    if path:
+        _check(os.path.isfile(path), f"prompts.{key}", f"file not found: {path}")
+
+
+def check_resume_path(config: RunConfig) -> None:
+    """``train.resume`` is auto, none or a complete checkpoint folder."""
     resume = config.train.resume
     if resume not in ("auto", "none"):
         _check(

@@ -294,7 +294,8 @@ def _missing(path: str, component: str, message: str) -> ConfigError:
     )
 
 
-def _vae_config(path: str):
+def read_vae_config(path: str):
+    """The VAE's config of the folder at ``path`` (its ``vae/config.json``), None without vae/."""
     from diffusers import AutoencoderKLWan
 
     if not os.path.isdir(os.path.join(path, "vae")):
@@ -321,7 +322,9 @@ def read_image_scheme(path: str) -> str | None:
     return _image_scheme(SimpleNamespace(**config), read_wan_variant(path))
 
 
-def _experts(path: str, variant: WanVariant, train_experts: tuple[str, ...], load) -> nn.Module:
+def assemble_experts(
+    path: str, variant: WanVariant, train_experts: tuple[str, ...], load
+) -> nn.Module:
     """The folder's transformer, or its two experts as :class:`WanExperts`."""
     if variant.boundary_ratio is None:
         if train_experts:
@@ -336,6 +339,14 @@ def _experts(path: str, variant: WanVariant, train_experts: tuple[str, ...], loa
         variant.boundary_ratio,
         train_experts=train_experts or EXPERT_NAMES,
     )
+
+
+def needed_folders(variant: WanVariant, components: tuple[str, ...] = WAN_COMPONENTS) -> list:
+    """The subfolders loading ``components`` of a folder of ``variant`` reads."""
+    needed = [*variant.transformer_folders, *components[1:]]
+    if variant.image_encoder and "vae" in components:
+        needed += ["image_encoder", "image_processor"]
+    return list(dict.fromkeys(needed))
 
 
 def load_wan_bundle(
@@ -374,10 +385,7 @@ def load_wan_bundle(
     if not path or not os.path.isdir(path):
         raise _missing(str(path), "the folder itself", "does not exist or is not a directory.")
     variant = read_wan_variant(path)
-    needed = [*variant.transformer_folders, *components[1:]]
-    if variant.image_encoder and "vae" in components:
-        needed += ["image_encoder", "image_processor"]
-    for component in dict.fromkeys(needed):
+    for component in needed_folders(variant, components):
         if not os.path.isdir(os.path.join(path, component)):
             raise _missing(path, f"{component}/", f"has no {component}/ subfolder.")
     device = torch.device(device)
@@ -388,8 +396,8 @@ def load_wan_bundle(
         model = WanTransformer3DModel.from_pretrained(path, subfolder=folder, torch_dtype=dtype)
         return enable_vsa2(model.to(device), vsa2, state)
 
-    transformer = _experts(path, variant, tuple(train_experts), load)
-    vae_config = _vae_config(path)
+    transformer = assemble_experts(path, variant, tuple(train_experts), load)
+    vae_config = read_vae_config(path)
     text_encoder = tokenizer = vae = image_encoder = image_processor = None
     if "text_encoder" in components:
         text_encoder = UMT5EncoderModel.from_pretrained(
