@@ -78,8 +78,14 @@ def check_paths(config: RunConfig) -> None:
 def check_prompt_path(config: RunConfig, key: str) -> None:
     """The prompt file ``prompts.<key>`` names, if any, is a file."""
     path = getattr(config.prompts, key)
-    if path:
-        _check(os.path.isfile(path), f"prompts.{key}", f"file not found: {path}")
+    if path and not os.path.isfile(path):
+        where = "" if os.path.isabs(path) else f" (read from the current folder, {os.getcwd()})"
+        _check(
+            False,
+            f"prompts.{key}",
+            f"file not found: {path}{where}; run from the folder the "
+            "path is relative to (the repository root for the shipped recipes) or give it whole",
+        )
 
 
 def check_resume_path(config: RunConfig) -> None:
