@@ -40,6 +40,11 @@ def _plan(report) -> dict:
     return dict(report.plan)
 
 
+def _key(problem: str) -> str:
+    """The key a problem line names ("model.path='/x': ..." names model.path)."""
+    return problem.split(":")[0].split("=")[0].strip()
+
+
 def _tiny_parameters(in_channels: int) -> int:
     """Parameters of the tiny Wan transformer, built here with weights."""
     from diffusers import WanTransformer3DModel
@@ -112,7 +117,7 @@ def test_every_problem_is_listed_once_naming_its_key(folders, tmp_path, capsys):
     assert main(argv) == 1
     lines = capsys.readouterr().out.splitlines()
     problems = lines[lines.index("5 problems:") + 1 :]
-    assert [line.split(":")[0].strip() for line in problems] == [
+    assert [_key(line) for line in problems] == [
         "train.resume",
         "model.path",
         "prompts.eval_file",
@@ -121,6 +126,27 @@ def test_every_problem_is_listed_once_naming_its_key(folders, tmp_path, capsys):
     ]
     assert "has no vae/" in problems[1] and "missing.txt" in problems[2]
     assert not out_dir.exists()  # a check writes nothing
+
+
+def test_train_lists_every_problem_before_anything_loads(folders, tmp_path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(folders["wan21_t2v"], folder)
+    shutil.rmtree(folder / "vae")
+    out_dir = tmp_path / "run"
+    argv = [
+        "train", "--config", RECIPE_1_3B, f"model.path={folder}", f"out_dir={out_dir}",
+        f"prompts.eval_file={tmp_path / 'missing.txt'}", "grpo.prompts_per_step=401",
+        "rewards.functions=[{name: no_such_reward}]",  # built by training, after these
+    ]  # fmt: skip
+    assert main(argv) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert [_key(line.removeprefix("error: ")) for line in errors] == [
+        "model.path",
+        "prompts.eval_file",
+        "grpo.prompts_per_step",
+    ]
+    assert all(line.startswith("error: ") for line in errors)
+    assert not out_dir.exists()
 
 
 def test_a_video_size_the_model_cannot_make_is_a_problem(folders):

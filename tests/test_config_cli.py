@@ -180,7 +180,7 @@ def test_help_lists_every_documented_key():
     [
         ["train", "--config", "/no/such.yaml"],
         ["train", "train.num_step=2"],
-        ["train", "model.kind=wan", "model.path=/no/such/dir", "prompts.file=/no/such.txt"],
+        ["train", "model.kind=wan", "model.path=/no/such/dir"],
         ["eval", "eval.sparsities=[1.5]"],
         ["train", "not-a-key-value"],
         ["train", "train.num_steps=[1,2"],
@@ -249,8 +249,8 @@ def test_a_model_path_that_holds_no_model_is_one_error_line(kind, tmp_path, caps
     unrelated.mkdir()
     (unrelated / "readme.txt").write_text("not a model\n")
     argv = ["train", f"model.kind={kind}", f"model.path={unrelated}", f"out_dir={tmp_path / 'r'}"]
-    if kind == "wan":  # which needs a prompt file
-        (tmp_path / "prompts.txt").write_text("a red kite rising over a hill\n")
+    if kind == "wan":  # which needs a prompt file, of grpo.prompts_per_step prompts at least
+        (tmp_path / "prompts.txt").write_text("a red kite rising over a hill\n" * 4)
         argv.append(f"prompts.file={tmp_path / 'prompts.txt'}")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

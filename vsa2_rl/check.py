@@ -11,7 +11,9 @@ found, one line each naming the key, instead of stopping at the first.
 Memory and time are not estimated: no model of them has been calibrated against the measured
 runs of docs/results.md, whose figures per recipe docs/wan.md lists. A config that does not
 load (an unknown key, a wrong type, a contradiction) is one problem: nothing after it can be
-checked. Checks that need the processes (engines, number of ranks) run when ``train`` starts.
+checked. ``vsa2-rl train`` runs the same checks, rewards aside (:func:`problems_before_loading`),
+before it loads anything; those that need the processes (engines, number of ranks) run when its
+processes start.
 """
 
 from __future__ import annotations
@@ -65,14 +67,27 @@ def check(path: str | None, overrides: list[str] | None) -> Report:
     except ConfigError as error:
         report.problems.append(str(error))
         return report
+    _inspect(config, report, rewards=True)
+    report.plan.append(("memory, time", MEMORY_AND_TIME))
+    return report
+
+
+def problems_before_loading(config: RunConfig) -> list[str]:
+    """What ``vsa2-rl train`` checks of a loaded config before it loads anything: the problems
+    :func:`check` finds, rewards aside (training builds them next, before the model)."""
+    report = Report()
+    _inspect(config, report, rewards=False)
+    return report.problems
+
+
+def _inspect(config: RunConfig, report: Report, rewards: bool) -> None:
     _check_paths(config, report)
     _plan_model(config, report)
     _plan_schedule(config, report)
     _plan_step(config, report)
     _plan_prompts(config, report)
-    _plan_rewards(config, report)
-    report.plan.append(("memory, time", MEMORY_AND_TIME))
-    return report
+    if rewards:
+        _plan_rewards(config, report)
 
 
 def _check_paths(config: RunConfig, report: Report) -> None:
@@ -102,12 +117,22 @@ def _plan_model(config: RunConfig, report: Report) -> None:
 
 def _shapes(config: RunConfig):
     """(transformer without weights, the bundle's ``latent_shape``, a description)."""
-    from vsa2_rl.runtime import build_bundle
+    return _toy_shapes(config) if config.model.kind == "toy" else _wan_shapes(config)
 
-    if config.model.kind == "toy":  # a small model: loaded as train loads it
-        bundle = build_bundle(config, torch.device("cpu"), torch.float32)
-        return bundle.transformer, bundle.latent_shape, f"toy ({config.model.path or 'shipped'})"
-    return _wan_shapes(config)
+
+def _toy_shapes(config: RunConfig):
+    from vsa2_rl.attention import SparsityState
+    from vsa2_rl.models.wan import enable_vsa2
+    from vsa2_rl.toy.model import ToyBundle, make_toy_transformer, read_toy_config
+
+    architecture = read_toy_config(config.model.path)["transformer"]
+    with torch.device("meta"):  # shapes only: no memory, no weights read
+        transformer = make_toy_transformer(architecture)
+        enable_vsa2(transformer, config.attention, SparsityState())
+    shapes = ToyBundle(
+        transformer, SparsityState(), None, None, latent_channels=architecture["out_channels"]
+    )
+    return transformer, shapes.latent_shape, f"toy ({config.model.path or 'shipped'})"
 
 
 def _wan_shapes(config: RunConfig):
@@ -120,6 +145,7 @@ def _wan_shapes(config: RunConfig):
     from vsa2_rl.models.wan_bundle import (
         WanBundle,
         assemble_experts,
+        missing_component,
         needed_folders,
         read_vae_config,
         read_wan_variant,
@@ -127,12 +153,9 @@ def _wan_shapes(config: RunConfig):
 
     path = config.model.path
     variant = read_wan_variant(path)
-    missing = [f"{name}/" for name in needed_folders(variant) if not _is_dir(path, name)]
+    missing = ", ".join(f"{name}/" for name in needed_folders(variant) if not _is_dir(path, name))
     if missing:
-        raise ConfigError(
-            f"model.path: {path} has no {', '.join(missing)}; give a whole diffusers Wan folder "
-            "(huggingface-cli download Wan-AI/<model>-Diffusers, docs/wan.md)"
-        )
+        raise missing_component(path, missing, f"has no {missing}.")
 
     def load(folder: str):
         try:
@@ -303,7 +326,7 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
     sets = {split: _prompt_set(config, split, report) for split in ("train", "eval")}
     # what the model takes is read from its transformer/config.json: without one, unknown
     readable = config.model.kind != "wan" or _is_dir(config.model.path, "transformer")
-    texts = []
+    texts, checked = [], set()
     for split, records in sets.items():
         if records is None:  # unreadable: a problem already
             continue
@@ -311,7 +334,8 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
         source = getattr(config.prompts, key.split(".")[1]) or "the toy's built-in prompts"
         images = sum(r.image is not None for r in records)
         texts.append(f"{split} {len(records)} ({source}{f', {images} with images' * bool(images)})")
-        if readable:
+        if readable and key not in checked:  # evaluation may read the training file
+            checked.add(key)
             with report.checking():
                 check_condition_images(image_scheme(config), [r.image for r in records], key)
     report.plan.append(("prompts", "; ".join(texts) or "none readable"))

@@ -8,7 +8,8 @@ models they work on, given like keys (``run_dir=DIR``, ``"run_dirs=[A,B]"``, ``c
 type, missing local model path) prints one ``error:`` line and exits with status 2 before
 anything is written; a failing reward prints one ``error:`` line naming it and exits with 1.
 ``check`` prints a training config's plan and every problem it finds (:mod:`vsa2_rl.check`) and
-exits with 1 when there is one, else 0.
+exits with 1 when there is one, else 0; ``train`` prints the same problems (rewards aside: it
+builds them next) as ``error:`` lines and exits with 2 before anything loads.
 """
 
 from __future__ import annotations
@@ -209,6 +210,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _train(args) -> int:
+    """``vsa2-rl train``: every problem ``vsa2-rl check`` finds, rewards aside, is an
+    ``error:`` line (exit 2) before anything loads or is written."""
+    from vsa2_rl.check import problems_before_loading
+    from vsa2_rl.rl.trainer import train
+
+    # the paths too are among the problems, all listed at once: nothing is written before
+    config = load_config(args.config, args.overrides, check_files=False)
+    problems = problems_before_loading(config)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    train(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.command == "serve-reward":
@@ -231,10 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             _refuse_export_without_out_dir(args.overrides)
         if args.command == "train":
-            from vsa2_rl.rl.trainer import train
-
-            train(load_config(args.config, args.overrides))  # paths checked: nothing written yet
-        elif args.command == "eval":
+            return _train(args)
+        if args.command == "eval":
             from vsa2_rl.eval import evaluate
 
             evaluate(*load_eval_config(args.config, args.overrides))

@@ -286,7 +286,8 @@ class WanBundle:
         return video.permute(0, 2, 1, 3, 4).contiguous()
 
 
-def _missing(path: str, component: str, message: str) -> ConfigError:
+def missing_component(path: str, component: str, message: str) -> ConfigError:
+    """The error of a Wan folder at ``path`` that lacks ``component`` (``message`` says how)."""
     folders = ", ".join(f"{c}/" for c in WAN_COMPONENTS)
     return ConfigError(
         f"model.path={path!r}: {message} Put a local diffusers Wan folder there (Wan2.1 or "
@@ -317,7 +318,7 @@ def read_image_scheme(path: str) -> str | None:
     from diffusers import WanTransformer3DModel
 
     if not path or not os.path.isdir(os.path.join(path, "transformer")):
-        raise _missing(str(path), "transformer/", "has no transformer/ subfolder.")
+        raise missing_component(str(path), "transformer/", "has no transformer/ subfolder.")
     config = WanTransformer3DModel.load_config(path, subfolder="transformer")
     return _image_scheme(SimpleNamespace(**config), read_wan_variant(path))
 
@@ -383,11 +384,13 @@ def load_wan_bundle(
             f"components must include 'transformer' and only {WAN_COMPONENTS}, got {components}"
         )
     if not path or not os.path.isdir(path):
-        raise _missing(str(path), "the folder itself", "does not exist or is not a directory.")
+        raise missing_component(
+            str(path), "the folder itself", "does not exist or is not a directory."
+        )
     variant = read_wan_variant(path)
     for component in needed_folders(variant, components):
         if not os.path.isdir(os.path.join(path, component)):
-            raise _missing(path, f"{component}/", f"has no {component}/ subfolder.")
+            raise missing_component(path, f"{component}/", f"has no {component}/ subfolder.")
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     state = sparsity_state if sparsity_state is not None else SparsityState()
