@@ -159,6 +159,12 @@ def test_a_video_size_the_model_cannot_make_is_a_problem(folders):
     ]
 
 
+def test_lora_modules_the_model_lacks_are_a_problem():
+    report = check(None, ["model.lora.enabled=true", "model.lora.target_modules=[to_qq]"])
+    (problem,) = report.problems
+    assert problem.startswith("model.lora.target_modules: Target modules {'to_qq'} not found")
+
+
 def test_a_config_that_does_not_load_is_one_problem(capsys):
     assert main(["check", "train.num_step=3"]) == 1
     out = capsys.readouterr().out.splitlines()

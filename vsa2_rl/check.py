@@ -225,8 +225,14 @@ def _trained(transformer: torch.nn.Module, config: RunConfig) -> str:
 
     lora = dataclasses.replace(config.model.lora, init_from=None)
     counting = dataclasses.replace(config, model=dataclasses.replace(config.model, lora=lora))
-    with torch.device("meta"):
-        params = trainable_parameters(transformer, counting)
+    try:
+        with torch.device("meta"):
+            params = trainable_parameters(transformer, counting)
+    except ValueError as error:  # peft: no module of the model matches
+        raise ConfigError(
+            f"model.lora.target_modules: {error} Name linear layers of the transformer, e.g. "
+            "[to_q,to_k,to_v,to_out.0]"
+        ) from None
     named = {id(p): n for n, p in transformer.named_parameters()}
     vsa2 = sum(p.numel() for p in params if ".vsa2." in f".{named[id(p)]}")
     where = ""
