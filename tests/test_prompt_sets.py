@@ -66,6 +66,9 @@ def test_eval_prompts_pair_parts_never_paired_in_training():
     assert len(set(train)) == 400 and len(set(held_out)) == 100
     train_parts = [_parts(line, script) for line in train]
     eval_parts = [_parts(line, script) for line in held_out]
+    for parts in (train_parts, eval_parts):  # read back as the script's own parts
+        assert {p[2] for p in parts} <= set(script.SCENES)
+        assert {p[3] for p in parts} <= set(script.CAMERAS)
     pairs = {
         split: {p[:2] for p in parts}
         for split, parts in [("train", train_parts), ("eval", eval_parts)]
