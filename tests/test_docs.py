@@ -148,7 +148,7 @@ def test_relative_links_resolve(page):
 
 def test_docs_cover_the_user_topics():
     names = {path.name for path in DOCS}
-    wanted = {"concepts", "configuration", "rewards", "distributed", "kernels", "results"}
+    wanted = {"concepts", "configuration", "rewards", "distributed", "kernels", "results", "wan"}
     assert {f"{name}.md" for name in wanted} <= names
 
 

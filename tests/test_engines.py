@@ -7,6 +7,7 @@ parts engines and resume); under FSDP2 it runs on CPU processes in tests/test_di
 These tests use a stand-in accelerator that carries only what the functions read.
 """
 
+import os
 from types import SimpleNamespace
 
 import pytest

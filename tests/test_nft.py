@@ -221,7 +221,8 @@ def test_bad_nft_settings_are_one_error_line(overrides, expected, tmp_path, caps
     with pytest.raises(ConfigError) as error:
         load_config(FLOW_GRPO_TOY, overrides)
     assert str(error.value).startswith(expected) and "\n" not in str(error.value)
-    assert main(["train", "--config", FLOW_GRPO_TOY, *overrides, f"out_dir={tmp_path / 'run'}"]) == 2
+    argv = ["train", "--config", FLOW_GRPO_TOY, *overrides, f"out_dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {error.value}"]
     assert not (tmp_path / "run").exists()
 

@@ -352,7 +352,8 @@ def test_a_second_guidance_scale_needs_two_experts_and_is_one_error_line(tmp_pat
     for key in ("sampler.guidance_scale_2", "eval.guidance_scale_2"):
         out_dir = tmp_path / key
         code = main(["train", *RUN, f"model.path={folders['wan21_t2v']}", f"{key}=2.0",
-                     f"out_dir={out_dir}", "train.num_steps=1"])  # fmt: skip
+                     f"prompts.file={_prompt_file(tmp_path)}", f"out_dir={out_dir}",
+                     "train.num_steps=1"])  # fmt: skip
         assert code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [
@@ -388,13 +389,14 @@ def test_prompt_images_the_model_cannot_take_are_one_error_line(tmp_path, folder
     ],
 )
 def test_the_wan22_recipes_run_one_step_on_a_tiny_model_of_their_kind(
-    tmp_path, folders, recipe, kind
+    tmp_path, folders, recipe, kind, monkeypatch
 ):
     """The recipe's settings (experts, window, guidance, rewards, LoRA) on a tiny model: only
     the sizes shrink."""
     from vsa2_rl.rl.trainer import train
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(repo)  # the recipes name their evaluation prompt files from there
     shrink = [
         f"model.num_frames={VIDEO[0]}", f"model.height={VIDEO[1]}", f"model.width={VIDEO[2]}",
         "grpo.group_size=2", "grpo.prompts_per_step=2", "grpo.train_batch_size=2",

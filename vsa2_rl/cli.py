@@ -1,4 +1,5 @@
-"""The ``vsa2-rl`` console script: ``vsa2-rl train``, ``eval``, ``export`` and ``serve-reward``.
+"""The ``vsa2-rl`` console script: ``vsa2-rl train``, ``check``, ``eval``, ``export`` and
+``serve-reward``.
 
 All but ``serve-reward`` take ``--config FILE`` (default ``configs/default.yaml``) and OmegaConf
 dotlist overrides (``train.num_steps=2 out_dir=runs/x``); ``eval`` and ``export`` also take the
@@ -7,6 +8,9 @@ models they work on, given like keys (``run_dir=DIR``, ``"run_dirs=[A,B]"``, ``c
 type, missing local model path) prints one ``error:`` line and exits with status 2 before
 anything is written; a failing reward prints one ``error:`` line naming it and exits with 1.
 Ctrl-C (``serve-reward``'s way to stop) prints one line and exits with 130.
+``check`` prints a training config's plan and every problem it finds (:mod:`vsa2_rl.check`) and
+exits with 1 when there is one, else 0; ``train`` prints the same problems (rewards aside: it
+builds them next) as ``error:`` lines and exits with 2 before anything loads.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     descriptions = {
         "train": "Flow-GRPO fine-tuning with VSA2 rollouts and a hard-to-easy sparsity schedule.",
+        "check": "Pre-flight of a training config, no weights loaded: prints the plan (model, "
+        "what trains, tokens per video, sparsity schedule, prompts, rewards) and every problem, "
+        "one line each naming the key; exit status 1 if there is one.",
         "eval": "Evaluate rewards and latency at several inference sparsities "
         "(run_dir=DIR | run_dirs=[...] | checkpoint=DIR | model.path=DIR).",
         "export": "Write a run's weights as a peft adapter (LoRA runs) or a diffusers folder "
@@ -49,7 +56,11 @@ def _parser() -> argparse.ArgumentParser:
         "config's out_dir is a training run's folder, never an export's).",
     }
     for name, description in descriptions.items():
-        targets = [_TARGETS, *help_lines(EvalTargets, path=None)] if name != "train" else []
+        targets = (
+            [_TARGETS, *help_lines(EvalTargets, path=None)]
+            if name not in ("train", "check")
+            else []
+        )
         command = commands.add_parser(
             name,
             description=description,
@@ -216,6 +227,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _train(args) -> int:
+    """``vsa2-rl train``: every problem ``vsa2-rl check`` finds, rewards aside, is an
+    ``error:`` line (exit 2) before anything loads or is written."""
+    from vsa2_rl.check import problems_before_loading
+    from vsa2_rl.rl.trainer import train
+
+    # the paths too are among the problems, all listed at once: nothing is written before
+    config = load_config(args.config, args.overrides, check_files=False)
+    problems = problems_before_loading(config)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    train(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
@@ -239,6 +267,12 @@ def _run(args: argparse.Namespace) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "check":
+        from vsa2_rl.check import check
+
+        report = check(args.config, args.overrides)
+        print(report.text())
+        return 1 if report.problems else 0
     bad = [item for item in args.overrides if "=" not in item]
     try:
         if bad:
@@ -246,10 +280,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "export":
             _refuse_export_without_out_dir(args.overrides)
         if args.command == "train":
-            from vsa2_rl.rl.trainer import train
-
-            train(load_config(args.config, args.overrides))  # paths checked: nothing written yet
-        elif args.command == "eval":
+            return _train(args)
+        if args.command == "eval":
             from vsa2_rl.eval import evaluate
 
             evaluate(*load_eval_config(args.config, args.overrides))

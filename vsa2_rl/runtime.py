@@ -146,7 +146,7 @@ def load_prompts(config: RunConfig, split: str = "train") -> list[str]:
 def load_prompt_records(config: RunConfig, split: str = "train") -> list[PromptRecord]:
     """Training or evaluation prompts with their condition images where a ``.jsonl`` prompt file
     gives them: the evaluation split reads ``prompts.eval_file`` where set, else ``prompts.file``;
-    without a file, the built-in toy prompts (no images)."""
+    without a file (which only ``model.kind=toy`` may leave out), the toy's built-in prompts."""
     if split == "eval" and config.prompts.eval_file:
         return read_prompt_records(config.prompts.eval_file, "prompts.eval_file")
     if config.prompts.file:

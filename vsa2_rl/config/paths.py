@@ -83,12 +83,30 @@ def check_model_paths(config: RunConfig) -> None:
 
 def check_paths(config: RunConfig) -> None:
     """Every file and folder ``config`` names: the model's (:func:`check_model_paths`), the
-    prompt files and the checkpoint ``train.resume`` names."""
+    prompt files (:func:`check_prompt_path`) and the checkpoint ``train.resume`` names
+    (:func:`check_resume_path`)."""
     check_model_paths(config)
     for key in ("file", "eval_file"):
-        path = getattr(config.prompts, key)
-        if path:
-            _check(os.path.isfile(path), f"prompts.{key}", _not_a_file(path, "a prompt file"))
+        check_prompt_path(config, key)
+    check_resume_path(config)
+
+
+def check_prompt_path(config: RunConfig, key: str) -> None:
+    """The prompt file ``prompts.<key>`` names, if any, is a regular file."""
+    path = getattr(config.prompts, key)
+    if not path or os.path.isfile(path):
+        return
+    reason = _not_a_file(path, "a prompt file")
+    if not os.path.exists(path) and not os.path.isabs(path):
+        reason += (
+            f" (read from the current folder, {os.getcwd()}); run from the folder the path is "
+            "relative to (the repository root for the shipped recipes) or give it whole"
+        )
+    _check(False, f"prompts.{key}", reason)
+
+
+def check_resume_path(config: RunConfig) -> None:
+    """``train.resume`` is auto, none or a complete checkpoint folder."""
     resume = config.train.resume
     if resume not in ("auto", "none"):
         _check(

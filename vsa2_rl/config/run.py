@@ -33,7 +33,8 @@ class PromptsConfig:
     file: str | None = _doc(
         "Text file with one prompt per line, or a .jsonl file with one "
         '{"prompt": ..., "image": ...} per line (image-to-video models; relative image paths '
-        "are resolved against the file's folder); empty = the built-in toy motion prompts.",
+        "are resolved against the file's folder); empty = the toy task's built-in prompts, which "
+        "only model.kind=toy may use.",
         default=None,
     )
     eval_file: str | None = _doc(
@@ -259,7 +260,20 @@ class RunConfig:
             "eval.guidance_scale are both 1; raise one of them or leave it empty",
         )
 
+        self._check_prompts()
         self._check_algorithm()
+
+    def _check_prompts(self) -> None:
+        """Only the toy trains on the toy task's built-in prompts: a real model without a prompt
+        file would learn to draw coloured squares (prompts are checked at load, before a model's
+        tens of gigabytes load)."""
+        _check(
+            self.model.kind == "toy" or bool(self.prompts.file),
+            "prompts.file",
+            f"model.kind={self.model.kind} needs a prompt file (the built-in prompts are the toy "
+            "task's); give one (one prompt per line, or .jsonl with condition images), e.g. the "
+            "shipped prompts.file=configs/prompts/wan_motion_train.txt",
+        )
 
     def _check_algorithm(self) -> None:
         """Settings that only one update rule can honour (vsa2_rl.rl.nft says why)."""

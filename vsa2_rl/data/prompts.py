@@ -6,7 +6,8 @@ A prompt file whose name ends in ``.jsonl`` holds one JSON object per non-empty 
 the file's folder; every record carries one or none does); any other file holds one prompt per
 non-empty line. :func:`load_condition_image` reads a condition image at the video size: RGB,
 resized (Lanczos, no crop: what diffusers' Wan image-to-video pipeline does). Without a prompt
-file a run uses the toy task's built-in prompts (:mod:`vsa2_rl.toy.prompts`).
+file a toy run uses the toy task's built-in prompts (:mod:`vsa2_rl.toy.prompts`); any other
+model needs one (the config refuses it without).
 """
 
 from __future__ import annotations

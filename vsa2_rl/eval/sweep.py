@@ -178,16 +178,24 @@ GUARD_PREFIX = "guard/"
 def reward_fns(entries: list, key: str, prefix: str = "") -> list:
     """The rewards of config ``entries`` (``key`` names them in errors), each named
     ``prefix + name``; a reward that cannot be built raises ConfigError naming ``key[i]``."""
-    from vsa2_rl.rewards import Reward, get_reward
+    from vsa2_rl.rewards import Reward
 
     fns = []
     for index, entry in enumerate(entries):
-        try:
-            reward = get_reward(entry.name, **dict(entry.kwargs))
-        except (ValueError, TypeError, OSError) as error:  # TypeError: a wrong-typed kwarg
-            raise ConfigError(f"{key}[{index}] ({entry.name}): {error}") from None
+        reward = build_reward(entry, f"{key}[{index}]")
         fns.append(Reward(prefix + reward.name, reward.fn) if prefix else reward)
     return fns
+
+
+def build_reward(entry, where: str):
+    """The reward of one config entry (``where`` names it, e.g. ``rewards.functions[1]``); a
+    reward that cannot be built raises ConfigError naming ``where`` and the reward."""
+    from vsa2_rl.rewards import get_reward
+
+    try:
+        return get_reward(entry.name, **dict(entry.kwargs))
+    except (ValueError, TypeError, OSError) as error:  # TypeError: a wrong-typed kwarg
+        raise ConfigError(f"{where} ({entry.name}): {error}") from None
 
 
 def _reward_fns(config: RunConfig) -> list:

@@ -306,7 +306,8 @@ class WanBundle:
         return video.permute(0, 2, 1, 3, 4).contiguous()
 
 
-def _missing(path: str, component: str, message: str) -> ConfigError:
+def missing_component(path: str, component: str, message: str) -> ConfigError:
+    """The error of a Wan folder at ``path`` that lacks ``component`` (``message`` says how)."""
     folders = ", ".join(f"{c}/" for c in WAN_COMPONENTS)
     return ConfigError(
         f"model.path={path!r}: {message} Put a local diffusers Wan folder there (Wan2.1 or "
@@ -314,7 +315,8 @@ def _missing(path: str, component: str, message: str) -> ConfigError:
     )
 
 
-def _vae_config(path: str):
+def read_vae_config(path: str):
+    """The VAE's config of the folder at ``path`` (its ``vae/config.json``), None without vae/."""
     from diffusers import AutoencoderKLWan
 
     if not os.path.isdir(os.path.join(path, "vae")):
@@ -336,12 +338,14 @@ def read_image_scheme(path: str) -> str | None:
     from diffusers import WanTransformer3DModel
 
     if not path or not os.path.isdir(os.path.join(path, "transformer")):
-        raise _missing(str(path), "transformer/", "has no transformer/ subfolder.")
+        raise missing_component(str(path), "transformer/", "has no transformer/ subfolder.")
     config = WanTransformer3DModel.load_config(path, subfolder="transformer")
     return _image_scheme(SimpleNamespace(**config), read_wan_variant(path))
 
 
-def _experts(path: str, variant: WanVariant, train_experts: tuple[str, ...], load) -> nn.Module:
+def assemble_experts(
+    path: str, variant: WanVariant, train_experts: tuple[str, ...], load
+) -> nn.Module:
     """The folder's transformer, or its two experts as :class:`WanExperts`."""
     if variant.boundary_ratio is None:
         if train_experts:
@@ -356,6 +360,14 @@ def _experts(path: str, variant: WanVariant, train_experts: tuple[str, ...], loa
         variant.boundary_ratio,
         train_experts=train_experts or EXPERT_NAMES,
     )
+
+
+def needed_folders(variant: WanVariant, components: tuple[str, ...] = WAN_COMPONENTS) -> list:
+    """The subfolders loading ``components`` of a folder of ``variant`` reads."""
+    needed = [*variant.transformer_folders, *components[1:]]
+    if variant.image_encoder and "vae" in components:
+        needed += ["image_encoder", "image_processor"]
+    return list(dict.fromkeys(needed))
 
 
 def load_wan_bundle(
@@ -392,14 +404,13 @@ def load_wan_bundle(
             f"components must include 'transformer' and only {WAN_COMPONENTS}, got {components}"
         )
     if not path or not os.path.isdir(path):
-        raise _missing(str(path), "the folder itself", "does not exist or is not a directory.")
+        raise missing_component(
+            str(path), "the folder itself", "does not exist or is not a directory."
+        )
     variant = read_wan_variant(path)
-    needed = [*variant.transformer_folders, *components[1:]]
-    if variant.image_encoder and "vae" in components:
-        needed += ["image_encoder", "image_processor"]
-    for component in dict.fromkeys(needed):
+    for component in needed_folders(variant, components):
         if not os.path.isdir(os.path.join(path, component)):
-            raise _missing(path, f"{component}/", f"has no {component}/ subfolder.")
+            raise missing_component(path, f"{component}/", f"has no {component}/ subfolder.")
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     state = sparsity_state if sparsity_state is not None else SparsityState()
@@ -408,8 +419,8 @@ def load_wan_bundle(
         model = WanTransformer3DModel.from_pretrained(path, subfolder=folder, torch_dtype=dtype)
         return enable_vsa2(model.to(device), vsa2, state)
 
-    transformer = _experts(path, variant, tuple(train_experts), load)
-    vae_config = _vae_config(path)
+    transformer = assemble_experts(path, variant, tuple(train_experts), load)
+    vae_config = read_vae_config(path)
     text_encoder = tokenizer = vae = image_encoder = image_processor = None
     if "text_encoder" in components:
         text_encoder = UMT5EncoderModel.from_pretrained(

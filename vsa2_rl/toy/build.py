@@ -6,21 +6,20 @@ Wan2.1) from DiT's adaLN-Zero initialisation (:func:`adaln_zero_init`) on synthe
 moving-shape videos (:mod:`vsa2_rl.toy.data`) whose captions tell the truth, in stages
 (:class:`ToyBuildConfig`), short enough that the base ends with part of the motion skill (it
 moves the shape the prompted way in about half of its held-out samples and still learns from
-perfect data: :mod:`vsa2_rl.toy.gate`), as a real base has part of what RL is to sharpen: dense
-attention at 16x16 px; sparse rebasing to VSA2 (:mod:`vsa2_rl.models.rebase`) with the sparsity annealed from
-0 to the target, then drawn from the RL range; finally every sparsity from dense to the
-rollouts'. Each stage ends on the EMA of its weights and is saved, so a build cut short can be
-resumed; a build asked to stop (``stop_requested``, e.g. on SIGTERM) also saves its stage's
-training state at the next step and continues from that step when built again into its folder.
-After each stage the validation flow-matching loss (float32; on CUDA also under the training's
-bf16 autocast, ``validation_bf16``) and the detector's figures of ODE samples
-of the held-out prompts (:func:`vsa2_rl.toy.report.score_samples`: shape fidelity, motion
-score, share of videos with the prompted motion and direction, share of prompts whose
-samples both follow and miss the direction, spread within a prompt's group) are logged and kept
-in the checkpoint's json; grids of the last stage's samples (the first seed of the first
-prompts, PNG and GIF) go to the folder's ``samples/``, one per setting. The shipped
-``assets/toy/`` was built on one H200 GPU (``--device cuda``, about 6 minutes); on 2 CPU cores it
-takes hours.
+perfect data: :mod:`vsa2_rl.toy.gate`), as a real base has part of what RL is to sharpen:
+dense attention at 16x16 px; sparse rebasing to VSA2 (:mod:`vsa2_rl.models.rebase`) with the
+sparsity annealed from 0 to the target, then drawn from a range around RL's; finally every
+sparsity from dense to 0.9. Each stage ends on the EMA of its weights and is saved, so a build
+cut short can be resumed; a build asked to stop (``stop_requested``, e.g. on SIGTERM) also saves
+its stage's training state at the next step and continues from that step when built again into
+its folder. After each stage the validation flow-matching loss (float32; on CUDA also under the
+training's bf16 autocast, ``validation_bf16``) and the detector's figures of ODE samples of the
+held-out prompts (:func:`vsa2_rl.toy.report.score_samples`: shape fidelity, motion score, share
+of videos with the prompted motion and direction, share of prompts whose samples both follow and
+miss the direction, spread within a prompt's group) are logged and kept in the checkpoint's
+json; grids of the last stage's samples (the first seed of the first prompts, PNG and GIF) go to
+the folder's ``samples/``, one per setting. The shipped ``assets/toy/`` was built on one H100
+GPU (``--device cuda``, 114 s); on 2 CPU cores it takes far longer (not measured).
 
 :func:`main` is the command line (``scripts/build_toy_model.py`` runs it)::
 

@@ -216,6 +216,20 @@ def split_state(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torc
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
+def read_toy_config(path: str | Path | None = None) -> dict:
+    """The architecture record (``config.json``) of the toy checkpoint at ``path`` (None: the
+    shipped one); ConfigError naming model.path where the folder holds no checkpoint."""
+    path = Path(ASSET_DIR if path is None else path)
+    if not (path / WEIGHTS_FILE).exists() or not (path / CONFIG_FILE).exists():
+        raise ConfigError(
+            f"model.path={str(path)!r} has no toy checkpoint ({WEIGHTS_FILE} + {CONFIG_FILE}); "
+            "leave model.path empty in a source checkout (assets/toy), point it at a folder "
+            "written by scripts/build_toy_model.py, or build one there with "
+            "`python scripts/build_toy_model.py --device cuda --out DIR`"
+        )
+    return json.loads((path / CONFIG_FILE).read_text())
+
+
 def load_toy_bundle(
     vsa2: VSA2Config,
     device: torch.device | str = "cpu",
@@ -232,16 +246,9 @@ def load_toy_bundle(
     used (plain dense model).
     """
     path = Path(ASSET_DIR if path is None else path)
-    if not (path / WEIGHTS_FILE).exists() or not (path / CONFIG_FILE).exists():
-        raise ConfigError(
-            f"model.path={str(path)!r} has no toy checkpoint ({WEIGHTS_FILE} + {CONFIG_FILE}); "
-            "leave model.path empty in a source checkout (assets/toy), point it at a folder "
-            "written by scripts/build_toy_model.py, or build one there with "
-            "`python scripts/build_toy_model.py --device cuda --out DIR`"
-        )
+    config = read_toy_config(path)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    config = json.loads((path / CONFIG_FILE).read_text())
     tensors = load_file(str(path / WEIGHTS_FILE))
     transformer = make_toy_transformer(config["transformer"])
     state = SparsityState()

@@ -1,0 +1,182 @@
+"""``vsa2-rl check``: the plan of a config from its model folder's configuration alone (no
+weight file is read), with figures computed here by hand, and every problem at once, one line
+each naming its key, exit status 1."""
+
+import glob
+import os
+import shutil
+
+import pytest
+
+from vsa2_rl.check import check
+from vsa2_rl.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE_1_3B = os.path.join(REPO, "configs", "wan2_1_1.3b_vsa2_grpo.yaml")
+RECIPE_A14B = os.path.join(REPO, "configs", "wan2_2_a14b_i2v_vsa2_grpo.yaml")
+# a weight-free reward in place of the recipe's aesthetic one, whose files live under /data
+NO_WEIGHTS = "rewards.functions=[{name: motion_quality}]"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Tiny Wan folders (tests/wan_folders.py) without any weight file: check reads none."""
+    from wan_folders import save_wan_folder
+
+    root = tmp_path_factory.mktemp("check")
+    made = {kind: save_wan_folder(root / kind, kind) for kind in ("wan21_t2v", "wan22_a14b_i2v")}
+    for folder in made.values():
+        for weights in glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True):
+            os.remove(weights)
+    return made
+
+
+@pytest.fixture(autouse=True)
+def _from_the_repository_root(monkeypatch):
+    monkeypatch.chdir(REPO)  # the recipes name their prompt files from there
+
+
+def _plan(report) -> dict:
+    return dict(report.plan)
+
+
+def _key(problem: str) -> str:
+    """The key a problem line names ("model.path='/x': ..." names model.path)."""
+    return problem.split(":")[0].split("=")[0].strip()
+
+
+def _tiny_parameters(in_channels: int) -> int:
+    """Parameters of the tiny Wan transformer, built here with weights."""
+    from diffusers import WanTransformer3DModel
+    from wan_folders import TRANSFORMER
+
+    model = WanTransformer3DModel(**TRANSFORMER, in_channels=in_channels, out_channels=16)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_the_plan_of_the_1_3b_recipe(folders):
+    report = check(RECIPE_1_3B, [f"model.path={folders['wan21_t2v']}", NO_WEIGHTS])
+    assert report.problems == []
+    plan = _plan(report)
+    assert plan["model"] == (
+        f"Wan2.1, text-to-video: one transformer of {_tiny_parameters(16):,} parameters"
+    )
+    # 33 frames -> (33 - 1) / 4 + 1 = 9 latent frames; 480x832 / 8 (VAE) / 2 (patch) = 30x52
+    assert "-> 14,040 tokens (9x30x52), 220 query tiles of 64" in plan["video"]
+    # rank 32 on q, k, v, out of self- and cross-attention (64 -> 64), 2 layers:
+    # 2 x 8 x 32 x (64 + 64) = 65,536; VSA2 per layer: 2 head alphas + 2 gates of 64 x 64 + 64
+    assert plan["trains"] == (
+        "LoRA rank 32, alpha 32 on to_q, to_k, to_v, to_out.0: 65,536, and the VSA2 router and "
+        "gates: 16,644"
+    )
+    # 14,040 tokens in segments of 16: 878; 10% of them, rounded up: 88; 25%: 220
+    assert plan["sparsity"] == (
+        "rollout = train: 0.9: at most 88 of 878 key segments at every step; eval 0.75: at most "
+        "220 of 878 key segments"
+    )
+    assert plan["prompts"] == (
+        "train 400 (configs/prompts/wan_motion_train.txt); eval 100 "
+        "(configs/prompts/wan_motion_eval.txt)"
+    )
+    assert plan["step"].startswith("4 prompts x 8 samples = 32 videos of 16 sampler steps")
+
+
+def test_full_fine_tuning_counts_every_weight(folders):
+    report = check(
+        RECIPE_1_3B,
+        [f"model.path={folders['wan21_t2v']}", NO_WEIGHTS, "model.lora.enabled=false"],
+    )
+    expected = _tiny_parameters(16) + 16_644  # + VSA2's
+    assert _plan(report)["trains"] == f"every weight (full fine-tuning): {expected:,}"
+
+
+def test_the_a14b_recipe_names_its_experts_and_images(folders):
+    folder = folders["wan22_a14b_i2v"]
+    report = check(RECIPE_A14B, [f"model.path={folder}", "model.train_experts=[low_noise]"])
+    assert report.problems == []
+    plan = _plan(report)
+    assert "2 experts" in plan["model"] and "boundary 0.9" in plan["model"]
+    # one expert trains: half the two-expert LoRA and VSA2 counts
+    assert plan["trains"].endswith("of low_noise: 65,536, and the VSA2 router and gates: 16,644")
+    assert plan["prompts"].count("8 with images") == 2
+    assert plan["rewards"] == "motion_quality (weight 1), image_consistency (weight 0.5)"
+
+
+def test_every_problem_is_listed_once_naming_its_key(folders, tmp_path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(folders["wan21_t2v"], folder)
+    shutil.rmtree(folder / "vae")
+    out_dir = tmp_path / "run"
+    argv = [
+        "check", "--config", RECIPE_1_3B, f"model.path={folder}", f"out_dir={out_dir}",
+        f"prompts.eval_file={tmp_path / 'missing.txt'}",
+        "rewards.functions=[{name: motion_quality}, {name: no_such_reward}]",
+        "eval.guard_rewards=[{name: aesthetic, kwargs: {clip_path: /no/clip.bin}}]",
+        "train.resume=/no/checkpoint",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    problems = lines[lines.index("5 problems:") + 1 :]
+    assert [_key(line) for line in problems] == [
+        "train.resume",
+        "model.path",
+        "prompts.eval_file",
+        "rewards.functions[1] (no_such_reward)",
+        "eval.guard_rewards[0] (aesthetic)",
+    ]
+    assert "has no vae/" in problems[1] and "missing.txt" in problems[2]
+    assert not out_dir.exists()  # a check writes nothing
+
+
+def test_train_lists_every_problem_before_anything_loads(folders, tmp_path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(folders["wan21_t2v"], folder)
+    shutil.rmtree(folder / "vae")
+    out_dir = tmp_path / "run"
+    argv = [
+        "train", "--config", RECIPE_1_3B, f"model.path={folder}", f"out_dir={out_dir}",
+        f"prompts.eval_file={tmp_path / 'missing.txt'}", "grpo.prompts_per_step=401",
+        "rewards.functions=[{name: no_such_reward}]",  # built by training, after these
+    ]  # fmt: skip
+    assert main(argv) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert [_key(line.removeprefix("error: ")) for line in errors] == [
+        "model.path",
+        "prompts.eval_file",
+        "grpo.prompts_per_step",
+    ]
+    assert all(line.startswith("error: ") for line in errors)
+    assert not out_dir.exists()
+
+
+def test_a_video_size_the_model_cannot_make_is_a_problem(folders):
+    report = check(
+        RECIPE_1_3B, [f"model.path={folders['wan21_t2v']}", NO_WEIGHTS, "model.num_frames=32"]
+    )
+    assert report.problems == [
+        "model.num_frames / model.height / model.width: num_frames must be 4*k + 1 for the Wan "
+        "VAE (e.g. 81), got 32"
+    ]
+
+
+def test_lora_modules_the_model_lacks_are_a_problem():
+    report = check(None, ["model.lora.enabled=true", "model.lora.target_modules=[to_qq]"])
+    (problem,) = report.problems
+    assert problem.startswith("model.lora.target_modules: Target modules {'to_qq'} not found")
+
+
+def test_a_config_that_does_not_load_is_one_problem(capsys):
+    assert main(["check", "train.num_step=3"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [
+        "1 problem:",
+        "  train.num_step: unknown config key (did you mean "
+        "'train.num_steps'?); see `vsa2-rl train --help`",
+    ]
+
+
+def test_the_default_toy_run_checks_clean(capsys):
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("no problems found")
+    assert "train 120 (the toy's built-in prompts); eval 24" in out

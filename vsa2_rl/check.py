@@ -1,0 +1,380 @@
+"""``vsa2-rl check``: a training config's pre-flight, before tens of gigabytes load.
+
+It reads what a run would read except the weights: the config, the model folder's
+``model_index.json`` and configuration files (the transformer is built on PyTorch's ``meta``
+device, which holds shapes and no data), the prompt files and their condition images; it builds
+every reward and guard (so their weight files load) and checks that ``out_dir`` can be written.
+It prints one plan (the model and its experts, what trains, tokens per video, the sparsity
+schedule with the key segments each query tile keeps, the videos of a step) and every problem
+found, one line each naming the key, instead of stopping at the first.
+
+Memory and time are not estimated: no model of them has been calibrated against the measured
+runs of docs/results.md, whose figures per recipe docs/wan.md lists. A config that does not
+load (an unknown key, a wrong type, a contradiction) is one problem: nothing after it can be
+checked. ``vsa2-rl train`` runs the same checks, rewards aside (:func:`problems_before_loading`),
+before it loads anything; those that need the processes (engines, number of ranks) run when its
+processes start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from vsa2_rl.config import ConfigError, RunConfig, load_config
+from vsa2_rl.config.paths import check_model_paths, check_prompt_path, check_resume_path
+from vsa2_rl.data.prompts import PromptRecord
+
+MEMORY_AND_TIME = "not estimated (uncalibrated); measured figures per recipe: docs/wan.md"
+
+
+@dataclass
+class Report:
+    """The plan (label, text) rows and the problems, each one line naming its key."""
+
+    plan: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    tokens: int = 0  # tokens per video, once the model's shapes are known
+
+    @contextmanager
+    def checking(self) -> Iterator[None]:
+        """Records a ConfigError raised inside as a problem and carries on after the block."""
+        try:
+            yield
+        except ConfigError as error:
+            self.problems.append(str(error))
+
+    def text(self) -> str:
+        width = max((len(label) for label, _ in self.plan), default=0)
+        lines = ["plan:"] + [f"  {label:<{width}}  {text}" for label, text in self.plan]
+        if not self.problems:
+            return "\n".join([*lines, "no problems found"])
+        count = len(self.problems)
+        problems = [f"  {problem}" for problem in self.problems]
+        return "\n".join([*lines, f"{count} problem{'s' * (count > 1)}:", *problems])
+
+
+def check(path: str | None, overrides: list[str] | None) -> Report:
+    """The :class:`Report` of the config file ``path`` with ``overrides`` (see the module)."""
+    report = Report()
+    try:
+        config = load_config(path, overrides, check_files=False)
+    except ConfigError as error:
+        report.problems.append(str(error))
+        return report
+    _inspect(config, report, rewards=True)
+    report.plan.append(("memory, time", MEMORY_AND_TIME))
+    return report
+
+
+def problems_before_loading(config: RunConfig) -> list[str]:
+    """What ``vsa2-rl train`` checks of a loaded config before it loads anything: the problems
+    :func:`check` finds, rewards aside (training builds them next, before the model)."""
+    report = Report()
+    _inspect(config, report, rewards=False)
+    return report.problems
+
+
+def _inspect(config: RunConfig, report: Report, rewards: bool) -> None:
+    _check_paths(config, report)
+    _plan_model(config, report)
+    _plan_schedule(config, report)
+    _plan_step(config, report)
+    _plan_prompts(config, report)
+    if rewards:
+        _plan_rewards(config, report)
+
+
+def _check_paths(config: RunConfig, report: Report) -> None:
+    from vsa2_rl.runtime import check_output_dir
+
+    for checked in (check_model_paths, check_resume_path):
+        with report.checking():
+            checked(config)
+    with report.checking():
+        check_output_dir(config.out_dir)
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+
+def _plan_model(config: RunConfig, report: Report) -> None:
+    """Model, experts, what trains and tokens per video, from the folder's configuration
+    (nothing to read where ``model.path`` is already a problem)."""
+    if any(problem.startswith("model.path") for problem in report.problems):
+        return
+    with report.checking():
+        transformer, latent_shape, what = _shapes(config)
+        report.plan.append(("model", what))
+        report.plan.append(("trains", _trained(transformer, config)))
+        _plan_tokens(config, latent_shape, transformer, report)
+
+
+def _shapes(config: RunConfig):
+    """(transformer without weights, the bundle's ``latent_shape``, a description)."""
+    return _toy_shapes(config) if config.model.kind == "toy" else _wan_shapes(config)
+
+
+def _toy_shapes(config: RunConfig):
+    from vsa2_rl.attention import SparsityState
+    from vsa2_rl.models.wan import enable_vsa2
+    from vsa2_rl.toy.model import ToyBundle, make_toy_transformer, read_toy_config
+
+    architecture = read_toy_config(config.model.path)["transformer"]
+    with torch.device("meta"):  # shapes only: no memory, no weights read
+        transformer = make_toy_transformer(architecture)
+        enable_vsa2(transformer, config.attention, SparsityState())
+    shapes = ToyBundle(
+        transformer, SparsityState(), None, None, latent_channels=architecture["out_channels"]
+    )
+    return transformer, shapes.latent_shape, f"toy ({config.model.path or 'shipped'})"
+
+
+def _wan_shapes(config: RunConfig):
+    from diffusers import WanTransformer3DModel
+
+    from vsa2_rl.attention import SparsityState
+    from vsa2_rl.models.conditioning import vae_scale_factors
+    from vsa2_rl.models.experts import experts_of
+    from vsa2_rl.models.wan import enable_vsa2
+    from vsa2_rl.models.wan_bundle import (
+        WanBundle,
+        assemble_experts,
+        missing_component,
+        needed_folders,
+        read_vae_config,
+        read_wan_variant,
+    )
+
+    path = config.model.path
+    variant = read_wan_variant(path)
+    missing = ", ".join(f"{name}/" for name in needed_folders(variant) if not _is_dir(path, name))
+    if missing:
+        raise missing_component(path, missing, f"has no {missing}.")
+
+    def load(folder: str):
+        try:
+            settings = WanTransformer3DModel.load_config(path, subfolder=folder)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model.path: {folder}/config.json cannot be read: {error}") from None
+        with torch.device("meta"):  # shapes only: no memory, no weights read
+            model = WanTransformer3DModel.from_config(settings)
+            return enable_vsa2(model, config.attention, SparsityState())
+
+    transformer = assemble_experts(path, variant, tuple(config.model.train_experts), load)
+    first = experts_of(transformer)[0]
+    shapes = WanBundle(
+        transformer=transformer,
+        sparsity_state=SparsityState(),
+        latent_channels=int(first.config.out_channels),
+        vae_scale=vae_scale_factors(read_vae_config(path)),
+    )
+    return transformer, shapes.latent_shape, _describe(variant, first, transformer)
+
+
+def _is_dir(path: str, name: str) -> bool:
+    return os.path.isdir(os.path.join(path, name))
+
+
+def _describe(variant, first, transformer) -> str:
+    """E.g. "Wan2.1, text-to-video: one transformer of 1.42B parameters"."""
+    from vsa2_rl.models.experts import experts_of
+
+    family = "Wan2.1"
+    if variant.boundary_ratio is not None:
+        family = "Wan2.2 A14B"
+    elif variant.expand_timesteps:
+        family = "Wan2.2 TI2V"
+    conditioning = "text-to-video"
+    if variant.expand_timesteps:
+        conditioning = "text- or image-to-video (image as the first latent frame)"
+    elif first.config.in_channels != first.config.out_channels:
+        conditioning = "image-to-video (image channels)"
+    experts = experts_of(transformer)
+    size = _count(sum(_base_count(e) for e in experts) / len(experts))
+    if len(experts) == 1:
+        return f"{family}, {conditioning}: one transformer of {size} parameters"
+    return (
+        f"{family}, {conditioning}: 2 experts of {size} parameters, high_noise (transformer/) "
+        f"above the boundary {variant.boundary_ratio}, low_noise (transformer_2/) below"
+    )
+
+
+def _base_count(model: torch.nn.Module) -> int:
+    """Parameters of the diffusers model itself (without VSA2's)."""
+    return sum(p.numel() for name, p in model.named_parameters() if ".vsa2." not in f".{name}")
+
+
+def _count(count: float) -> str:
+    """A parameter count: exact below a million, else in millions or billions."""
+    if count >= 1e9:
+        return f"{count / 1e9:.2f}B"
+    return f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count:,.0f}"
+
+
+def _trained(transformer: torch.nn.Module, config: RunConfig) -> str:
+    """What RL trains, counted by marking it as training does (LoRA adapters added) on the
+    weightless model; adapters to start from are read when training starts."""
+    from vsa2_rl.models.experts import WanExperts
+    from vsa2_rl.runtime import trainable_parameters
+
+    lora = dataclasses.replace(config.model.lora, init_from=None)
+    counting = dataclasses.replace(config, model=dataclasses.replace(config.model, lora=lora))
+    try:
+        with torch.device("meta"):
+            params = trainable_parameters(transformer, counting)
+    except ValueError as error:  # peft: no module of the model matches
+        raise ConfigError(
+            f"model.lora.target_modules: {error} Name linear layers of the transformer, e.g. "
+            "[to_q,to_k,to_v,to_out.0]"
+        ) from None
+    named = {id(p): n for n, p in transformer.named_parameters()}
+    vsa2 = sum(p.numel() for p in params if ".vsa2." in f".{named[id(p)]}")
+    where = ""
+    if isinstance(transformer, WanExperts):
+        where = f" of {' and '.join(transformer.train_experts)}"
+    if not config.model.lora.enabled:
+        return f"every weight{where} (full fine-tuning): {_count(sum(p.numel() for p in params))}"
+    lora_count = sum(p.numel() for p in params) - vsa2
+    return (
+        f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}{where}: "
+        f"{_count(lora_count)}, and the VSA2 router and gates: {_count(vsa2)}"
+    )
+
+
+def _plan_tokens(config: RunConfig, latent_shape, transformer, report: Report) -> None:
+    from vsa2_rl.attention import TileLayout
+    from vsa2_rl.models.experts import experts_of
+
+    model = config.model
+    try:
+        channels, frames, height, width = latent_shape(model.num_frames, model.height, model.width)
+    except ValueError as error:
+        raise ConfigError(f"model.num_frames / model.height / model.width: {error}") from None
+    _, p_h, p_w = experts_of(transformer)[0].config.patch_size
+    grid = (frames, height // p_h, width // p_w)
+    layout = TileLayout.from_grid(grid)
+    report.plan.append((
+        "video",
+        f"{model.num_frames} frames of {model.height}x{model.width} -> latents "
+        f"{channels}x{frames}x{height}x{width} -> {layout.num_tokens:,} tokens "
+        f"({'x'.join(map(str, grid))}), {layout.num_tiles} query tiles of 64",
+    ))  # fmt: skip
+    report.tokens = layout.num_tokens
+
+
+# ---- schedule, step, prompts, rewards ---------------------------------------------------------
+
+
+def _plan_schedule(config: RunConfig, report: Report) -> None:
+    from vsa2_rl.kernels.router import max_kv_for
+    from vsa2_rl.rl.schedule import SparsitySchedule
+
+    attention, sparsity = config.attention, config.sparsity
+    if not attention.enabled:
+        report.plan.append(("attention", "dense (attention.enabled=false): no sparsity schedule"))
+        return
+    segments = -(-report.tokens // attention.kv_block)
+    mode = f"top-p {attention.top_p}" if attention.mode == "topp" else "top-k"
+
+    def level(value: float) -> str:
+        if 1.0 - value >= attention.dense_threshold:
+            return f"{value:g} (dense)"
+        if not segments:  # the model's shapes are unknown
+            return f"{value:g}"
+        return f"{value:g}: at most {max_kv_for(value, segments)} of {segments} key segments"
+
+    schedule = SparsitySchedule.from_config(sparsity, config.train.num_steps)
+    last = config.train.num_steps - 1
+    steps = sorted({0, min(sparsity.warmup_steps, last), last})
+    train = "; ".join(f"step {s} {level(schedule.train_at(s))}" for s in steps)
+    if not sparsity.warmup_steps and sparsity.train_end is None:  # constant
+        train = f"{level(sparsity.train)} at every step"
+    report.plan.append((
+        "attention",
+        f"VSA2 {mode}, key segments of {attention.kv_block} tokens",
+    ))  # fmt: skip
+    report.plan.append(("sparsity", f"rollout = train: {train}; eval {level(sparsity.eval)}"))
+
+
+def _stochastic_steps(sampler) -> str:
+    """Which rollout steps are stochastic, as the sampler section says."""
+    kind = sampler.kind.upper()
+    if sampler.kind == "ode":
+        return "ODE"
+    if sampler.sde_window_size is not None:
+        low, high = sampler.sde_window_range or [0, sampler.num_steps]
+        return f"{kind} on {sampler.sde_window_size} steps drawn in [{low}, {high})"
+    low, high = sampler.sde_window or [0, sampler.num_steps]
+    return f"{kind} on steps [{low}, {high})"
+
+
+def _plan_step(config: RunConfig, report: Report) -> None:
+    grpo, sampler = config.grpo, config.sampler
+    stochastic = _stochastic_steps(sampler)
+    report.plan.append((
+        "step",
+        f"{grpo.prompts_per_step} prompts x {grpo.group_size} samples = "
+        f"{grpo.prompts_per_step * grpo.group_size} videos of {sampler.num_steps} sampler steps "
+        f"({stochastic}, guidance {sampler.guidance_scale:g}); {grpo.algorithm}; "
+        f"{config.train.num_steps} steps, a checkpoint every {config.train.checkpoint_every}",
+    ))  # fmt: skip
+
+
+def _plan_prompts(config: RunConfig, report: Report) -> None:
+    from vsa2_rl.runtime import check_condition_images, image_scheme, prompt_file_key
+
+    sets = {split: _prompt_set(config, split, report) for split in ("train", "eval")}
+    # what the model takes is read from its transformer/config.json: without one, unknown
+    readable = config.model.kind != "wan" or _is_dir(config.model.path, "transformer")
+    texts, checked = [], set()
+    for split, records in sets.items():
+        if records is None:  # unreadable: a problem already
+            continue
+        key = prompt_file_key(config, split)
+        source = getattr(config.prompts, key.split(".")[1]) or "the toy's built-in prompts"
+        images = sum(r.image is not None for r in records)
+        texts.append(f"{split} {len(records)} ({source}{f', {images} with images' * bool(images)})")
+        if readable and key not in checked:  # evaluation may read the training file
+            checked.add(key)
+            with report.checking():
+                check_condition_images(image_scheme(config), [r.image for r in records], key)
+    report.plan.append(("prompts", "; ".join(texts) or "none readable"))
+    if sets["train"] is not None and config.grpo.prompts_per_step > len(sets["train"]):
+        report.problems.append(
+            f"grpo.prompts_per_step: {config.grpo.prompts_per_step} exceeds the "
+            f"{len(sets['train'])} prompts of the prompt set; lower it or add prompts"
+        )
+
+
+def _prompt_set(config: RunConfig, split: str, report: Report) -> list[PromptRecord] | None:
+    """The records ``split`` trains or evaluates on; None (a problem recorded) if unreadable."""
+    from vsa2_rl.runtime import load_prompt_records, prompt_file_key
+
+    with report.checking():
+        check_prompt_path(config, prompt_file_key(config, split).split(".")[1])
+        return load_prompt_records(config, split)
+    return None
+
+
+def _plan_rewards(config: RunConfig, report: Report) -> None:
+    from vsa2_rl.eval.sweep import build_reward
+
+    for label, key, entries in (
+        ("rewards", "rewards.functions", config.rewards.functions),
+        ("guards", "eval.guard_rewards", config.eval.guard_rewards),
+    ):
+        built = []
+        for index, entry in enumerate(entries):
+            with report.checking():
+                build_reward(entry, f"{key}[{index}]")
+                built.append(entry)
+        names = [f"{e.name} (weight {e.weight:g})" if label == "rewards" else e.name for e in built]
+        failed = len(entries) - len(built)
+        text = ", ".join(names) or "none"
+        report.plan.append((label, text + f"; {failed} failed to build" * bool(failed)))
