@@ -95,3 +95,28 @@ def test_a_resume_purges_the_tensorboard_events_logged_after_its_checkpoint(tmp_
     config = RunConfig(out_dir=str(tmp_path), logging=LoggingConfig(report_to=["tensorboard"]))
     MetricsLogger(config, resume_step=3)
     assert opened == [{"purge_step": 4}]  # steps 4.. were logged by the run that was cut
+
+
+def test_the_reward_curve_plots_each_guard_once_and_not_its_spread(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from vsa2_rl.rl.tracking import plot_reward_curve
+
+    labels = []
+    plot = Axes.plot
+
+    def recording_plot(self, *args, **kwargs):
+        labels.append(kwargs.get("label"))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    evaluation = {"eval/reward": 0.5, "eval/guard/shape_fidelity": 0.9}
+    evaluation["eval/guard/shape_fidelity_std"] = 0.1
+    rows = [{"step": 0, **evaluation}, {"step": 1, "reward/mean": 0.4, "reward/std": 0.1}]
+    plot_reward_curve(rows, str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").exists()
+    assert labels == [
+        "rollout reward (rollout sparsity)",
+        "eval reward (ODE, eval sparsity, eval prompts)",
+        "guard/shape_fidelity",
+    ]

@@ -173,7 +173,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:
     """Rollout reward per step (mean with a +-std band), the evaluation reward and, in a second
-    panel, the evaluation guard metrics (``eval/guard/*``), from metrics.jsonl rows."""
+    panel, the evaluation guard metrics (``eval/guard/*``, their spreads left out), from
+    metrics.jsonl rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,13 +182,15 @@ def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:
 
     train = [row for row in rows if isinstance(row.get("reward/mean"), (int, float))]
     evals = [row for row in rows if "eval/reward" in row]
-    guards = sorted({key for row in evals for key in row if key.startswith("eval/guard/")})
+    guards = sorted(
+        {k for row in evals for k in row if k.startswith("eval/guard/") and not k.endswith("_std")}
+    )
     fig, axes = plt.subplots(1, 2 if guards else 1, figsize=(11 if guards else 6, 3.5))
     ax = axes[0] if guards else axes
     steps = [row["step"] for row in train]
     mean = [row["reward/mean"] for row in train]
     std = [row.get("reward/std", 0.0) for row in train]
-    ax.plot(steps, mean, marker="o", ms=3, label="rollout reward (SDE, train sparsity)")
+    ax.plot(steps, mean, marker="o", ms=3, label="rollout reward (rollout sparsity)")
     ax.fill_between(
         steps,
         [m - s for m, s in zip(mean, std, strict=True)],
