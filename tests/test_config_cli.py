@@ -12,6 +12,7 @@ from vsa2_rl.config import ConfigError, RunConfig, help_lines, load_config, load
 from vsa2_rl.config.loading import load_recorded_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOW_GRPO_TOY = os.path.join(REPO, "tests", "flow_grpo_toy.yaml")
 
 
 def test_precedence_schema_yaml_cli(tmp_path):
@@ -100,7 +101,7 @@ def test_default_config_is_valid_and_embedded():
 )
 def test_bad_config_names_the_key(overrides, expected):
     with pytest.raises(ConfigError) as error:
-        load_config(None, overrides)
+        load_config(FLOW_GRPO_TOY, overrides)
     assert expected in str(error.value)
 
 
@@ -163,8 +164,8 @@ def test_help_shows_the_values_a_plain_run_uses():
     lines = "\n".join(help_lines())
     default = load_config(None, [])
     assert (
-        f"  train.learning_rate = {default.train.learning_rate!r}  (default.yaml; schema "
-        f"default 0.0001)" in lines
+        f"  sparsity.train = {default.sparsity.train!r}  (default.yaml; schema default 0.9)"
+        in lines
     )
     assert f"  sampler.num_steps = {default.sampler.num_steps!r}  (default.yaml" in lines
     assert "  train.max_grad_norm = 1.0\n" in lines  # not in default.yaml: the schema default
@@ -258,7 +259,7 @@ def test_a_model_path_that_holds_no_model_is_one_error_line(kind, tmp_path, caps
     (unrelated / "readme.txt").write_text("not a model\n")
     argv = ["train", f"model.kind={kind}", f"model.path={unrelated}", f"out_dir={tmp_path / 'r'}"]
     if kind == "wan":  # which needs a prompt file, of grpo.prompts_per_step prompts at least
-        (tmp_path / "prompts.txt").write_text("a red kite rising over a hill\n" * 4)
+        (tmp_path / "prompts.txt").write_text("a red kite rising over a hill\n" * 8)
         argv.append(f"prompts.file={tmp_path / 'prompts.txt'}")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

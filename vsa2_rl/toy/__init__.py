@@ -4,15 +4,15 @@ The embedded default (``model.kind=toy``, ``make demo``) runs RL on a testbed sm
 CPU and with a known right answer. Its videos are 16x16-pixel clips of one coloured shape
 (square, circle or triangle) on black moving in a straight line, captioned "a red square moving
 left fast"; its model is diffusers' ``WanTransformer3DModel`` at 4 blocks of width 128 on RGB
-pixels (no VAE) with a word-level text encoder, pretrained on such videos, half of which move
-opposite to their caption, so the base knows the axis a motion word names but picks the sign by
-chance; RL on ``prompt_motion`` (or ``prompt_direction``) is to teach it the sign, with
+pixels (no VAE) with a word-level text encoder, pretrained on such videos with truthful
+captions and stopped while it moves the shape the prompted way in about half of its samples;
+RL on ``prompt_motion`` (or ``prompt_direction``) is to raise that share, with
 ``shape_fidelity`` guarding against a policy that buys motion by smearing the shape. Being
 built with the same architecture and VSA2 layers as Wan, it exercises the whole RL loop on a
 CPU in minutes. Its parts:
 
 - :mod:`vsa2_rl.toy.data`: the synthetic videos (:class:`~vsa2_rl.toy.data.ShapeSpec`, rendering
-  with a known motion, the pretraining batches with mirrored captions);
+  with a known motion, the pretraining batches);
 - :mod:`vsa2_rl.toy.prompts`: the 144 captions split into disjoint train and held-out eval sets
   (the prompts of a run without a prompt file);
 - :mod:`vsa2_rl.toy.text`: the word-level tokenizer and text encoder;
@@ -23,7 +23,8 @@ CPU in minutes. Its parts:
   imported);
 - :mod:`vsa2_rl.toy.report`: samples of a toy model scored with the detector;
 - :mod:`vsa2_rl.toy.build`: the staged pretraining and sparse rebasing that builds the base
-  (``scripts/build_toy_model.py`` runs its command line).
+  (``scripts/build_toy_model.py`` runs its command line);
+- :mod:`vsa2_rl.toy.gate`: the learnability gate, whether a base learns from perfect data.
 
 Import from the modules; this package imports none of them, so that :mod:`vsa2_rl.rewards` can
 register the toy rewards without loading the model.

@@ -13,10 +13,10 @@ still changes the pixels smoothly.
 
 A video may also move other than its caption says (``displacement=``): that is how motion
 rewards are validated on videos whose true motion is known (static, wrong direction, wrong
-speed), and how the toy model's pretraining data gets its mirrored captions
-(:func:`pretraining_batch`): part of the videos move opposite to their caption ("right" for a
-shape moving left), so the pretrained model knows the axis a motion word names but picks its
-sign by chance, and RL on a motion reward has a known right answer to reach for. (Captions
+speed), and what :func:`pretraining_batch` can give part of a pretraining batch: videos moving
+opposite to their caption ("right" for a shape moving left). The shipped base is pretrained on
+truthful captions (``ToyBuildConfig.mirrored_captions`` 0); a base pretrained with half of them
+mirrored picks a motion's sign by chance and does not learn it even from perfect data. (Captions
 whose motion is drawn at random instead, uniform over :data:`MOTIONS`, were tried first: at half
 of the captions a 4-block model learnt to ignore motion words altogether.)
 """
