@@ -31,20 +31,12 @@ import torch
 from vsa2_rl.config import load_config
 from vsa2_rl.rewards import get_reward
 from vsa2_rl.toy.build import flow_matching_loss
-from vsa2_rl.toy.data import pretraining_batch, render_batch
+from vsa2_rl.toy.gate import GateSettings, captioned_batch
 from vsa2_rl.toy.model import load_toy_bundle, pixels_to_latents
 from vsa2_rl.toy.prompts import toy_prompts
 from vsa2_rl.toy.report import draw_samples, score_samples
 
 MODES = ("captioned", "filtered", "own")
-
-
-def captioned_batch(count: int, shape: dict, generator: torch.Generator, device):
-    """Prompts and latents of ``count`` synthetic videos moving as captioned."""
-    specs, seeds, moves = pretraining_batch(count, generator, mirrored=0.0)
-    size, frames = shape["size"], shape["num_frames"]
-    videos = render_batch(specs, seeds, frames, size, size, moves, device)
-    return [spec.prompt for spec in specs], pixels_to_latents(videos)
 
 
 def own_batch(bundle, count: int, shape: dict, step: int, num_steps: int, only_followed: bool):
@@ -87,7 +79,8 @@ def fine_tune(base, mode: str, lr: float, shape: dict, args, sparsity: dict) -> 
         if step == args.steps:
             break
         if mode == "captioned":
-            prompts, latents = captioned_batch(args.batch, shape, generator, device)
+            data = GateSettings(num_frames=shape["num_frames"], size=shape["size"])
+            prompts, latents = captioned_batch(args.batch, data, generator, device)
         else:
             bundle.sparsity_state.sparsity = sparsity["filter"]
             prompts, latents = own_batch(
