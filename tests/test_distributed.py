@@ -66,7 +66,9 @@ def _rows(out_dir):
 
 
 def _assert_same_weights(out_dir, reference_dir, rel=1e-4, entry="model"):
-    """Every tensor of the two runs' step-2 checkpoints agrees to ``rel`` (relative RMS)."""
+    """Every tensor of the two runs' step-2 checkpoints agrees to ``rel`` (relative RMS); tensors
+    of RMS under 0.01 (VSA2's gates start at zero) to ``rel * 0.01``: the ranks' all-reduce adds
+    in another order, a float32 noise of a few 1e-7 whatever the tensor's scale."""
     from safetensors.torch import load_file
 
     path = os.path.join("checkpoints", "step_2", f"{entry}.safetensors")
@@ -75,7 +77,7 @@ def _assert_same_weights(out_dir, reference_dir, rel=1e-4, entry="model"):
     assert weights.keys() == reference.keys()
     for name, value in reference.items():
         error = (weights[name].double() - value.double()).pow(2).mean().sqrt()
-        assert error <= rel * value.double().pow(2).mean().sqrt() + 1e-12, name
+        assert error <= rel * max(value.double().pow(2).mean().sqrt().item(), 1e-2), name
 
 
 def test_two_processes_match_one_process(tmp_path):

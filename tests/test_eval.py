@@ -99,7 +99,7 @@ def test_outputs_exist_and_parse(tmp_path):
 
 def test_failing_reward_leaves_no_partial_table(tmp_path):
     config = load_config(
-        None,
+        FLOW_GRPO_TOY,
         [*SMALL, f"out_dir={tmp_path / 'out'}", "rewards.functions=[{name: 'test_eval:broken'}]"],
     )
     with pytest.raises(RewardError, match="broken"):
@@ -202,7 +202,7 @@ def test_eval_never_builds_the_rewards_a_run_folder_records(tmp_path):
 
     run = tmp_path / "run"
     brightness = "rewards.functions=[{name: 'test_trainer:brightness'}]"
-    train(load_config(None, [*TINY, brightness, "train.num_steps=1", f"out_dir={run}"]))
+    train(load_config(FLOW_GRPO_TOY, [*TINY, brightness, "train.num_steps=1", f"out_dir={run}"]))
     recorded = (run / "config.yaml").read_text()
     assert "test_trainer:brightness" in recorded  # TINY's trained reward, replaced below
     (run / "config.yaml").write_text(
@@ -219,7 +219,7 @@ def test_eval_refuses_an_out_dir_inside_a_checkpoint(tmp_path):
     from vsa2_rl.rl.checkpoint import save_checkpoint, verify_checkpoint
 
     checkpoint = save_checkpoint(tmp_path / "run" / "checkpoints", 1, {"m": {"w": torch.ones(1)}})
-    config = load_config(None, [*SMALL, f"out_dir={checkpoint / 'eval'}"])
+    config = load_config(FLOW_GRPO_TOY, [*SMALL, f"out_dir={checkpoint / 'eval'}"])
     with pytest.raises(ConfigError, match=rf"^out_dir: {checkpoint}/eval lies inside {checkpoint}"):
         evaluate(config)
     assert verify_checkpoint(checkpoint) is None

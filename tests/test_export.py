@@ -98,7 +98,7 @@ def test_init_from_starts_the_adapters_from_an_export_of_the_same_shape(tmp_path
     for key, value in routers.items():
         torch.testing.assert_close(state[key], value)
     other = load_config(
-        None, [*TINY, *LORA[:1], "model.lora.rank=8", f"model.lora.init_from={folder}"]
+        FLOW_GRPO_TOY, [*TINY, *LORA[:1], "model.lora.rank=8", f"model.lora.init_from={folder}"]
     )
     with pytest.raises(ConfigError, match=r"^model\.lora\.rank: 8 differs from the adapter"):
         trainable_parameters(build_bundle(other, "cpu", torch.float32).transformer, other)
@@ -274,7 +274,7 @@ def test_init_from_refuses_router_weights_of_another_shape_in_one_line(tmp_path)
 
     from vsa2_rl.runtime import _load_vsa2
 
-    config = load_config(None, [*TINY, *LORA])
+    config = load_config(FLOW_GRPO_TOY, [*TINY, *LORA])
     model = build_bundle(config, torch.device("cpu"), torch.float32).transformer
     routers = {k: v for k, v in model.state_dict().items() if ".vsa2." in f".{k}"}
     name = sorted(routers)[0]

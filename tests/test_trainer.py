@@ -72,7 +72,7 @@ def nan_reward(videos, prompts, metadata):
 
 def _config(tmp_path, *extra, name="run"):
     return load_config(
-        None,
+        FLOW_GRPO_TOY,
         [
             *TINY,
             f"out_dir={tmp_path / name}",

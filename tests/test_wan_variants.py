@@ -351,7 +351,8 @@ def test_a_second_guidance_scale_needs_two_experts_and_is_one_error_line(tmp_pat
 
     for key in ("sampler.guidance_scale_2", "eval.guidance_scale_2"):
         out_dir = tmp_path / key
-        code = main(["train", *RUN, f"model.path={folders['wan21_t2v']}", f"{key}=2.0",
+        code = main(["train", "--config", FLOW_GRPO_TOY, *RUN,
+                     f"model.path={folders['wan21_t2v']}", f"{key}=2.0",
                      f"prompts.file={_prompt_file(tmp_path)}", f"out_dir={out_dir}",
                      "train.num_steps=1"])  # fmt: skip
         assert code == 2
