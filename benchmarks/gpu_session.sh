@@ -3,7 +3,7 @@
 # Packages missing on that image travel as wheels in .whl/ (omegaconf, diffusers, peft and this
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
-#     [e2e_compiled] [rl_compiled] [ddp]
+#     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
@@ -63,6 +63,12 @@ for part in "${parts[@]}"; do
     e2e_compiled)  # the DiT with torch.compile of the blocks: 720p forward
       timeout 240 python3 benchmarks/bench_e2e.py --grids 720p --compile on --forward-only \
         --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8 ;;
+    rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
+      (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
+        --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;
+    rl_growth)  # the same, LoRA, dense and 0.9 at 33-121 frames (the growth plot's points)
+      (cd benchmarks && timeout 300 python3 bench_rl_scale.py --grids 480p:81 720p:33 480p:121 \
+        720p:121 --sparsities 0 0.9 --reps 2 --out "$OUT/rl_growth.md" 2>&1 | grep "^|" | tail -9) ;;
     rl_compiled)  # the RL iteration with torch.compile of the blocks: one RL iteration at 480p
       timeout 400 python3 benchmarks/bench_rl_step.py --steps 8 --train-steps 4 --compile \
         --out "$OUT/rl_step_compiled.md" > "$OUT/rl_compiled.log" 2>&1; tail -8 "$OUT/rl_compiled.log" ;;

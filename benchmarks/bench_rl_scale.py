@@ -1,0 +1,302 @@
+"""GPU benchmark: what one RL iteration of the Wan-1.3B shape costs as videos grow, dense against
+VSA2 at several sparsities, built from measured parts.
+
+For each video size (``--grids``, e.g. ``720p:81`` = 81 frames at 720 x 1280) and each attention
+setting (sparsity 0 is the stock dense model, cuDNN / FlashAttention SDPA; others run VSA2 with
+the 1.3B recipe's kv_block 16 top-p 0.9) it times, on one model with random bf16 weights:
+
+- ``forward``: one no-grad denoising forward of one video (a rollout step; also the KL
+  reference's forward);
+- ``train``: one forward+backward of one video with gradient checkpointing, for LoRA rank 32 on
+  the attention projections (the recipe) and, with ``--full``, for every weight;
+- the AdamW step of each.
+
+One iteration of ``configs/wan2_1_1.3b_vsa2_grpo.yaml`` on one GPU is then, per video,
+``steps x cfg x forward`` (rollout) plus ``trained x cfg x (train + forward)`` (the policy pass
+and the KL reference's pass of each trained step), times ``--videos``, plus one optimizer step;
+classifier-free guidance runs the conditional and unconditional passes as a batch of two, timed
+as twice one video. Left out, the same for dense and VSA2: VAE decoding, text encoding, rewards,
+host work between passes. ``--check`` also times ``bench_rl_step``'s whole iteration (real SDE
+sampling, PPO loss, AdamW) at the first grid, dense and VSA2, next to the sum of its parts.
+
+Each part is the median of ``--reps`` after one warm-up; rows are appended to ``--out`` as they
+finish, so a cut-off run keeps what it measured.
+
+    python benchmarks/bench_rl_scale.py --grids 480p:33 720p:81 --sparsities 0 0.5 0.75 0.9
+    python benchmarks/bench_rl_scale.py --plot scale.png --tables benchmarks/results/rl_scale/*.md
+
+``--plot`` draws seconds per iteration (LoRA) against tokens per video from written tables, one
+line per sparsity measured at two sizes or more (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+from bench_e2e import WAN_1_3B
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SIZES = {"480p": (480, 832), "720p": (720, 1280)}
+HEADER = (
+    "| grid | tokens | sparsity | forward s | LoRA train s | full train s | "
+    "iteration s (LoRA) | x dense | iteration s (full) | x dense |\n"
+    "|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def latent_shape(grid: str) -> tuple[int, int, int]:
+    """(frames, height, width) of the latents of ``'720p:81'``: Wan's VAE is 4x in time, 8x in
+    space."""
+    resolution, frames = grid.split(":")
+    height, width = SIZES[resolution]
+    return (int(frames) - 1) // 4 + 1, height // 8, width // 8
+
+
+def build(state, lora: bool):
+    """The Wan-1.3B-shaped model with VSA2 layers sharing ``state`` (sparsity 0 = dense),
+    gradient checkpointing, and either LoRA rank 32 (+ VSA2's router and gates) or every weight
+    trained."""
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    from vsa2_rl.config import VSA2Config
+    from vsa2_rl.models.wan import enable_vsa2
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # made in bf16 on the GPU: no fp32 copy
+    try:
+        with torch.device("cuda"):
+            model = WanTransformer3DModel(**WAN_1_3B)
+    finally:
+        torch.set_default_dtype(default)
+    enable_vsa2(model, VSA2Config(kv_block=16, mode="topp", top_p=0.9, backend="triton"), state)
+    model.enable_gradient_checkpointing()
+    if lora:
+        model.requires_grad_(False)
+        model.add_adapter(
+            LoraConfig(r=32, lora_alpha=32, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+        )
+        for name, parameter in model.named_parameters():
+            if "lora_" in name or ".vsa2." in name:
+                parameter.requires_grad_(True)
+    return model
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def part_times(model, grid: str, reps: int, with_forward: bool = True) -> tuple[float, float]:
+    """(no-grad forward s, forward+backward s) of one video at ``grid``; the forward is not
+    timed (nan) unless ``with_forward``."""
+    frames, height, width = latent_shape(grid)
+    x = torch.randn(1, 16, frames, height, width, device="cuda", dtype=torch.bfloat16)
+    timestep = torch.tensor([500.0], device="cuda")
+    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            model(x, timestep, text, return_dict=False)
+
+    def train():
+        out = model(x, timestep, text, return_dict=False)[0]
+        out.float().square().mean().backward()
+
+    model.eval()
+    seconds_forward = timed(forward, reps) if with_forward else float("nan")
+    model.train()
+    seconds_train = timed(train, reps)
+    model.zero_grad(set_to_none=True)
+    return seconds_forward, seconds_train
+
+
+def optimizer_seconds(model, reps: int) -> float:
+    """Seconds of one AdamW step over the model's trained parameters (gradients filled)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trained:
+        parameter.grad = torch.randn_like(parameter)
+    optimizer = torch.optim.AdamW(trained, lr=1e-6)
+    seconds = timed(optimizer.step, reps)
+    model.zero_grad(set_to_none=True)
+    del optimizer
+    return seconds
+
+
+def iteration_seconds(forward: float, train: float, optimizer: float, args) -> float:
+    """The recipe's iteration on one GPU from its parts (module docstring); ``args.kl`` adds the
+    reference's forward to each trained step."""
+    trained_pass = train + (forward if args.kl else 0.0)
+    per_video = args.steps * args.cfg * forward + args.trained * args.cfg * trained_pass
+    return args.videos * per_video + optimizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--grids", nargs="+", default=["480p:33", "720p:81"])
+    parser.add_argument("--sparsities", nargs="+", type=float, default=[0.0, 0.5, 0.75, 0.9])
+    parser.add_argument("--full", action="store_true", help="also time full fine-tuning")
+    parser.add_argument("--steps", type=int, default=16, help="sampler steps (recipe: 16)")
+    parser.add_argument("--trained", type=int, default=4, help="trained steps a video (recipe)")
+    parser.add_argument("--cfg", type=int, default=2, help="2 with guidance (recipe), else 1")
+    parser.add_argument("--videos", type=int, default=32, help="videos an iteration (recipe)")
+    parser.add_argument("--no-kl", dest="kl", action="store_false", help="no reference pass")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--check", action="store_true", help="whole iteration at the 1st grid")
+    parser.add_argument("--out", default="rl_scale.md")
+    parser.add_argument("--plot", default=None, help="draw --tables into this PNG and stop")
+    parser.add_argument("--tables", nargs="*", default=[], help="tables written by --out")
+    args = parser.parse_args()
+    if args.plot:
+        plot(read_rows(args.tables), args.plot)
+        return
+
+    from vsa2_rl.attention import SparsityState
+
+    state = SparsityState(sparsity=0.0)
+    modes = [("lora", True)] + ([("full", False)] if args.full else [])
+    models = {mode: build(state, lora) for mode, lora in modes}
+    optimizer = {mode: optimizer_seconds(model, args.reps) for mode, model in models.items()}
+    title = (
+        f"RL iteration of the Wan-1.3B shape from its parts: {args.videos} videos x "
+        f"{args.steps} steps, {args.trained} trained, cfg x{args.cfg}, KL reference pass; "
+        f"VSA2 kv16 top-p 0.9; AdamW step LoRA {optimizer['lora']:.3f} s"
+        + (f", full {optimizer['full']:.3f} s" if args.full else "")
+        + f"; median of {args.reps}; {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
+    )
+    with open(args.out, "w", encoding="utf-8") as handle:
+        handle.write(title + HEADER)
+    print(title + HEADER, end="", flush=True)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        for grid in args.grids:
+            dense: dict[str, float] = {}
+            for sparsity in args.sparsities:
+                state.sparsity = sparsity
+                row = measure_row(models, optimizer, grid, args)
+                dense = dense or row
+                write_row(grid, sparsity, row, dense, args.out)
+            torch.cuda.empty_cache()
+        if args.check:
+            check_iteration(models["lora"], state, args)
+
+
+def measure_row(models, optimizer, grid: str, args) -> dict[str, float]:
+    """Forward, train and iteration seconds at the current sparsity, per training mode."""
+    row: dict[str, float] = {}
+    for mode, model in models.items():  # LoRA first: its forward is the recipe's
+        forward, train = part_times(model, grid, args.reps, with_forward="forward" not in row)
+        row.setdefault("forward", forward)
+        row[f"{mode}_train"] = train
+        row[mode] = iteration_seconds(row["forward"], train, optimizer[mode], args)
+    return row
+
+
+def write_row(grid: str, sparsity: float, row: dict, dense: dict, out: str) -> None:
+    frames, height, width = latent_shape(grid)
+    tokens = frames * height * width // 4
+    cells = [grid, str(tokens), "dense" if sparsity == 0 else f"{sparsity}"]
+    cells.append(f"{row['forward']:.3f}")
+    cells += [f"{row[key]:.3f}" if key in row else "-" for key in ("lora_train", "full_train")]
+    for mode in ("lora", "full"):
+        cells += (
+            [f"{row[mode]:.0f}", f"{dense[mode] / row[mode]:.2f}"] if mode in row else ["-", "-"]
+        )
+    line = "| " + " | ".join(cells) + " |\n"
+    print(line, end="", flush=True)
+    with open(out, "a", encoding="utf-8") as handle:
+        handle.write(line)
+
+
+def check_iteration(model, state, args) -> None:
+    """bench_rl_step's whole iteration (1 video, 8 SDE steps, 4 trained, no guidance, no KL) at
+    the first grid, against the same sum of parts, dense and at the last sparsity."""
+    import bench_rl_step
+
+    from vsa2_rl.models.wan import wan_velocity
+
+    grid = args.grids[0]
+    frames, height, width = latent_shape(grid)
+    bench_rl_step.LATENTS[grid] = (frames, height, width)
+    run = argparse.Namespace(resolution=grid, samples=1, steps=8, train_steps=4)
+    sum_args = argparse.Namespace(steps=8, trained=4, cfg=1, videos=1, kl=False)
+    optimizer = optimizer_seconds(model, args.reps)
+    lines = []
+
+    def velocity(x, sigma, text):
+        return wan_velocity(model, x, sigma, text)
+
+    for sparsity in (0.0, args.sparsities[-1]):
+        state.sparsity = sparsity
+        bench_rl_step.iteration(model, velocity, run)  # warm-up
+        whole = statistics.median(
+            sum(bench_rl_step.iteration(model, velocity, run)) for _ in range(args.reps)
+        )
+        forward, train = part_times(model, grid, args.reps)
+        parts = iteration_seconds(forward, train, optimizer, sum_args)
+        lines.append(
+            f"check {grid} sparsity {sparsity}: whole iteration {whole:.2f} s, "
+            f"sum of parts {parts:.2f} s\n"
+        )
+    with open(args.out, "a", encoding="utf-8") as handle:
+        handle.write("\n" + "".join(lines))
+    print("".join(lines), end="")
+
+
+def read_rows(paths: list[str]) -> dict[str, dict[int, tuple[str, float]]]:
+    """{sparsity label: {tokens: (grid, LoRA iteration s)}} from tables written by ``--out``
+    (a later table's row replaces an earlier one's)."""
+    series: dict[str, dict[int, tuple[str, float]]] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+                if len(cells) == 10 and cells[1].isdigit():
+                    series.setdefault(cells[2], {})[int(cells[1])] = (cells[0], float(cells[6]))
+    return series
+
+
+def plot(series: dict[str, dict[int, tuple[str, float]]], out: str) -> None:
+    """Seconds per iteration against tokens per video, one line per sparsity, points named by
+    grid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for label, points in sorted(series.items(), key=lambda item: item[0] != "dense"):
+        if len(points) < 2:
+            continue
+        tokens = sorted(points)
+        seconds = [points[t][1] / 60 for t in tokens]
+        name = "dense (cuDNN)" if label == "dense" else f"VSA2 {label}"
+        axes.plot([t / 1000 for t in tokens], seconds, marker="o", label=name)
+        if label == "dense":
+            for index, (t, minutes) in enumerate(zip(tokens, seconds, strict=True)):
+                offset = (4, -10) if index % 2 == 0 else (-40, 6)  # neighbours on both sides
+                axes.annotate(points[t][0], (t / 1000, minutes), fontsize=7, xytext=offset,
+                              textcoords="offset points")  # fmt: skip
+    axes.set_xlabel("tokens per video (thousands)")
+    axes.set_ylabel("minutes per RL iteration (32 videos, 1 GPU)")
+    axes.set_title("Wan-1.3B shape, LoRA, the 1.3B recipe's iteration, H100")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
