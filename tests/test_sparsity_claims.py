@@ -27,6 +27,19 @@ from vsa2_rl.toy import testbed
 from vsa2_rl.toy.build import PARTIAL_FILE
 
 
+@pytest.mark.parametrize("attention", testbed.ATTENTION_SWITCHES)
+def test_the_claims_bases_pretrain_on_half_mirrored_captions(attention):
+    # the documented claims' bases: half the videos move opposite to their caption, whatever
+    # the toy base's own default
+    from vsa2_rl.toy.data import pretraining_batch
+
+    for recipe in (testbed.testbed_recipe(attention), testbed.low_resolution_recipe()):
+        generator = torch.Generator().manual_seed(0)
+        _, _, moves = pretraining_batch(4000, generator, recipe.mirrored_captions)
+        mirrored = sum(move is not None for move in moves) / len(moves)
+        assert abs(mirrored - 0.5) < 0.03, mirrored
+
+
 def test_verdict_compares_the_mean_difference_with_its_spread():
     verdict = sparsity_claims.verdict
     assert verdict([-0.3, -0.1], "lower") == "reproduced"  # mean -0.2, sd 0.14

@@ -8,7 +8,9 @@ prompts) at 64 x 64 px x 16 frames with 4 x 4 px patches: 4,096 tokens, 64 cubes
 (:data:`TESTBED_ARCHITECTURE`).
 
 :func:`testbed_recipe` is its progressive pretraining (:mod:`vsa2_rl.toy.build`): 32 px
-(1,024 tokens), then 64 px, with the attention switch of VSA2's sparse-rebasing claim:
+(1,024 tokens), then 64 px, on videos half of which move opposite to their caption (the claims'
+bases; ``mirrored_captions`` changes that), with the attention switch of VSA2's sparse-rebasing
+claim:
 
 - ``dense``: full attention throughout;
 - ``rebase``: full attention at 32 px, rebased to VSA2 at the resolution change (density
@@ -44,6 +46,9 @@ LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 1500, 1000, 200
 VAL_EVERY, WARMUP_STEPS = 50, 100
 ATTENTION_SWITCHES = ("dense", "rebase", "sparse")
 EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
+# Share of pretraining videos moving opposite to their caption in the claims' bases: the
+# direction words carry no sign information, so "direction followed" stays near 0.5 at most.
+CLAIMS_MIRRORED_CAPTIONS = 0.5
 
 
 def _scaled(steps: int, scale: float) -> int:
@@ -56,9 +61,11 @@ def testbed_recipe(
     sparsity: float = 0.9,
     steps_scale: float = 1.0,
     vsa2: VSA2Config | None = None,
+    mirrored_captions: float = CLAIMS_MIRRORED_CAPTIONS,
 ) -> ToyBuildConfig:
     """The testbed's pretraining with the ``attention`` switch (module docstring); VSA2 runs at
-    ``sparsity`` with the router ``vsa2`` (default: kv_block 16, top-p, Triton on CUDA)."""
+    ``sparsity`` with the router ``vsa2`` (default: kv_block 16, top-p, Triton on CUDA), on
+    pretraining videos of which ``mirrored_captions`` move opposite to their caption."""
     if attention not in ATTENTION_SWITCHES:
         raise ValueError(f"attention must be one of {ATTENTION_SWITCHES}, got {attention!r}")
     sparse_low, sparse_high = attention == "sparse", attention != "dense"
@@ -72,6 +79,7 @@ def testbed_recipe(
     return ToyBuildConfig(
         seed=seed,
         stages=stages,
+        mirrored_captions=mirrored_captions,
         architecture=dict(TESTBED_ARCHITECTURE),
         target_sparsity=sparsity,
         rebase_steps=0 if attention == "sparse" else _scaled(REBASE_STEPS, steps_scale),
@@ -83,10 +91,14 @@ def testbed_recipe(
     )
 
 
-def low_resolution_recipe(seed: int = 0, steps_scale: float = 1.0) -> ToyBuildConfig:
+def low_resolution_recipe(
+    seed: int = 0, steps_scale: float = 1.0, mirrored_captions: float = CLAIMS_MIRRORED_CAPTIONS
+) -> ToyBuildConfig:
     """The 32 px dense stage that ``dense`` and ``rebase`` start with, alone: build it once and
     resume both from its folder."""
-    recipe = testbed_recipe("dense", seed, steps_scale=steps_scale)
+    recipe = testbed_recipe(
+        "dense", seed, steps_scale=steps_scale, mirrored_captions=mirrored_captions
+    )
     return dataclasses.replace(recipe, stages=recipe.stages[:1])
 
 
