@@ -50,10 +50,12 @@ def fit_time(rows: list[dict]) -> tuple[dict[str, float], float]:
     """(seconds per unit of each forward term, TRAIN_FACTOR) from ``rows``."""
     rows = calibrated(rows)
     terms = [plan.forward_terms(WAN_1_3B, r["tokens"], r["sparsity"]) for r in rows]
-    a = np.array([[t[name] / r["forward"] for name in TERMS] for t, r in zip(terms, rows)])
+    a = np.array(
+        [[t[name] / r["forward"] for name in TERMS] for t, r in zip(terms, rows, strict=True)]
+    )
     scale = a.max(axis=0)  # columns of ~1 for a well-conditioned solve
     solution, *_ = np.linalg.lstsq(a / scale, np.ones(len(rows)), rcond=None)
-    seconds = dict(zip(TERMS, (solution / scale).tolist()))
+    seconds = dict(zip(TERMS, (solution / scale).tolist(), strict=True))
     train_factor = float(np.mean([r["train"] / r["forward"] for r in rows]))
     return seconds, train_factor
 
