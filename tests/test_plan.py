@@ -66,6 +66,15 @@ def test_guidance_doubles_rollout_activations_and_time():
     )
 
 
+def test_sequence_parallelism_divides_activations_not_states():
+    one = plan.memory_gib(TOY, dataclasses.replace(STEP, gpus=4))
+    four = plan.memory_gib(TOY, dataclasses.replace(STEP, gpus=4, sequence_parallel=4))
+    assert four["training activations"] == pytest.approx(one["training activations"] / 4)
+    assert four["weights"] == one["weights"]
+    with pytest.raises(ValueError, match="sequence_parallel must divide gpus"):
+        dataclasses.replace(STEP, gpus=4, sequence_parallel=3)
+
+
 def test_doubling_tokens_quadruples_attention_flops():
     assert plan.attention_flops(TOY, 2048) == 4 * plan.attention_flops(TOY, 1024)
     assert plan.attention_flops(TOY, 1024) == TOY.layers * 4 * 1024**2 * TOY.hidden

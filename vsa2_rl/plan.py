@@ -2,7 +2,7 @@
 
 Pure functions of two frozen dataclasses (:class:`ModelShape`, :class:`StepShape`), so the
 estimate needs no model in memory: ``vsa2-rl check`` builds the shapes from the weightless
-transformer and the config.
+transformer and the config. :func:`describe` turns the results into the plan's two lines.
 
 **Memory** (:func:`memory_gib`), per GPU, from first principles: bf16 weights; bf16 gradients
 of what trains; AdamW's two moments in the parameters' dtype (bf16) under DDP and FSDP2, or
@@ -13,10 +13,13 @@ copy); an fp32 EMA of what trains. ZeRO-2 shards gradients and optimizer states 
 ZeRO-3 and FSDP2 the weights too. Activations: a rollout forward (no gradients) holds one
 block's working set; a training forward with gradient checkpointing holds each block's input
 (tokens x hidden, bf16) plus one block's working set, without checkpointing every block's
-working set. Classifier-free guidance doubles the videos of a forward. Both activation terms
-carry one factor, :data:`ACTIVATION_FACTOR`, fitted to the measured peaks
-:data:`MEMORY_MEASUREMENTS`; VSA2's own buffers are not a term of their own (its extra memory
-is its router's and gates' gradients and optimizer state, which dense attention never trains).
+working set. Classifier-free guidance doubles the videos of a forward; sequence parallelism
+over P GPUs divides the tokens a GPU holds by P (the all-to-all buffers are left out). Both
+activation terms carry one factor, :data:`ACTIVATION_FACTOR`, fitted to the measured peaks
+:data:`MEMORY_MEASUREMENTS` (H200, 2026-12-02/03, docs/results.md). VSA2's buffers have no
+term of their own: its extra memory is modelled as its router's and gates' gradients and
+optimizer state, which dense attention never trains. Left out: the VAE and its decode, the text
+encoder, rewards, DeepSpeed's and FSDP2's communication buffers, the CUDA context.
 
 **Time** (:func:`seconds_per_step`): FLOPs of one denoising forward (linear layers of self- and
 cross-attention and the FFN; self-attention's ``4 x tokens^2 x hidden`` per layer, scaled by the
@@ -27,7 +30,7 @@ gates) times seconds per FLOP, and a training pass (forward + backward with chec
 VSA2 (kv_block 16, top-p 0.9) at sparsity 0.9, uncompiled, bf16, one NVIDIA H100 80GB HBM3,
 2026-12-06. Other sparsities are interpolated linearly in density; other GPUs are not
 modelled; compiled blocks, the VAE decode, the text encoder, rewards and communication between
-GPUs are left out (a step is its transformer work divided over the GPUs).
+GPUs are left out (a step is its transformer work divided evenly over the GPUs).
 """
 
 from __future__ import annotations
@@ -70,7 +73,9 @@ class ModelShape:
 class StepShape:
     """One RL step: ``videos`` over all GPUs, ``trained_steps`` denoising steps recomputed with
     gradients per video, ``train_batch_size`` videos per forward (rollout and training), ``kl``
-    a reference forward per trained step, ``sparsity`` 0 for dense attention."""
+    a reference forward per trained step, ``sparsity`` 0 for dense attention,
+    ``sequence_parallel`` the GPUs that share one video's tokens (``parallel.
+    sequence_parallel_size``; ``gpus`` counts them all)."""
 
     tokens: int
     videos: int
@@ -85,12 +90,17 @@ class StepShape:
     sparsity: float = 0.0
     engine: str = "ddp"
     gpus: int = 1
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        if self.sequence_parallel < 1 or self.gpus % self.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel must divide gpus ({self.gpus}), got {self.sequence_parallel}"
+            )
 
     @property
     def batch(self) -> int:
@@ -117,13 +127,13 @@ def _states_gib(model: ModelShape, step: StepShape) -> dict[str, float]:
     }
 
 
-def block_bytes(model: ModelShape, tokens: int, batch: int) -> float:
+def block_bytes(model: ModelShape, tokens: float, batch: int) -> float:
     """One block's working set: q, k, v, attention output, the residual stream and norms
     (6 x hidden) and the FFN's hidden layer, bf16, for ``batch`` videos."""
     return 2 * batch * tokens * (6 * model.hidden + model.ffn)
 
 
-def boundary_bytes(model: ModelShape, tokens: int, batch: int) -> float:
+def boundary_bytes(model: ModelShape, tokens: float, batch: int) -> float:
     """Every block's input, what gradient checkpointing keeps for the backward (bf16)."""
     return 2 * batch * tokens * model.hidden * model.layers
 
@@ -131,8 +141,9 @@ def boundary_bytes(model: ModelShape, tokens: int, batch: int) -> float:
 def activation_bytes(model: ModelShape, step: StepShape) -> dict[str, float]:
     """Activation bytes before calibration: ``rollout`` (one block's working set), ``training``
     (checkpoint boundaries + one block, or every block without checkpointing)."""
-    block = block_bytes(model, step.tokens, step.batch)
-    boundaries = boundary_bytes(model, step.tokens, step.batch)
+    tokens = step.tokens / step.sequence_parallel  # this GPU's share of each video
+    block = block_bytes(model, tokens, step.batch)
+    boundaries = boundary_bytes(model, tokens, step.batch)
     return {
         "rollout": block,
         "training": boundaries + block if step.checkpointing else model.layers * block,
