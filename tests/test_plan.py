@@ -140,3 +140,12 @@ def test_held_out_peak_is_predicted():
     ((_, model, step, gib),) = held
     raw = plan.activation_bytes(model, step)["training"] / plan.GIB
     assert plan.states_update_gib(model, step) + factor * raw == pytest.approx(gib, rel=0.1)
+
+
+def test_describe_says_whether_one_h100_holds_it():
+    big = dataclasses.replace(TOY, params=50 * 2**30)  # 100 GiB of bf16 weights
+    lines = {
+        model: plan.describe(plan.memory_gib(model, STEP), plan.seconds_per_step(model, STEP), STEP)
+        for model in (TOY, big)
+    }
+    assert lines[TOY][0].endswith(": yes") and lines[big][0].endswith(": no")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 GIB = 2**30
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
-H100_GIB = 80  # an H100 80GB holds 79.1 GiB; the few GiB the CUDA context takes are left out
+H100_GIB = 79.6  # 81,559 MiB, what an H100 80GB HBM3 reports
 
 # Fitted by scripts/fit_plan.py to MEMORY_MEASUREMENTS below (least squares).
 ACTIVATION_FACTOR = 1.01
@@ -239,15 +239,15 @@ def describe(memory: dict[str, float], seconds: dict[str, float], step: StepShap
     """The plan's memory and time lines."""
     gpus = f"{step.gpus} GPU{'s' * (step.gpus > 1)}"
     fits = "yes" if memory["peak"] <= H100_GIB else "no"
-    how = "interpolated in sparsity" if seconds["interpolated"] else "calibrated"
+    how = "interpolated in sparsity from" if seconds["interpolated"] else "fitted to"
     per = "one H100" if step.gpus == 1 else f"each of {step.gpus} H100s"
     return [
         f"rollout {memory['rollout']:.1f} GiB, update {memory['update']:.1f} GiB per GPU "
-        f"({step.engine}, {gpus}); fits an {H100_GIB} GiB H100: {fits} (transformer only: "
-        "VAE, text encoder and rewards not counted)",
+        f"({step.engine}, {gpus}; the transformer's share: VAE, text encoder, rewards not "
+        f"counted); fits one H100 ({H100_GIB} GiB): {fits}",
         f"about {_duration(seconds['total'])} a step on {per} (rollout "
-        f"{_duration(seconds['rollout'])}, update {_duration(seconds['update'])}), {how} on "
-        "the Wan-1.3B shape, uncompiled; other GPUs and communication not modelled",
+        f"{_duration(seconds['rollout'])}, update {_duration(seconds['update'])}); {how} "
+        "the Wan-1.3B shape's uncompiled timings (other GPUs, communication not modelled)",
     ]
 
 
