@@ -1,0 +1,151 @@
+"""vsa2_rl.plan: closed forms on a toy shape, and the calibration against the measurements it
+was fitted to (benchmarks/results/rl_scale/*.md, read here; plan.MEMORY_MEASUREMENTS)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from vsa2_rl import plan
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY = plan.ModelShape(params=1_000_000, trained_params=250_000, layers=4, hidden=64, ffn=256)
+STEP = plan.StepShape(tokens=1024, videos=8, sampler_steps=10, trained_steps=2)
+
+
+def _fit_plan():
+    spec = importlib.util.spec_from_file_location("fit_plan", ROOT / "scripts" / "fit_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FIT = _fit_plan()
+ROWS = FIT.read_rows()
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_sharded_weights_are_total_over_gpus(engine):
+    one = plan.memory_gib(TOY, dataclasses.replace(STEP, engine=engine, gpus=1))
+    four = plan.memory_gib(TOY, dataclasses.replace(STEP, engine=engine, gpus=4))
+    assert four["weights"] == pytest.approx(one["weights"] / 4, rel=1e-12)
+    assert one["weights"] == pytest.approx(2 * TOY.params / plan.GIB, rel=1e-12)
+
+
+def test_zero2_shards_states_not_weights():
+    one = plan.memory_gib(TOY, dataclasses.replace(STEP, engine="zero2", gpus=1))
+    two = plan.memory_gib(TOY, dataclasses.replace(STEP, engine="zero2", gpus=2))
+    assert two["weights"] == one["weights"]
+    assert two["optimizer"] == pytest.approx(one["optimizer"] / 2, rel=1e-12)
+    assert one["optimizer"] == pytest.approx(12 * TOY.trained_params / plan.GIB, rel=1e-12)
+
+
+def test_full_fine_tuning_kl_reference_is_a_copy_lora_none():
+    full = plan.memory_gib(TOY, dataclasses.replace(STEP, kl=True, lora=False))
+    lora = plan.memory_gib(TOY, dataclasses.replace(STEP, kl=True, lora=True))
+    assert full["reference"] == pytest.approx(2 * TOY.trained_params / plan.GIB, rel=1e-12)
+    assert lora["reference"] == 0.0
+
+
+def test_checkpointing_holds_fewer_activations():
+    kept = plan.memory_gib(TOY, STEP)["training activations"]
+    every = plan.memory_gib(TOY, dataclasses.replace(STEP, checkpointing=False))
+    assert every["training activations"] > kept
+
+
+def test_guidance_doubles_rollout_activations_and_time():
+    guided = dataclasses.replace(STEP, guidance=True)
+    assert plan.memory_gib(TOY, guided)["rollout activations"] == pytest.approx(
+        2 * plan.memory_gib(TOY, STEP)["rollout activations"], rel=1e-12
+    )
+    assert plan.seconds_per_step(TOY, guided)["total"] == pytest.approx(
+        2 * plan.seconds_per_step(TOY, STEP)["total"], rel=1e-12
+    )
+
+
+def test_sequence_parallelism_divides_activations_not_states():
+    one = plan.memory_gib(TOY, dataclasses.replace(STEP, gpus=4))
+    four = plan.memory_gib(TOY, dataclasses.replace(STEP, gpus=4, sequence_parallel=4))
+    assert four["training activations"] == pytest.approx(one["training activations"] / 4)
+    assert four["weights"] == one["weights"]
+    with pytest.raises(ValueError, match="sequence_parallel must divide gpus"):
+        dataclasses.replace(STEP, gpus=4, sequence_parallel=3)
+
+
+def test_doubling_tokens_quadruples_attention_flops():
+    assert plan.attention_flops(TOY, 2048) == 4 * plan.attention_flops(TOY, 1024)
+    assert plan.attention_flops(TOY, 1024) == TOY.layers * 4 * 1024**2 * TOY.hidden
+
+
+def test_gpus_divide_the_step_time():
+    one = plan.seconds_per_step(TOY, STEP)["total"]
+    four = plan.seconds_per_step(TOY, dataclasses.replace(STEP, gpus=4))["total"]
+    assert four == pytest.approx(one / 4, rel=1e-12)
+
+
+def test_unmeasured_sparsity_is_interpolated():
+    assert (
+        plan.seconds_per_step(TOY, dataclasses.replace(STEP, sparsity=0.9))["interpolated"] == 0.0
+    )
+    middle = plan.seconds_per_step(TOY, dataclasses.replace(STEP, sparsity=0.8))
+    assert middle["interpolated"] == 1.0
+    assert "interpolated" in plan.describe(plan.memory_gib(TOY, STEP), middle, STEP)[1]
+
+
+def test_unknown_engine_is_refused():
+    with pytest.raises(ValueError, match="engine must be one of"):
+        dataclasses.replace(STEP, engine="zero1")
+
+
+def test_constants_are_the_fit():
+    seconds, train_factor = FIT.fit_time(ROWS)
+    for name, value in seconds.items():
+        assert plan.SECONDS_PER[name] == pytest.approx(value, rel=1e-3), name
+    assert abs(plan.TRAIN_FACTOR / train_factor - 1) < 1e-2
+    assert abs(plan.ACTIVATION_FACTOR / FIT.fit_memory() - 1) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "row", FIT.calibrated(ROWS), ids=lambda r: f"{r['tokens']}-{r['sparsity']}"
+)
+def test_forward_and_train_reproduce_the_tables(row):
+    forward = plan.forward_seconds(FIT.WAN_1_3B, row["tokens"], row["sparsity"])
+    assert forward == pytest.approx(row["forward"], rel=0.06)
+    assert plan.TRAIN_FACTOR * forward == pytest.approx(row["train"], rel=0.2)
+
+
+def test_held_out_row_is_predicted():
+    """Fitted without 720p x 121 (the largest video), the forward there is within 10%."""
+    largest = max(r["tokens"] for r in ROWS)
+    seconds, _ = FIT.fit_time([r for r in ROWS if r["tokens"] != largest])
+    for row in FIT.calibrated([r for r in ROWS if r["tokens"] == largest]):
+        terms = plan.forward_terms(FIT.WAN_1_3B, row["tokens"], row["sparsity"])
+        predicted = sum(seconds[name] * value for name, value in terms.items())
+        assert predicted == pytest.approx(row["forward"], rel=0.1)
+
+
+@pytest.mark.parametrize("measured", plan.MEMORY_MEASUREMENTS, ids=lambda m: m[0])
+def test_memory_reproduces_the_peaks(measured):
+    _, model, step, gib = measured
+    assert plan.memory_gib(model, step)["peak"] == pytest.approx(gib, rel=0.3)
+
+
+def test_held_out_peak_is_predicted():
+    """Fitted without A14B at 720p, its peak (118.7 GiB) is within 10%."""
+    held = [m for m in plan.MEMORY_MEASUREMENTS if "720p" in m[0]]
+    factor = FIT.fit_memory([m for m in plan.MEMORY_MEASUREMENTS if "720p" not in m[0]])
+    ((_, model, step, gib),) = held
+    raw = plan.activation_bytes(model, step)["training"] / plan.GIB
+    assert plan.states_update_gib(model, step) + factor * raw == pytest.approx(gib, rel=0.1)
+
+
+def test_describe_says_whether_one_h100_holds_it():
+    big = dataclasses.replace(TOY, params=50 * 2**30)  # 100 GiB of bf16 weights
+    lines = {
+        model: plan.describe(plan.memory_gib(model, STEP), plan.seconds_per_step(model, STEP), STEP)
+        for model in (TOY, big)
+    }
+    assert lines[TOY][0].endswith(": yes") and lines[big][0].endswith(": no")

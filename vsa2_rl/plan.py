@@ -1,0 +1,301 @@
+"""Estimates of a run's per-GPU memory and seconds per RL step, from the model's shapes.
+
+Pure functions of two frozen dataclasses (:class:`ModelShape`, :class:`StepShape`), so the
+estimate needs no model in memory: ``vsa2-rl check`` builds the shapes from the weightless
+transformer and the config. :func:`describe` turns the results into the plan's two lines.
+
+**Memory** (:func:`memory_gib`), per GPU, from first principles: bf16 weights; bf16 gradients
+of what trains; AdamW's two moments in the parameters' dtype (bf16) under DDP and FSDP2, or
+DeepSpeed's fp32 master weights and fp32 moments (12 bytes a trained parameter) under ZeRO-2/3;
+DDP's gradient buckets (one more bf16 gradient) on more than one GPU; the frozen copy that is
+the KL reference of full fine-tuning (LoRA's reference is the model with its adapters off: no
+copy); an fp32 EMA of what trains. ZeRO-2 shards gradients and optimizer states over the GPUs,
+ZeRO-3 and FSDP2 the weights too. Activations: a rollout forward (no gradients) holds one
+block's working set; a training forward with gradient checkpointing holds each block's input
+(tokens x hidden, bf16) plus one block's working set, without checkpointing every block's
+working set. Classifier-free guidance doubles the videos of a forward; sequence parallelism
+over P GPUs divides the tokens a GPU holds by P (the all-to-all buffers are left out). Both
+activation terms carry one factor, :data:`ACTIVATION_FACTOR`, fitted to the measured peaks
+:data:`MEMORY_MEASUREMENTS` (H200, 2026-12-02/03, docs/results.md). VSA2's buffers have no
+term of their own: its extra memory is modelled as its router's and gates' gradients and
+optimizer state, which dense attention never trains. Left out: the VAE and its decode, the text
+encoder, rewards, DeepSpeed's and FSDP2's communication buffers, the CUDA context.
+
+**Time** (:func:`seconds_per_step`): FLOPs of one denoising forward (linear layers of self- and
+cross-attention and the FFN; self-attention's ``4 x tokens^2 x hidden`` per layer, scaled by the
+density ``1 - sparsity`` under VSA2, plus an overhead per token for its coarse stage, router and
+gates) times seconds per FLOP, and a training pass (forward + backward with checkpointing) as
+:data:`TRAIN_FACTOR` forwards. Constants fitted by least squares (``scripts/fit_plan.py``) to
+``benchmarks/results/rl_scale/*.md``: the Wan-1.3B shape at 14,040-111,600 tokens, dense and
+VSA2 (kv_block 16, top-p 0.9) at sparsity 0.9, uncompiled, bf16, one NVIDIA H100 80GB HBM3,
+2026-12-06. Other sparsities are interpolated linearly in density; other GPUs are not
+modelled; compiled blocks, the VAE decode, the text encoder, rewards and communication between
+GPUs are left out (a step is its transformer work divided evenly over the GPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
+H100_GIB = 79.6  # 81,559 MiB, what an H100 80GB HBM3 reports
+
+# Fitted by scripts/fit_plan.py to MEMORY_MEASUREMENTS below (least squares).
+ACTIVATION_FACTOR = 1.01
+# Fitted by scripts/fit_plan.py to benchmarks/results/rl_scale/*.md (H100, 2026-12-06): seconds
+# per unit of each forward_terms() entry
+SECONDS_PER = {
+    "linear": 4.198e-15,
+    "dense attention": 1.705e-15,
+    "vsa2 attention": 2.355e-15,  # fitted at sparsity 0.9
+    "vsa2 overhead": 2.787e-11,  # coarse stage, router, tiling gathers
+}
+TRAIN_FACTOR = 4.08  # a forward+backward with checkpointing, in forwards
+CALIBRATED_SPARSITIES = (0.0, 0.9)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer's shapes. ``params`` counts every expert (Wan2.2 A14B: both), VSA2's router
+    and gates included; ``trained_params`` what takes gradients (LoRA adapters and VSA2's
+    parameters, or every weight of the trained experts); the rest are one expert's."""
+
+    params: int
+    trained_params: int
+    layers: int
+    hidden: int
+    ffn: int
+    text_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One RL step: ``videos`` over all GPUs, ``trained_steps`` denoising steps recomputed with
+    gradients per video, ``train_batch_size`` videos per forward (rollout and training), ``kl``
+    a reference forward per trained step, ``sparsity`` 0 for dense attention,
+    ``sequence_parallel`` the GPUs that share one video's tokens (``parallel.
+    sequence_parallel_size``; ``gpus`` counts them all)."""
+
+    tokens: int
+    videos: int
+    sampler_steps: int
+    trained_steps: int
+    train_batch_size: int = 1
+    guidance: bool = False
+    kl: bool = False
+    ema: bool = False
+    lora: bool = True
+    checkpointing: bool = True
+    sparsity: float = 0.0
+    engine: str = "ddp"
+    gpus: int = 1
+    sequence_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        if self.sequence_parallel < 1 or self.gpus % self.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel must divide gpus ({self.gpus}), got {self.sequence_parallel}"
+            )
+
+    @property
+    def batch(self) -> int:
+        """Videos in one forward: guidance runs the unconditional branch in the same batch."""
+        return self.train_batch_size * (2 if self.guidance else 1)
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def _states_gib(model: ModelShape, step: StepShape) -> dict[str, float]:
+    """Weights, gradients, optimizer, DDP buckets, reference and EMA, GiB per GPU."""
+    n, t, gpus = model.params, model.trained_params, step.gpus
+    sharded_weights = step.engine in ("zero3", "fsdp2")
+    deepspeed = step.engine in ("zero2", "zero3")
+    optimizer_bytes = 12 if deepspeed else 4  # fp32 master + 2 fp32 moments | 2 bf16 moments
+    return {
+        "weights": 2 * n / (gpus if sharded_weights else 1) / GIB,
+        "gradients": 2 * t / (1 if step.engine == "ddp" else gpus) / GIB,
+        "optimizer": optimizer_bytes * t / (1 if step.engine == "ddp" else gpus) / GIB,
+        "buckets": 2 * t / GIB if step.engine == "ddp" and gpus > 1 else 0.0,
+        "reference": 2 * t / GIB if step.kl and not step.lora else 0.0,
+        "ema": 4 * t / GIB if step.ema else 0.0,
+    }
+
+
+def block_bytes(model: ModelShape, tokens: float, batch: int) -> float:
+    """One block's working set: q, k, v, attention output, the residual stream and norms
+    (6 x hidden) and the FFN's hidden layer, bf16, for ``batch`` videos."""
+    return 2 * batch * tokens * (6 * model.hidden + model.ffn)
+
+
+def boundary_bytes(model: ModelShape, tokens: float, batch: int) -> float:
+    """Every block's input, what gradient checkpointing keeps for the backward (bf16)."""
+    return 2 * batch * tokens * model.hidden * model.layers
+
+
+def activation_bytes(model: ModelShape, step: StepShape) -> dict[str, float]:
+    """Activation bytes before calibration: ``rollout`` (one block's working set), ``training``
+    (checkpoint boundaries + one block, or every block without checkpointing)."""
+    tokens = step.tokens / step.sequence_parallel  # this GPU's share of each video
+    block = block_bytes(model, tokens, step.batch)
+    boundaries = boundary_bytes(model, tokens, step.batch)
+    return {
+        "rollout": block,
+        "training": boundaries + block if step.checkpointing else model.layers * block,
+    }
+
+
+def states_update_gib(model: ModelShape, step: StepShape) -> float:
+    """GiB per GPU the update holds besides activations."""
+    return sum(_states_gib(model, step).values())
+
+
+def memory_gib(model: ModelShape, step: StepShape) -> dict[str, float]:
+    """Per-GPU GiB of each part, and the peaks ``rollout`` (no gradients held) and ``update``."""
+    raw = activation_bytes(model, step)
+    parts = {
+        **_states_gib(model, step),
+        "rollout activations": ACTIVATION_FACTOR * raw["rollout"] / GIB,
+        "training activations": ACTIVATION_FACTOR * raw["training"] / GIB,
+    }
+    held = parts["weights"] + parts["optimizer"] + parts["reference"] + parts["ema"]
+    rollout = held + parts["rollout activations"]
+    update = held + parts["gradients"] + parts["buckets"] + parts["training activations"]
+    return {**parts, "rollout": rollout, "update": update, "peak": max(rollout, update)}
+
+
+# ---- time ------------------------------------------------------------------------------------
+
+
+def linear_flops(model: ModelShape, tokens: int) -> float:
+    """FLOPs of one video's forward through the linear layers: self-attention's q, k, v, o,
+    cross-attention's q, o (its k, v over the text tokens) and the two FFN matrices."""
+    h = model.hidden
+    per_layer = tokens * (8 * h * h + 4 * h * h + 4 * h * model.ffn) + 4 * h * h * model.text_tokens
+    cross_scores = 4 * tokens * model.text_tokens * h
+    return model.layers * (per_layer + cross_scores)
+
+
+def attention_flops(model: ModelShape, tokens: int) -> float:
+    """FLOPs of one video's dense self-attention forward: QK^T and PV, 4 x tokens^2 x hidden."""
+    return model.layers * 4 * tokens * tokens * model.hidden
+
+
+def forward_terms(model: ModelShape, tokens: int, sparsity: float) -> dict[str, float]:
+    """What one video's forward costs, each in the unit its constant prices: linear FLOPs (with
+    VSA2 its two gate projections too), dense attention FLOPs, VSA2 attention FLOPs (at the
+    density ``1 - sparsity``) and VSA2's other overhead (tokens x hidden x layers)."""
+    attention = attention_flops(model, tokens)
+    vsa2 = sparsity > 0
+    gates = 4 * tokens * model.hidden * model.hidden * model.layers if vsa2 else 0.0
+    return {
+        "linear": linear_flops(model, tokens) + gates,
+        "dense attention": 0.0 if vsa2 else attention,
+        "vsa2 attention": attention * (1 - sparsity) if vsa2 else 0.0,
+        "vsa2 overhead": tokens * model.hidden * model.layers if vsa2 else 0.0,
+    }
+
+
+def forward_seconds(model: ModelShape, tokens: int, sparsity: float) -> float:
+    """One video's denoising forward on an H100 (see the module for what the fit covers)."""
+    terms = forward_terms(model, tokens, sparsity)
+    return sum(SECONDS_PER[name] * value for name, value in terms.items())
+
+
+def seconds_per_step(model: ModelShape, step: StepShape) -> dict[str, float]:
+    """Seconds of the ``rollout`` (every sampler step of every video, guided), the ``update``
+    (each trained step: a training pass and, with ``kl``, a reference forward) and ``total``,
+    the videos spread evenly over ``gpus``; ``interpolated`` is 1.0 where the sparsity is
+    not one the constants were fitted at."""
+    forward = forward_seconds(model, step.tokens, step.sparsity)
+    branches = 2 if step.guidance else 1
+    videos = step.videos / step.gpus
+    rollout = videos * step.sampler_steps * branches * forward
+    per_trained = TRAIN_FACTOR * forward + (forward if step.kl else 0.0)
+    update = videos * step.trained_steps * branches * per_trained
+    interpolated = float(min(abs(step.sparsity - s) for s in CALIBRATED_SPARSITIES) > 1e-9)
+    return {
+        "rollout": rollout,
+        "update": update,
+        "total": rollout + update,
+        "interpolated": interpolated,
+    }
+
+
+# ---- printout --------------------------------------------------------------------------------
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def describe(memory: dict[str, float], seconds: dict[str, float], step: StepShape) -> list[str]:
+    """The plan's memory and time lines."""
+    gpus = f"{step.gpus} GPU{'s' * (step.gpus > 1)}"
+    fits = "yes" if memory["peak"] <= H100_GIB else "no"
+    how = "interpolated in sparsity from" if seconds["interpolated"] else "fitted to"
+    per = "one H100" if step.gpus == 1 else f"each of {step.gpus} H100s"
+    return [
+        f"rollout {memory['rollout']:.1f} GiB, update {memory['update']:.1f} GiB per GPU "
+        f"({step.engine}, {gpus}; the transformer's share: VAE, text encoder, rewards not "
+        f"counted); fits one H100 ({H100_GIB} GiB): {fits}",
+        f"about {_duration(seconds['total'])} a step on {per} (rollout "
+        f"{_duration(seconds['rollout'])}, update {_duration(seconds['update'])}); {how} "
+        "the Wan-1.3B shape's uncompiled timings (other GPUs, communication not modelled)",
+    ]
+
+
+# ---- the measured peaks the memory factors are fitted to -----------------------------------
+
+_WAN_1_3B = dict(layers=30, hidden=1536, ffn=8960)  # base 1,418,996,800 + VSA2 141,650,280
+_WAN_5B = dict(layers=30, hidden=3072, ffn=14336)  # base 4,999,787,712 + VSA2 566,416,080
+_WAN_A14B = dict(layers=40, hidden=5120, ffn=13824)  # an expert: 14,288,901,184 + 2,097,563,200
+
+
+def _lora(layers: int, hidden: int, rank: int = 32) -> int:
+    """LoRA rank ``rank`` on to_q, to_k, to_v, to_out.0 of both attentions of every block."""
+    return layers * 8 * rank * 2 * hidden
+
+
+def _measured(name, shape, base, vsa2, trained, tokens, sparsity, gib, **step):
+    """(name, ModelShape, StepShape, measured peak GiB). At sparsity 0 VSA2's parameters exist
+    but take no gradient (the dense fallback skips them), so AdamW keeps no state for them."""
+    model = ModelShape(base + vsa2, trained + (vsa2 if sparsity else 0), **shape)
+    return name, model, StepShape(tokens, sparsity=sparsity, **step), gib
+
+
+_A14B_LORA = 2 * _lora(40, 5120)
+# docs/results.md: "One RL iteration" (bench_rl_step.py, compiled, full fine-tuning, H200) and
+# "Wan2.2 RL iterations" (bench_wan22.py, uncompiled, LoRA rank 32, H200); no guidance, VAE or
+# encoders. The trainer's peaks ("Two GPUs") also hold a VAE and its decode, not modelled here:
+# scripts/fit_plan.py prints them beside the estimates, unfitted.
+MEMORY_MEASUREMENTS = (
+    *(
+        _measured(f"1.3B full 480p x 33, {label}", _WAN_1_3B, 1_418_996_800, 141_650_280,
+                  1_418_996_800, 14040, sparsity, gib, videos=2, sampler_steps=8, trained_steps=4,
+                  lora=False)
+        for label, sparsity, gib in (("dense", 0.0, 13.5), ("VSA2 0.9", 0.9, 14.8))
+    ),
+    *(
+        _measured(f"TI2V-5B LoRA 704x1280 x 121, {label}", _WAN_5B, 4_999_787_712, 566_416_080,
+                  _lora(30, 3072), 27280, sparsity, gib, videos=1, sampler_steps=8, trained_steps=2)
+        for label, sparsity, gib in (("dense", 0.0, 24.0), ("VSA2 0.9", 0.9, 25.6))
+    ),
+    *(
+        _measured(f"A14B LoRA both experts {label}", _WAN_A14B, 2 * 14_288_901_184,
+                  2 * 2_097_563_200, _A14B_LORA, tokens, sparsity, gib, videos=1,
+                  sampler_steps=steps, trained_steps=2)
+        for label, tokens, sparsity, steps, gib in (
+            ("480p x 81, dense", 32760, 0.0, 8, 83.8),
+            ("480p x 81, VSA2 0.9", 32760, 0.9, 8, 94.6),
+            ("720p x 81, VSA2 0.9", 75600, 0.9, 4, 118.7),
+        )
+    ),
+)  # fmt: skip
