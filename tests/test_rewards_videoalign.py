@@ -25,10 +25,23 @@ torchvision = pytest.importorskip("torchvision")
 from vsa2_rl.rewards import get_reward  # noqa: E402
 from vsa2_rl.rewards.videoalign import REWARD_TOKENS, question  # noqa: E402
 
-CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-               "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
-STATS = {"VQ_mean": 0.3, "VQ_std": 2.0, "MQ_mean": -0.5, "MQ_std": 0.5, "TA_mean": 1.5,
-         "TA_std": 4.0}  # fmt: skip
+CHAT_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+STATS = {
+    "VQ_mean": 0.3,
+    "VQ_std": 2.0,
+    "MQ_mean": -0.5,
+    "MQ_std": 0.5,
+    "TA_mean": 1.5,
+    "TA_std": 4.0,
+}
 VIDEO_FPS = 4.0  # 9 frames at 4 fps, 2 fps sampled: 4 frames
 FRAMES = [0, 3, 5, 8]  # linspace(0, 8, 4).round()
 SIZE = (56, 84)  # 40 x 60 grown to min_pixels 56 * 56 on multiples of 28
@@ -67,8 +80,11 @@ def tiny_model(tokenizer):
             num_attention_heads=2,
             num_key_value_heads=1,
             max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                             "rope_theta": 10000.0},  # fmt: skip
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "rope_theta": 10000.0,
+            },
         ),
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2),
         image_token_id=ids("<|image_pad|>"),
@@ -107,17 +123,28 @@ def write_checkpoint(folder, model, head, max_pixels):
     step = os.path.join(folder, "checkpoint-7")
     os.makedirs(step)
     adapter = peft.get_peft_model_state_dict(model)
-    save_file({published(k): v.contiguous() for k, v in adapter.items()},
-              os.path.join(step, "adapter_model.safetensors"))  # fmt: skip
+    save_file(
+        {published(k): v.contiguous() for k, v in adapter.items()},
+        os.path.join(step, "adapter_model.safetensors"),
+    )
     trained = {published(k): v for k, v in model.named_parameters() if "lora_" not in k}
     trained["base_model.model.rm_head.weight"] = head
     torch.save(trained, os.path.join(step, "non_lora_state_dict.pth"))
     config = {
-        "data_config": {"fps": 2.0, "num_frames": None, "max_frame_pixels": max_pixels,
-                        "eval_dim": ["VQ", "MQ", "TA"], "prompt_template_type": "detailed_special",
-                        "sample_type": "uniform"},  # fmt: skip
-        "model_config": {"model_name_or_path": "Qwen/Qwen2-VL-2B-Instruct", "output_dim": 3,
-                         "use_special_tokens": True, "reward_token": "special"},  # fmt: skip
+        "data_config": {
+            "fps": 2.0,
+            "num_frames": None,
+            "max_frame_pixels": max_pixels,
+            "eval_dim": ["VQ", "MQ", "TA"],
+            "prompt_template_type": "detailed_special",
+            "sample_type": "uniform",
+        },
+        "model_config": {
+            "model_name_or_path": "Qwen/Qwen2-VL-2B-Instruct",
+            "output_dim": 3,
+            "use_special_tokens": True,
+            "reward_token": "special",
+        },
         "peft_lora_config": {"lora_enable": True, "lora_r": 4, "lora_alpha": 8},
         "inference_config": STATS,
     }
@@ -155,10 +182,14 @@ def reference_raw(setup, videos, prompts):
 
     tokenizer, model = setup["tokenizer"], setup["model"]
     frames = [
-        resize((video[FRAMES] * 255).round().to(torch.uint8), list(SIZE),
-               interpolation=InterpolationMode.BICUBIC, antialias=True)
+        resize(
+            (video[FRAMES] * 255).round().to(torch.uint8),
+            list(SIZE),
+            interpolation=InterpolationMode.BICUBIC,
+            antialias=True,
+        )
         for video in videos
-    ]  # fmt: skip
+    ]
     processor = Qwen2VLVideoProcessor(do_resize=False, do_sample_frames=False)
     pixels = processor(videos=frames, return_tensors="pt")
     grids = pixels["video_grid_thw"]
@@ -166,9 +197,12 @@ def reference_raw(setup, videos, prompts):
     for prompt, grid in zip(prompts, grids, strict=True):
         text = (
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-            "<|vision_start|>" + "<|video_pad|>" * (int(grid.prod()) // 4) + "<|vision_end|>"
-            + question(prompt) + "<|im_end|>\n<|im_start|>assistant\n"
-        )  # fmt: skip
+            "<|vision_start|>"
+            + "<|video_pad|>" * (int(grid.prod()) // 4)
+            + "<|vision_end|>"
+            + question(prompt)
+            + "<|im_end|>\n<|im_start|>assistant\n"
+        )
         ids.append(tokenizer(text).input_ids)
     length = max(map(len, ids))
     input_ids = torch.tensor([row + [0] * (length - len(row)) for row in ids])
@@ -183,7 +217,8 @@ def reference_raw(setup, videos, prompts):
     ).last_hidden_state
     rows = []
     for row, states in zip(input_ids, hidden, strict=True):
-        at = [states[row == tokenizer.convert_tokens_to_ids(tok)][0] for tok in REWARD_TOKENS.values()]
+        tokens = tokenizer.convert_tokens_to_ids(list(REWARD_TOKENS.values()))
+        at = [states[row == token][0] for token in tokens]
         rows.append(torch.stack([setup["head"][k] @ at[k] for k in range(3)]))
     return torch.stack(rows)
 
@@ -221,8 +256,9 @@ def test_batch_order_does_not_change_scores(setup):
     alone = torch.cat([fn(videos[i : i + 1], PROMPTS[i : i + 1]) for i in range(3)])
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
     order = [2, 0, 1]
-    torch.testing.assert_close(fn(videos[order], [PROMPTS[i] for i in order]), together[order],
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        fn(videos[order], [PROMPTS[i] for i in order]), together[order], rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize(
