@@ -42,7 +42,8 @@ Weights load from local folders only (``local_files_only=True``), when the rewar
 The three tokens are added to the base tokenizer and the embeddings resized to it, as training
 did; the stored weights (named as transformers 4.45 named Qwen2-VL's modules, mapped here onto
 transformers 5's) replace the base ones and the LoRA update ``(alpha / r) B A`` is merged into
-them, so scoring runs the plain transformers model (no peft wrapper).
+them, so scoring runs the plain transformers model (no peft wrapper). The model runs on the
+videos' device (``device`` pins it instead), in bf16 on CUDA and float32 otherwise (``dtype``).
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def lora_updates(lora_state: dict, scale: float) -> dict[str, torch.Tensor]:
                 raise ValueError(f"{KEY}.model_path: unexpected adapter entry {key!r}")
             continue
         up = lora_state[key.replace(".lora_A.", ".lora_B.")]
-        name = module_name(key.replace(".lora_A.", ".")).removesuffix(".default")
+        name = module_name(key.replace(".lora_A.", ".").replace(".default.", "."))
         updates[name] = scale * (up.float() @ down.float())
     return updates
 
@@ -365,7 +366,7 @@ class VideoAlignReward:
         device,
         dtype,
     ) -> None:
-        self.heads = checked_heads(heads)
+        weights = checked_heads(heads)
         if batch_size < 1:
             raise ValueError(f"{KEY}.batch_size: must be >= 1, got {batch_size}")
         if num_frames is not None and num_frames < 2:
@@ -378,15 +379,20 @@ class VideoAlignReward:
         self.fps = None if num_frames is not None else data.get("fps") or 2.0
         self.num_frames = num_frames if num_frames is not None else data.get("num_frames")
         self.max_pixels = max_pixels or data.get("max_frame_pixels")
+        if not self.max_pixels:
+            raise ValueError(
+                f"{KEY}.max_pixels: required: model_config.json has no max_frame_pixels"
+            )
         self.min_pixels, self.video_fps, self.batch_size = min_pixels, video_fps, batch_size
         self.mean, self.std = head_stats(config, normalize)
-        self.weights = torch.tensor([self.heads.get(name, 0.0) for name in HEADS])
+        self.weights = torch.tensor([weights.get(name, 0.0) for name in HEADS])
         self.dtype = DTYPES[dtype or ("bfloat16" if torch.cuda.is_available() else "float32")]
         self._load(base, lora_file, non_lora_file, config["peft_lora_config"])
         self.device = torch.device("cpu")
+        self.fixed_device = None if device is None else torch.device(device)
         self._lock = threading.Lock()
-        if device is not None:
-            self.to(torch.device(device))
+        if self.fixed_device is not None:
+            self.to(self.fixed_device)
 
     def _load(self, base: str, lora_file: str, non_lora_file: str, lora_config: dict) -> None:
         from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
@@ -403,13 +409,12 @@ class VideoAlignReward:
         self.patching = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
         self.video_id = full.config.video_token_id
         self.token_ids = self.tokenizer.convert_tokens_to_ids(list(REWARD_TOKENS.values()))
-        prefix = self.tokenizer(CHAT_PREFIX, add_special_tokens=False).input_ids
         if self.tokenizer.convert_tokens_to_ids(VIDEO_TOKEN) != self.video_id:
             raise ValueError(
                 f"{KEY}.base_model_path: the tokenizer's {VIDEO_TOKEN} is not the "
                 f"model's video_token_id {self.video_id}"
             )
-        self.prefix_ids = prefix
+        self.prefix_ids = self.tokenizer(CHAT_PREFIX, add_special_tokens=False).input_ids
         self.pad_id = self.tokenizer.pad_token_id or 0
 
     def to(self, device: torch.device) -> None:
@@ -458,7 +463,8 @@ class VideoAlignReward:
         """Standardised per-head scores ``{VQ, MQ, TA}`` (float32 [B] each) of a batch."""
         if videos.shape[2] not in (1, 3):
             raise ValueError(f"videos: expected 1 or 3 channels, got {videos.shape[2]}")
-        self.to(videos.device)
+        self.to(self.fixed_device or videos.device)  # the videos' device unless `device` is set
+        videos = videos.to(self.device)
         raw = torch.cat(
             [
                 self.head_scores(
@@ -473,7 +479,7 @@ class VideoAlignReward:
 
     def __call__(self, videos: torch.Tensor, prompts: list[str], metadata: list[dict]):
         values = torch.stack(list(self.scores(videos, prompts).values()), -1)
-        return (values @ self.weights.to(values.device)).float()
+        return (values @ self.weights.to(values.device)).float().to(videos.device)
 
 
 @register_reward("videoalign")
