@@ -26,6 +26,7 @@ from . import (  # noqa: F401
     image_consistency,
     image_quality,
     motion,
+    videoalign,
     vlm_judge,
 )
 from .mixing import RewardMixer, RewardOutput, combine_advantages
