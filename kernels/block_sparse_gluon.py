@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .block_sparse import _selected_row
+from .segments import selected_row
 
 BLOCK = 64  # query rows per tile = keys per segment
 
@@ -272,7 +272,7 @@ def _bsa_fwd_gluon_kernel(
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
 
-    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
+    p_idx, p_bias, n_sel = selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     n_grp = (n_sel + G - 1) // G
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
@@ -458,7 +458,7 @@ def _bsa_bwd_dq_gluon_kernel(
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
 
-    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
+    p_idx, p_bias, n_sel = selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     n_grp = (n_sel + G - 1) // G
     p_dbias = DBIAS + i_row * KMAX
     p_mass = MASS + i_row * KMAX
