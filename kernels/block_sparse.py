@@ -57,8 +57,8 @@ LOG2E = 1.4426950408889634
 def _fwd_configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    # measured on an H200 at Wan 720p (D=128, bf16): BLOCK_N=64, 4 warps, 2 stages won for
-    # every kv_block over (64|128) x (4|8 warps) x (2|3 stages); the rest are kept as fallbacks
+    # BLOCK_N=64, 4 warps, 2 stages first (the fastest at D=128, bf16, for every kv_block in
+    # ``benchmarks/tune_kernels.py --sweep``); the others stay as the autotuner's alternatives
     return [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))
@@ -68,7 +68,7 @@ def _fwd_configs() -> list[triton.Config]:
 def _dkv_configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"QG": 1}, num_warps=4, num_stages=1)]
-    # QG=1, 4 warps, 2 stages won at Wan 720p over QG 1/2/4 x 4/8 warps x 2/3 stages
+    # QG=1, 4 warps, 2 stages first (the fastest in ``benchmarks/tune_kernels.py --sweep``)
     return [
         triton.Config({"QG": qg}, num_warps=w, num_stages=s)
         for qg, w, s in ((1, 4, 2), (2, 4, 2), (2, 8, 2))
@@ -590,10 +590,10 @@ def _restore_softmax_identity(
     tile's pairs add up to the tile's sum of dLSE. With 16-bit inputs the kernel's delta comes
     from the rounded output O and the rounded P of the forward's PV product, which breaks this
     by ~1% of |d(bias)| per tile. Harmless for dQ / dK, but d(alpha) = sum d(bias) * log p
-    multiplies the broken sum by the mean log-probability (about -ln(NSEG)), which swamped it
-    (0.73 relative RMS off the float32 path at bf16 on an H200). The excess is taken back from
-    the tile's pairs in proportion to their probability mass, which is how it arose if the
-    per-row error is even across the tile's rows. Float32 inputs change in the last bits only.
+    multiplies the broken sum by the mean log-probability (about -ln(NSEG)), which would swamp
+    it at bf16. The excess is taken back from the tile's pairs in proportion to their
+    probability mass, which is how it arose if the per-row error is even across the tile's
+    rows. Float32 inputs change in the last bits only.
     """
     B, H, NQ, _ = dbias.shape
     target = torch.zeros((B, H, NQ), device=dbias.device)

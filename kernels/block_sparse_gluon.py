@@ -1,10 +1,10 @@
 """Hopper (sm_90) Gluon kernels of the VSA2 fine stage (q_tile 64): the forward and the dQ pass
 of the backward for kv_block 16, 32 and 64, with the FlashAttention-3 overlap of softmax and
 tensor-core work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route to them when
-``_gluon_wanted`` says so; the dK/dV pass stays Triton (a Gluon one was slower).
+``_gluon_wanted`` says so; the dK/dV pass is always the Triton one.
 
-Triton's ``tl`` cannot express the overlap (tried: the compiler waits for every QK^T wgmma at
-once, and its automatic warp specialisation rejects the loop), so these kernels issue and wait
+Triton's ``tl`` cannot express the overlap (its compiler waits for every QK^T wgmma at once,
+and its automatic warp specialisation rejects the loop), so these kernels issue and wait
 for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the
 keys and values into two rings of shared-memory stages guarded by mbarriers, each stage
 refilled as soon as the product reading it has completed. A stage holds a group of 64 keys:
