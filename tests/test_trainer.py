@@ -554,6 +554,7 @@ def rel_rms(a, b):
     return float((a - b).double().pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
 
 
+@pytest.mark.slow
 def test_the_moving_window_is_drawn_per_step_within_its_range(tmp_path, monkeypatch):
     windows = []
     real_sample = rollout_module.sample
