@@ -1,10 +1,11 @@
-# Two entry points (README): `make demo` and `make test`. Both create .venv when it is missing.
+# Entry points (README): `make demo`, `make test` (CI's command: ruff and every test) and
+# `make test-fast` (the tests not marked slow). Each creates .venv when it is missing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install
+.PHONY: demo test test-fast lint format install
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -36,11 +36,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .segments import (
+    add_column_terms,
+    gather_segments,
+    interpreting,
+    keep_block_n,
+    load_segment_tma,
+    selected_row,
+    store_pair_sums,
+)
+
 LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # -- autotune configs -----------------------------------------------------------------------------
@@ -49,10 +55,10 @@ def _interpreting() -> bool:
 
 
 def _fwd_configs() -> list[triton.Config]:
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    # measured on an H200 at Wan 720p (D=128, bf16): BLOCK_N=64, 4 warps, 2 stages won for
-    # every kv_block over (64|128) x (4|8 warps) x (2|3 stages); the rest are kept as fallbacks
+    # BLOCK_N=64, 4 warps, 2 stages first (the fastest at D=128, bf16, for every kv_block in
+    # ``benchmarks/tune_kernels.py --sweep``); the others stay as the autotuner's alternatives
     return [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))
@@ -60,18 +66,13 @@ def _fwd_configs() -> list[triton.Config]:
 
 
 def _dkv_configs() -> list[triton.Config]:
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"QG": 1}, num_warps=4, num_stages=1)]
-    # QG=1, 4 warps, 2 stages won at Wan 720p over QG 1/2/4 x 4/8 warps x 2/3 stages
+    # QG=1, 4 warps, 2 stages first (the fastest in ``benchmarks/tune_kernels.py --sweep``)
     return [
         triton.Config({"QG": qg}, num_warps=w, num_stages=s)
         for qg, w, s in ((1, 4, 2), (2, 4, 2), (2, 8, 2))
     ]
-
-
-def _keep_block_n(configs, named_args, **kwargs):
-    kv_block = kwargs["KV_BLOCK"]
-    return [c for c in configs if c.kwargs["BLOCK_N"] >= kv_block]
 
 
 def _keep_qg(configs, named_args, **kwargs):
@@ -82,69 +83,10 @@ def _keep_qg(configs, named_args, **kwargs):
 # -- forward --------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _add_column_terms(
-    b_s, p_bias, o_slot, m_slot, m_key, bias_to_dot,
-    HAS_BIAS: tl.constexpr, MAY_MASK: tl.constexpr,
-):  # fmt: skip
-    """Add the per-key terms to raw logits ``q . k``: the pair bias divided by the scale and
-    -inf at keys past a row's list or a segment's valid length. Both live in one [BLOCK_N]
-    vector, so the key mask costs no per-element select."""
-    if HAS_BIAS or MAY_MASK:
-        b_col = tl.zeros(m_key.shape, tl.float32)
-        if HAS_BIAS:
-            b_col = tl.load(p_bias + o_slot, mask=m_slot, other=0.0).to(tl.float32) * bias_to_dot
-        if MAY_MASK:
-            b_col = tl.where(m_key, b_col, float("-inf"))
-        b_s += b_col[None, :]
-    return b_s
-
-
-@triton.jit
-def _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX):
-    """A query tile's selection: pointers to its segment ids and pair biases (KMAX slots) and
-    its count of used slots."""
-    return KV_IDX + i_row * KMAX, BIAS + i_row * KMAX, tl.load(KV_CNT + i_row)
-
-
-@triton.jit
-def _gather_segments(
-    p_idx, KV_LEN, i_s, n_sel,
-    BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, HAS_LEN: tl.constexpr,
-):  # fmt: skip
-    """The BLOCK_N-key tile of the ``BLOCK_N // KV_BLOCK`` segments at slots ``i_s ..`` of a row's
-    list: key row n is key (n % KV_BLOCK) of the (n // KV_BLOCK)-th of them. Returns each key
-    row's slot, whether the slot is used, whether the key is valid (used slot, and within the
-    segment's length when ``HAS_LEN``) and its token index (int64)."""
-    o_n = tl.arange(0, BLOCK_N)
-    o_w = o_n % KV_BLOCK
-    o_slot = i_s + o_n // KV_BLOCK
-    m_slot = o_slot < n_sel
-    b_seg = tl.load(p_idx + o_slot, mask=m_slot, other=0)
-    m_key = m_slot
-    if HAS_LEN:
-        b_len = tl.load(KV_LEN + b_seg, mask=m_slot, other=0)
-        m_key = m_key & (o_w < b_len)
-    return o_slot, m_slot, m_key, b_seg.to(tl.int64) * KV_BLOCK + o_w
-
-
-@triton.jit
-def _load_segment_tma(
-    DESC_K, DESC_V, i_b, i_h, p_seg, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr
-):
-    """K and V rows [KV_BLOCK, HEAD_DIM] of the segment whose id is at ``p_seg``, as TMA copies
-    (Hopper's tensor memory accelerator: no per-element addresses in registers). Keys past a
-    partial segment's length are loaded too; the caller's -inf column bias gives them weight 0."""
-    at = [i_b.to(tl.int32), i_h.to(tl.int32), tl.load(p_seg) * KV_BLOCK, 0]
-    b_k = DESC_K.load(at).reshape(KV_BLOCK, HEAD_DIM)
-    b_v = DESC_V.load(at).reshape(KV_BLOCK, HEAD_DIM)
-    return b_k, b_v
-
-
 @triton.autotune(
     configs=_fwd_configs(),
     key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
-    prune_configs_by={"early_config_prune": _keep_block_n},
+    prune_configs_by={"early_config_prune": keep_block_n},
 )
 @triton.jit
 def _bsa_fwd_kernel(
@@ -203,7 +145,7 @@ def _bsa_fwd_kernel(
     b_q = tl.load(p_q)
     p_k0 = K + i_b.to(tl.int64) * s_kb + i_h.to(tl.int64) * s_kh
     p_v0 = V + i_b.to(tl.int64) * s_vb + i_h.to(tl.int64) * s_vh
-    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
+    p_idx, p_bias, n_sel = selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     # bias in log2 units is bias * LOG2E = qk_scale * (bias / scale)
     bias_to_dot = 1.4426950408889634 / qk_scale
 
@@ -212,11 +154,11 @@ def _bsa_fwd_kernel(
     b_acc = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
     for i_s in range(0, n_sel, G):
         # -- gather G segments into one BLOCK_N-key tile ----
-        o_slot, m_slot, m_key, o_tok_k = _gather_segments(
+        o_slot, m_slot, m_key, o_tok_k = gather_segments(
             p_idx, KV_LEN, i_s, n_sel, BLOCK_N, KV_BLOCK, HAS_LEN
         )
         if TMA and G == 1:
-            b_k, b_v = _load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
+            b_k, b_v = load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
             b_kt = tl.trans(b_k)
         else:
             # [HEAD_DIM, BLOCK_N]
@@ -231,7 +173,7 @@ def _bsa_fwd_kernel(
         # log2-domain scaling is one fused multiply-add with the row max below ----
         # [Q_TILE, BLOCK_N]
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PREC)
-        b_s = _add_column_terms(
+        b_s = add_column_terms(
             b_s, p_bias, o_slot, m_slot, m_key, bias_to_dot, HAS_BIAS, HAS_LEN or G > 1
         )
         # -- online softmax; a row may have seen only masked keys so far ----
@@ -256,23 +198,10 @@ def _bsa_fwd_kernel(
 # -- backward, query-major pass: dQ, d(bias), delta -----------------------------------------------
 
 
-@triton.jit
-def _store_pair_sums(p_out, i_s, n_sel, b_x, G: tl.constexpr, KV_BLOCK: tl.constexpr):
-    """Store the sums of ``b_x`` [Q_TILE, BLOCK_N] over each gathered pair's block (the tile's
-    rows x the segment's keys) at slots ``i_s .. i_s + G`` of the row's list."""
-    if G == 1:
-        # row sums first: in-warp reductions, then one across the rows
-        tl.store(p_out + i_s, tl.sum(tl.sum(b_x, 1), 0).to(p_out.dtype.element_ty))
-    else:
-        o_gs = tl.arange(0, G)
-        b_sum = tl.sum(tl.reshape(tl.sum(b_x, 0), [G, KV_BLOCK]), 1)
-        tl.store(p_out + i_s + o_gs, b_sum.to(p_out.dtype.element_ty), mask=(i_s + o_gs) < n_sel)
-
-
 @triton.autotune(
     configs=_fwd_configs(),
     key=["Q_TILE", "KV_BLOCK", "HEAD_DIM"],
-    prune_configs_by={"early_config_prune": _keep_block_n},
+    prune_configs_by={"early_config_prune": keep_block_n},
 )
 @triton.jit
 def _bsa_bwd_dq_kernel(
@@ -350,18 +279,18 @@ def _bsa_bwd_dq_kernel(
 
     p_k0 = K + i_b * s_kb + i_h * s_kh
     p_v0 = V + i_b * s_vb + i_h * s_vh
-    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
+    p_idx, p_bias, n_sel = selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     p_dbias = DBIAS + i_row * KMAX
     p_mass = MASS + i_row * KMAX
     bias_to_dot = 1.4426950408889634 / qk_scale
 
     b_dq = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
     for i_s in range(0, n_sel, G):
-        o_slot, m_slot, m_key, o_tok_k = _gather_segments(
+        o_slot, m_slot, m_key, o_tok_k = gather_segments(
             p_idx, KV_LEN, i_s, n_sel, BLOCK_N, KV_BLOCK, HAS_LEN
         )
         if TMA and G == 1:
-            b_k, b_v = _load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
+            b_k, b_v = load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
         else:
             # [BLOCK_N, HEAD_DIM]
             b_k = tl.load(
@@ -373,7 +302,7 @@ def _bsa_bwd_dq_kernel(
         # -- recompute P from the saved lse (logits as in the forward: bias / scale, one FMA) ----
         # [Q_TILE, BLOCK_N]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-        b_s = _add_column_terms(
+        b_s = add_column_terms(
             b_s, p_bias, o_slot, m_slot, m_key, bias_to_dot, HAS_BIAS, HAS_LEN or G > 1
         )
         b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
@@ -384,8 +313,8 @@ def _bsa_bwd_dq_kernel(
         if HAS_BIAS:
             # d(bias) of a pair: dS summed over the tile's rows and the segment's keys; and the
             # pair's probability mass, which bsa_backward uses to restore the softmax identity
-            _store_pair_sums(p_dbias, i_s, n_sel, b_ds, G, KV_BLOCK)
-            _store_pair_sums(p_mass, i_s, n_sel, b_p, G, KV_BLOCK)
+            store_pair_sums(p_dbias, i_s, n_sel, b_ds, G, KV_BLOCK)
+            store_pair_sums(p_mass, i_s, n_sel, b_p, G, KV_BLOCK)
 
     p_dq = DQ + i_bh.to(tl.int64) * S * HEAD_DIM + o_tok_q[:, None] * HEAD_DIM + o_d[None, :]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty))
@@ -661,10 +590,10 @@ def _restore_softmax_identity(
     tile's pairs add up to the tile's sum of dLSE. With 16-bit inputs the kernel's delta comes
     from the rounded output O and the rounded P of the forward's PV product, which breaks this
     by ~1% of |d(bias)| per tile. Harmless for dQ / dK, but d(alpha) = sum d(bias) * log p
-    multiplies the broken sum by the mean log-probability (about -ln(NSEG)), which swamped it
-    (0.73 relative RMS off the float32 path at bf16 on an H200). The excess is taken back from
-    the tile's pairs in proportion to their probability mass, which is how it arose if the
-    per-row error is even across the tile's rows. Float32 inputs change in the last bits only.
+    multiplies the broken sum by the mean log-probability (about -ln(NSEG)), which would swamp
+    it at bf16. The excess is taken back from the tile's pairs in proportion to their
+    probability mass, which is how it arose if the per-row error is even across the tile's
+    rows. Float32 inputs change in the last bits only.
     """
     B, H, NQ, _ = dbias.shape
     target = torch.zeros((B, H, NQ), device=dbias.device)
@@ -684,7 +613,7 @@ def _tma_descriptors(rows: int, *tensors: torch.Tensor) -> tuple[tuple, bool]:
     themselves and False where TMA does not apply (a GPU older than Hopper, a stride or the base
     address not a multiple of 16 bytes): the kernels then gather rows by pointers."""
     x = tensors[0]
-    usable = _interpreting() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    usable = interpreting() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
     usable = usable and all(
         t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
         for t in tensors

@@ -33,21 +33,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse import (
-    _add_column_terms,
-    _gather_segments,
-    _interpreting,
-    _keep_block_n,
-    _load_segment_tma,
-    _selected_row,
-    _store_pair_sums,
+from .segments import (
+    add_column_terms,
+    gather_segments,
+    interpreting,
+    keep_block_n,
+    load_segment_tma,
+    selected_row,
+    store_pair_sums,
 )
 
 __all__ = ["bsa_backward_fused", "key_range_bounds", "num_key_ranges"]
 
 
 def _fused_configs() -> list[triton.Config]:
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
     # not tuned on a GPU yet. ptxas (sm_90, D=128): 64 keys fit 8 warps without spills (~240
     # registers), 4 warps spill; 32 keys fit 4 warps
@@ -88,7 +88,7 @@ def _load_query_tile(
 @triton.autotune(
     configs=_fused_configs(),
     key=["Q_TILE", "KV_BLOCK", "HEAD_DIM", "DQ_ATOMIC"],
-    prune_configs_by={"early_config_prune": _keep_block_n},
+    prune_configs_by={"early_config_prune": keep_block_n},
     # autotuning runs the kernel once per config: the atomic targets must start at zero each time
     reset_to_zero=["DQ", "DK", "DV"],
 )
@@ -117,7 +117,7 @@ def _bsa_bwd_fused_kernel(
         s_dob, s_doh, s_dos, S, HEAD_DIM, HAS_DLSE,
     )  # fmt: skip
     # slots [lo, hi) of the row hold the segments of key range i_r (BOUNDS is [R + 1, rows])
-    p_idx, p_bias, hi = _selected_row(KV_IDX, BOUNDS + (i_r + 1) * n_rows, BIAS, i_row, KMAX)
+    p_idx, p_bias, hi = selected_row(KV_IDX, BOUNDS + (i_r + 1) * n_rows, BIAS, i_row, KMAX)
     lo = tl.load(BOUNDS + i_r * n_rows + i_row)
     p_k0 = K + i_b * s_kb + i_h * s_kh
     p_v0 = V + i_b * s_vb + i_h * s_vh
@@ -128,11 +128,11 @@ def _bsa_bwd_fused_kernel(
     b_dq = tl.zeros([Q_TILE, HEAD_DIM], tl.float32)
     for i_s in range(lo, hi, G):
         # -- gather G segments into one BLOCK_N-key tile ----
-        o_slot, m_slot, m_key, o_tok_k = _gather_segments(
+        o_slot, m_slot, m_key, o_tok_k = gather_segments(
             p_idx, KV_LEN, i_s, hi, BLOCK_N, KV_BLOCK, HAS_LEN
         )
         if TMA and G == 1:
-            b_k, b_v = _load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
+            b_k, b_v = load_segment_tma(DESC_K, DESC_V, i_b, i_h, p_idx + i_s, KV_BLOCK, HEAD_DIM)
         else:
             # [BLOCK_N, HEAD_DIM]
             b_k = tl.load(
@@ -144,7 +144,7 @@ def _bsa_bwd_fused_kernel(
         # -- recompute P from the saved lse (logits as in the forward) ----
         # [Q_TILE, BLOCK_N]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-        b_s = _add_column_terms(
+        b_s = add_column_terms(
             b_s, p_bias, o_slot, m_slot, m_key, bias_to_dot, HAS_BIAS, HAS_LEN or G > 1
         )
         b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
@@ -155,8 +155,8 @@ def _bsa_bwd_fused_kernel(
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         b_ds = b_p * (b_dp - b_delta[:, None])
         if HAS_BIAS:
-            _store_pair_sums(DBIAS + i_row * KMAX, i_s, hi, b_ds, G, KV_BLOCK)
-            _store_pair_sums(MASS + i_row * KMAX, i_s, hi, b_p, G, KV_BLOCK)
+            store_pair_sums(DBIAS + i_row * KMAX, i_s, hi, b_ds, G, KV_BLOCK)
+            store_pair_sums(MASS + i_row * KMAX, i_s, hi, b_p, G, KV_BLOCK)
         b_ds = (b_ds * scale).to(b_k.dtype)
         b_dq += tl.dot(b_ds, b_k, input_precision=DOT_PREC)
         b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)

@@ -1,10 +1,10 @@
 """Hopper (sm_90) Gluon kernels of the VSA2 fine stage (q_tile 64): the forward and the dQ pass
 of the backward for kv_block 16, 32 and 64, with the FlashAttention-3 overlap of softmax and
 tensor-core work. ``block_sparse.bsa_forward`` / ``bsa_backward`` route to them when
-``_gluon_wanted`` says so; the dK/dV pass stays Triton (a Gluon one was slower).
+``_gluon_wanted`` says so; the dK/dV pass is always the Triton one.
 
-Triton's ``tl`` cannot express the overlap (tried: the compiler waits for every QK^T wgmma at
-once, and its automatic warp specialisation rejects the loop), so these kernels issue and wait
+Triton's ``tl`` cannot express the overlap (its compiler waits for every QK^T wgmma at once,
+and its automatic warp specialisation rejects the loop), so these kernels issue and wait
 for the wgmma groups themselves (``warpgroup_mma`` / ``warpgroup_mma_wait``) and stream the
 keys and values into two rings of shared-memory stages guarded by mbarriers, each stage
 refilled as soon as the product reading it has completed. A stage holds a group of 64 keys:
@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .block_sparse import _selected_row
+from .segments import selected_row
 
 BLOCK = 64  # query rows per tile = keys per segment
 
@@ -272,7 +272,7 @@ def _bsa_fwd_gluon_kernel(
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
 
-    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
+    p_idx, p_bias, n_sel = selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     n_grp = (n_sel + G - 1) // G
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [i_b, i_h, i_t * BLOCK, 0], q_bar, q_smem)
@@ -458,7 +458,7 @@ def _bsa_bwd_dq_gluon_kernel(
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
 
-    p_idx, p_bias, n_sel = _selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
+    p_idx, p_bias, n_sel = selected_row(KV_IDX, KV_CNT, BIAS, i_row, KMAX)
     n_grp = (n_sel + G - 1) // G
     p_dbias = DBIAS + i_row * KMAX
     p_mass = MASS + i_row * KMAX

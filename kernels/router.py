@@ -28,11 +28,8 @@ from .ops import resolve_backend
 from .topk import dense_score_grads, topk_log_softmax
 
 _MODES = ("topk", "topp")
-# rows up to this many segments take the Triton top-k. Measured on an H200 (1 x 40 heads x 1176
-# tiles, KMAX = 5% of the row; `benchmarks/tune_kernels.py --topk`), Triton top-k with its lse
-# against torch.topk alone: 1176 segments 0.83 / 1.72 ms, 2352 segments 1.86 / 2.34 ms, 4704
-# segments (kv16 at 720p) 3.92 / 4.24 ms; in "topp" mode (the nucleus too) 1.02, 2.31 and 4.60
-# ms. Wider rows than that were not measured.
+# rows up to this many segments take the Triton top-k (its row lives in registers), wider ones
+# torch.topk; `benchmarks/tune_kernels.py --topk` times the two
 TRITON_TOPK_MAX_SEGMENTS = 8192
 
 
@@ -139,9 +136,9 @@ def _fused_score_backward(
     """The backward of ``_TopLogProbs`` on the Triton path (float32 scores): the raw scores from
     one GEMM, the dense term ``-grad_sum * p`` in one pass (``dense_score_grads``), the selected
     entries written from the saved log-probabilities, and the two GEMMs on the tensor cores in
-    bf16 for 16-bit pooled inputs on CUDA (float32 accumulation). At Wan-14B 720p kv_block 16
-    the torch path ran a float32 mask-minus-lse buffer, two in-place passes and float32 GEMMs
-    (no tensor-core path on an H200) over the [B, H, NQ, NSEG] matrix."""
+    bf16 for 16-bit pooled inputs on CUDA (float32 accumulation), where the torch path runs a
+    float32 mask-minus-lse buffer, two in-place passes and float32 GEMMs over the
+    [B, H, NQ, NSEG] matrix."""
     B, H, NQ, D = q_pooled.shape
     NSEG = k_seg_pooled.shape[2]
     half_inputs = q_pooled.dtype in (torch.float16, torch.bfloat16) and q_pooled.is_cuda
@@ -215,7 +212,7 @@ def _scores_plus(init, q_pooled, k_seg_pooled, scale) -> torch.Tensor:
     pass over the scores as ``* scale`` and ``masked_fill`` would. Half-precision pooled inputs
     on CUDA multiply on the tensor cores into a float32 result (``out_dtype``): their products
     are exact in float32, so this equals the float32 GEMM up to the order of the sums, at a
-    fraction of its time (an H200 has no float32 tensor-core path).
+    fraction of its time (the tensor cores have no float32 path).
     """
     B, H, NQ, D = q_pooled.shape
     NSEG = k_seg_pooled.shape[2]

@@ -1,11 +1,10 @@
 """Row-wise top-k selection with log-softmax, one Triton program per row (the router's top-k),
 and the row pass of its backward.
 
-``torch.topk`` of KMAX out of NSEG router scores per query tile, with the passes of the row
-log-sum-exp around it, was the largest piece of the router's time at Wan 720p. This kernel
-takes 0.83 ms there (H=40, 1176 segments, KMAX=59, H200; torch.topk alone 1.72 ms), and 3.92
-ms at 4704 segments (kv16; torch.topk alone 4.24 ms); see ``router.TRITON_TOPK_MAX_SEGMENTS``.
-It reads each row once and, in registers:
+``topk_log_softmax`` selects KMAX of NSEG router scores per query tile together with the row
+log-sum-exp, in place of ``torch.topk`` and the separate log-sum-exp passes around it; the
+router uses it for rows of up to ``router.TRITON_TOPK_MAX_SEGMENTS`` segments. It reads each
+row once and, in registers:
 
 1. computes the row log-sum-exp (max, then sum of exp);
 2. finds a threshold for the KMAX largest scores exactly by a bitwise binary search over the
@@ -17,24 +16,23 @@ It reads each row once and, in registers:
 4. writes the kept ids in ascending id order with their log-softmax values ``score - lse``;
 5. for the router's "topp" mode, reads the KMAX winners back, finds the nucleus (the smallest
    set of best winners whose probability mass reaches top_p, ties in id order) and rewrites
-   the winners as the kept ids ascending followed by the others ascending. Up to
-   ``SORTED_NUCLEUS_MAX`` winners it sorts them best first in registers (``tl.sort`` of
-   (score key, id) packed into one integer) and counts the prefix; above, where that sort
-   grows slow (10.4 ms for 588 winners per row at kv16 0.875), it sorts nothing: a bitwise
+   the winners as the kept ids ascending followed by the others ascending (the fine stage
+   reads segments in id order). Up to ``SORTED_NUCLEUS_MAX`` winners it sorts them best first
+   in registers (``tl.sort`` of (score key, id) packed into one integer) and counts the
+   prefix; above, where a register sort of that many grows slow, it sorts nothing: a bitwise
    search over their keys for the largest threshold whose winners at or above it hold top_p of
    the mass (32 mass-weighted counts; a count search as in 2 where fewer than min_kv reach
-   it), and positions from prefix sums (1.35 ms there).
+   it), and positions from prefix sums.
 
-In "topp" mode this replaced a sort of the winners, a cumulative sum and a second sort back to
-id order in torch (the fine stage runs faster over segments in id order). The router hands it
-the raw GEMM output ``q . k``: score scale and segment mask are applied as a row is loaded, so
-the GEMM writes without an expanded mask to start from (kv16 top-p forward at Wan 720p, H200:
-24.55 -> 23.96 ms, part outside the fine stage 7.61 -> 7.11 ms).
+The router hands it the raw GEMM output ``q . k``: score scale and segment mask are applied as
+a row is loaded, so the GEMM writes without an expanded mask to start from.
 
 ``dense_score_grads`` is the backward's row pass: the dense term ``-grad_sum * softmax`` of the
 score gradient from the raw scores ``q . k``, in one read, written in bf16 for the tensor-core
-GEMMs of the pooled gradients. With it the part of the kv_block-16 op outside the fine stage at
-Wan 720p (H200, top-p, fwd+bwd) went from 18.7 to 14.0 ms (``router._fused_score_backward``).
+GEMMs of the pooled gradients (``router._fused_score_backward``).
+
+``benchmarks/tune_kernels.py --topk`` times the kernel against ``torch.topk`` and the sort
+against the search; docs/results.md ("Where the time goes") gives the router's share of the op.
 """
 
 from __future__ import annotations
@@ -197,15 +195,12 @@ def _keep_top_p_by_sort(
     tl.store(COUNTS + i_row, n_keep)
 
 
-# warps per row: 4 ran fastest at every router width measured (1176 to 4704 segments, H200;
-# ``benchmarks/tune_kernels.py --topk``): more warps wait longer on the cross-warp sums of the
-# threshold search, fewer hold too many of a wide row's scores each (2 warps: 11.4 ms at 4704)
+# warps per row (``benchmarks/tune_kernels.py --topk`` compares them): more warps wait longer on
+# the cross-warp sums of the threshold search, fewer hold too many of a wide row's scores each
 NUM_WARPS = 4
-# top-p sorts the winners in registers up to this many (padded to a power of two) and searches
-# a mass threshold above it. Top-p part alone (topp minus topk time), H200, 40 x 1176 rows
-# (``tune_kernels.py --topk``), sort / search: 64 winners 0.19 / 0.48 ms, 128 0.43 / 1.01, 256
-# 0.67 / 0.81, 1024 (kv16 at 0.875) 10.43 / 1.35, 2048 (kv16 at 0.75) search 2.51 (the sort's
-# run did not end within its 80 s limit); 512 not measured
+# top-p sorts the winners in registers up to this many (padded to a power of two), where the
+# sort is the faster of the two, and searches a mass threshold above it, where the sort's cost
+# grows far faster than the search's (``benchmarks/tune_kernels.py --topk`` times both)
 SORTED_NUCLEUS_MAX = 256
 
 

@@ -36,11 +36,11 @@ from .registry import (
     RewardError,
     RewardFn,
     RewardSkip,
-    check_videos,
     get_reward,
     list_rewards,
     register_reward,
 )
+from .videos import check_videos
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from .registry import Reward, RewardError, RewardSkip, check_videos, get_reward
+from .registry import Reward, RewardError, RewardSkip, get_reward
+from .videos import check_videos
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .videos import check_videos
+
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 RewardFactory = Callable[..., RewardFn]
 
@@ -86,45 +88,6 @@ def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFa
 def list_rewards() -> list[str]:
     """Registered reward names (built-ins and those registered by imported modules)."""
     return sorted(_REGISTRY)
-
-
-def check_videos(
-    videos: Any, prompts: Sequence[str] | None = None, metadata: Sequence[dict] | None = None
-) -> int:
-    """Validate reward input; returns the batch size B. Raises ValueError naming the problem."""
-    if not isinstance(videos, torch.Tensor):
-        raise ValueError(f"videos: expected a torch.Tensor [B, T, C, H, W], got {type(videos)}")
-    if videos.dim() != 5:
-        raise ValueError(
-            f"videos: expected rank 5 [B, T, C, H, W], got shape {tuple(videos.shape)}; "
-            f"add a batch dimension with videos[None] for a single video"
-        )
-    if not videos.dtype.is_floating_point:
-        raise ValueError(
-            f"videos: expected a float tensor in [0, 1], got dtype {videos.dtype}; "
-            f"convert uint8 frames with videos.float() / 255"
-        )
-    batch, frames = videos.shape[:2]
-    if batch < 1 or frames < 2:
-        raise ValueError(
-            f"videos: need B >= 1 videos of at least 2 frames, got shape {tuple(videos.shape)}"
-        )
-    if not bool(((videos >= 0) & (videos <= 1)).all()):
-        finite = videos[torch.isfinite(videos)]
-        span = (
-            f"[{finite.min().item():.4g}, {finite.max().item():.4g}]" if finite.numel() else "n/a"
-        )
-        has_nan = bool(torch.isnan(videos).any())
-        raise ValueError(
-            f"videos: values must lie in [0, 1], got finite range {span}"
-            f"{' and NaN values' if has_nan else ''}; map decoder output from [-1, 1] with "
-            f"(x + 1) / 2 and clamp to [0, 1]"
-        )
-    if prompts is not None and len(prompts) != batch:
-        raise ValueError(f"prompts: expected {batch} prompts (one per video), got {len(prompts)}")
-    if metadata is not None and len(metadata) != batch:
-        raise ValueError(f"metadata: expected {batch} dicts (one per video), got {len(metadata)}")
-    return batch
 
 
 class Reward:

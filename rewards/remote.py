@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .registry import check_videos
+from .videos import check_videos
 
 PREFIX = "remote:"
 

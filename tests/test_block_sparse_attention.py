@@ -376,6 +376,7 @@ def test_top_level_kernels_import_without_another_package_fails_as_if_absent(mon
     assert "kernels" not in sys.modules
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_without_graph_break():
     B, H, S, D = 1, 1, 64, 16
     ids, counts = make_selection(1, 1, 4, 4, 2, empty_rows=False)

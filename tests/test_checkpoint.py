@@ -173,6 +173,7 @@ def test_staged_checkpoint_commits_files_written_by_other_processes(tmp_path):
         save_checkpoint(root, 3, {"step": 3}, staged=elsewhere)
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
@@ -412,6 +413,7 @@ def test_a_pickle_planted_with_recomputed_checksums_falls_back_to_the_previous_c
     assert path == tmp_path / "step_1" and restored["optimizer"] == {"lr": 0.1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["model", "optimizer"])
 def test_a_save_that_fills_the_disk_is_one_line_naming_the_file_and_leaves_nothing(tmp_path, entry):
     # a file-size limit (ulimit -f) fails writes as a full disk does; python ignores SIGXFSZ

@@ -204,6 +204,7 @@ def test_cli_bad_input_exits_2_and_writes_nothing(argv, tmp_path, capsys):
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_train_rl_script_is_the_train_subcommand(tmp_path):
     out_dir = tmp_path / "run"
     result = subprocess.run(

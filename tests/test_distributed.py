@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test starts processes that train
+
 FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -68,6 +68,7 @@ def _has_ptxas() -> bool:
     return (Path(triton.__file__).parent / PTXAS_RELATIVE).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton ships no ptxas")
 @pytest.mark.parametrize("kv_block,dq_atomic", [(16, True), (16, False), (64, False)])
 def test_fused_backward_compiles_for_hopper_without_spills(kv_block, dq_atomic, tmp_path):

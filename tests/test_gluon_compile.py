@@ -79,6 +79,7 @@ def _has_ptxas() -> bool:
     return has_gluon and (Path(triton.__file__).parent / PTXAS_RELATIVE).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no Gluon or ships no ptxas")
 @pytest.mark.parametrize(
     "kernel,constants",

@@ -286,6 +286,7 @@ def test_load_tiny_wan_directory(tmp_path):
         only.encode_prompts(["a"])
 
 
+@pytest.mark.slow
 def test_compiled_vsa2_model_follows_the_sparsity_state_without_recompiling():
     """Compiled blocks must follow the shared state as it switches between rollout and eval
     sparsities (the router turns the sparsity into a shape, which torch.compile must not make
@@ -318,6 +319,7 @@ def test_compiled_vsa2_model_follows_the_sparsity_state_without_recompiling():
     assert state.pop_density() == pytest.approx((0.25 + 0.1 + 0.25) / 3, abs=0.02)
 
 
+@pytest.mark.slow
 def test_a_compiled_vsa2_model_builds_its_tile_layout_outside_the_graph():
     """torch.compile of the whole transformer traces its forward pre-hook too; building the
     tile order there would put it in the graph, to run on every call."""
@@ -381,6 +383,7 @@ def test_wan_block_forward_equals_diffusers_block_forward(per_token_temb):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_compile_blocks_compiles_vsa2_blocks_whole():
     """compile_blocks: a dense model's blocks compile whole (diffusers); a VSA2 model's blocks
     run the compiled wan_block_forward with and without autograd, with the eager model's
@@ -410,6 +413,7 @@ def test_compile_blocks_compiles_vsa2_blocks_whole():
         torch.testing.assert_close(_run(frozen, inputs), _run(eager, inputs), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_compiled_vsa2_blocks_with_lora_adapters_match_eager_and_switch_them_off():
     """The recipes' LoRA runs: compiled VSA2 blocks with peft adapters give the eager model's
     outputs and gradients, and with the adapters disabled (the KL reference policy) its
@@ -439,6 +443,7 @@ def test_compiled_vsa2_blocks_with_lora_adapters_match_eager_and_switch_them_off
         assert (adapters_off - want[0]).abs().max() > 1e-2, "the adapters must matter here"
 
 
+@pytest.mark.slow
 def test_compiled_vsa2_blocks_compile_once_for_a_new_grid():
     """The pre-hook puts a new grid's tile/untile indices on the device before the compiled
     blocks run. Made inside the first block's compiled call instead, they were found cached by

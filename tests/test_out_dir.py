@@ -109,6 +109,7 @@ def _start_a_long_run(out_dir) -> subprocess.Popen:
     return run
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_folder_in_use_stops_and_a_killed_run_frees_it(tmp_path, capsys):
     out_dir = tmp_path / "run"
     first = _start_a_long_run(out_dir)

@@ -44,6 +44,7 @@ def _config(tmp_path, name, *extra):
     )
 
 
+@pytest.mark.slow
 def test_async_scoring_overlaps_the_rollout_and_trains_as_synchronous_scoring(
     tmp_path, monkeypatch
 ):
@@ -156,6 +157,7 @@ def _remote_config(tmp_path, port, *extra):
     )
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_skips_the_steps_it_cannot_score(tmp_path, dying_server):
     process, port = dying_server
     summary = train(_remote_config(tmp_path, port, "rewards.on_error=skip"))
@@ -171,6 +173,7 @@ def test_a_server_killed_mid_run_skips_the_steps_it_cannot_score(tmp_path, dying
         assert torch.equal(value, step_1[name]), name
 
 
+@pytest.mark.slow
 def test_a_server_killed_under_on_error_stop_stops_the_run_resumably(tmp_path, dying_server):
     process, port = dying_server
     with pytest.raises(RewardError, match=rf"remote_dies_at_the_second_request.*127.0.0.1:{port}"):

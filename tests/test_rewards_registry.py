@@ -409,6 +409,7 @@ def test_system_exit_and_in_place_edits_are_reward_failures():
         mixer(_videos(batch=2), ["a", "b"])
 
 
+@pytest.mark.slow
 def test_one_ctrl_c_stops_a_mixer_waiting_on_a_hung_reward(tmp_path):
     import signal
     import subprocess

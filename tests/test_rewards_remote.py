@@ -90,6 +90,7 @@ def _body(videos: torch.Tensor, prompts: str = '["a", "b"]', metadata: str = "[{
     return zlib.compress(save_tensors({"videos": videos.contiguous()}, metadata=header))
 
 
+@pytest.mark.slow
 def test_a_served_reward_scores_as_the_local_one(server):
     _, url = server
     remote = get_reward(f"remote:{url}", timeout=30)
@@ -100,6 +101,7 @@ def test_a_served_reward_scores_as_the_local_one(server):
     torch.testing.assert_close(remote(videos, ["a", "b", "c"]), local, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_server_bounds_request_sizes(server):
     _, url = server
     remote = get_reward(f"remote:{url}", timeout=30, retries=0)
@@ -109,6 +111,7 @@ def test_the_server_bounds_request_sizes(server):
         remote(noise, ["a", "b"])
 
 
+@pytest.mark.slow
 def test_a_killed_server_is_a_reward_failure_that_on_error_handles(server):
     process, url = server
     mixer = RewardMixer([(f"remote:{url}", 1.0, {"timeout": 5, "retries": 1})], on_error="skip")
@@ -173,6 +176,7 @@ def test_a_server_answering_garbage_or_the_wrong_batch_is_a_reward_error(imposto
 # ---- bounded connections ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_idle_and_half_sent_connections_are_dropped_after_the_client_timeout(server):
     _, url = server
     idle, partial = _connect(url), _connect(url)
@@ -185,6 +189,7 @@ def test_idle_and_half_sent_connections_are_dropped_after_the_client_timeout(ser
     assert _status(_exchange(url, b"GET /health HTTP/1.1\r\n\r\n")) == 200
 
 
+@pytest.mark.slow
 def test_connections_beyond_max_connections_get_503_until_one_frees(server):
     _, url = server
     held = [_connect(url), _connect(url)]  # --max-connections 2, both taken
@@ -214,6 +219,7 @@ BAD_REQUESTS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_REQUESTS)
 def test_client_mistakes_get_400_with_a_one_line_reason(server, case):
     _, url = server
@@ -225,6 +231,7 @@ def test_client_mistakes_get_400_with_a_one_line_reason(server, case):
     assert _status(_exchange(url, b"GET /health HTTP/1.1\r\n\r\n")) == 200  # still serving
 
 
+@pytest.mark.slow
 def test_the_client_does_not_retry_a_400_and_names_the_reason(server):
     _, url = server
     reward = get_reward(f"remote:{url}", timeout=30, retries=2)
@@ -270,12 +277,14 @@ def _serve_reward_error(*options) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_ARGUMENTS)
 def test_bad_serve_reward_arguments_are_one_error_line_and_exit_2(case):
     options, reason = BAD_ARGUMENTS[case]
     assert reason in _serve_reward_error(*options)
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_refused_before_the_reward_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -289,6 +298,7 @@ def test_a_port_in_use_is_refused_before_the_reward_loads():
 # ---- what one client can hold: time, memory, a traceback --------------------------------------
 
 
+@pytest.mark.slow
 def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(server):
     import select
 
@@ -388,6 +398,7 @@ def test_a_client_that_leaves_is_one_log_line(capsys):
     assert capsys.readouterr().err == "127.0.0.1: connection dropped ([Errno 32] Broken pipe)\n"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_server_with_one_line_and_exit_130():
     process, _ = _start()
     process.send_signal(2)  # SIGINT, as Ctrl-C sends

@@ -60,6 +60,7 @@ def _topk_variant(nseg: int, kmax: int, top_p: bool) -> dict:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton ships no ptxas")
 @pytest.mark.parametrize(
     "nseg,kmax,nucleus",
@@ -79,6 +80,7 @@ def test_router_topk_kernel_compiles_for_hopper(nseg, kmax, nucleus, tmp_path):
     assert (tmp_path / "kernel.cubin").stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton ships no ptxas")
 def test_router_backward_row_pass_compiles_for_hopper(tmp_path):
     report = _compile_in_child("_dense_score_grad_kernel", dict(BLOCK=1024), tmp_path)

@@ -180,6 +180,7 @@ def tiny_testbed(monkeypatch):
     monkeypatch.setattr(sparsity_claims, "CLAIM2_STEPS", 2)
 
 
+@pytest.mark.slow
 def test_every_part_runs_and_the_report_has_each_claim(tmp_path, tiny_testbed):
     out = tmp_path / "claims"
     sparsity_claims.main(["base", "claim1", "claim2", "report", "--out", str(out),
@@ -221,6 +222,7 @@ def test_every_part_runs_and_the_report_has_each_claim(tmp_path, tiny_testbed):
     assert low[0] == dense[0] == info["stages"][0]
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_not_run_again(tmp_path, tiny_testbed, monkeypatch):
     out = tmp_path / "claims"
     sparsity_claims.main(["base", "--out", str(out), "--backend", "torch"])
@@ -246,6 +248,7 @@ def _low_then_dense(out: Path) -> list:
             sparsity_claims.Run(out / "dense", testbed.testbed_recipe("dense"), low)]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_runs_in_worker_processes_give_the_figures_of_one_process(tmp_path, tiny_testbed):
     for jobs in (1, 2):
         runs = _low_then_dense(tmp_path / f"jobs{jobs}")
@@ -259,6 +262,7 @@ def test_runs_in_worker_processes_give_the_figures_of_one_process(tmp_path, tiny
         assert "saved to" in (tmp_path / "jobs2" / f"{name}.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_failed_run_skips_only_the_runs_that_continue_it(tmp_path, tiny_testbed):
     (tmp_path / "low").write_text("a file where the 32 px stage's folder goes")
     other = sparsity_claims.Run(tmp_path / "other", testbed.low_resolution_recipe(seed=1))
@@ -270,6 +274,7 @@ def test_a_failed_run_skips_only_the_runs_that_continue_it(tmp_path, tiny_testbe
     assert not (tmp_path / "dense").exists()
 
 
+@pytest.mark.slow
 def test_a_claim_alone_builds_only_the_bases_it_continues(tmp_path, tiny_testbed):
     sparsity_claims.main(["claim2", "--out", str(tmp_path), "--backend", "torch", "--seeds", "0"])
     built = {name for name in ("low", "dense", "rebase", "sparse")
@@ -288,6 +293,7 @@ def test_dependency_order_moves_a_base_just_before_its_first_dependent():
     assert [str(r.folder) for r in ordered] == ["rebase", "claim_a", "claim_b", "dense", "sparse"]
 
 
+@pytest.mark.slow
 def test_runs_in_one_process_follow_the_runs_they_continue_whatever_the_parts_order(
     tmp_path, tiny_testbed
 ):
@@ -299,6 +305,7 @@ def test_runs_in_one_process_follow_the_runs_they_continue_whatever_the_parts_or
         assert sparsity_claims._info(sparsity_claims.claim2_folder(tmp_path, trained, 0))
 
 
+@pytest.mark.slow
 def test_a_base_stored_in_bf16_is_its_weights_rounded_and_claims_continue_it(
     tmp_path, tiny_testbed
 ):
@@ -378,6 +385,7 @@ if __name__ == "__main__":
     return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_a_sigterm_stops_the_workers_with_their_state_saved(tmp_path):
     """`timeout` stops a call with SIGTERM: no worker may go on writing into the output, and
     each saves its stage's state for the next call to continue from."""
@@ -404,6 +412,7 @@ def test_a_sigterm_stops_the_workers_with_their_state_saved(tmp_path):
         assert (tmp_path / f"run{index}" / PARTIAL_FILE).exists()
 
 
+@pytest.mark.slow
 def test_a_sigterm_stops_a_run_in_this_process_with_its_state_saved(tmp_path):
     parent = _start_long_runs(tmp_path, jobs=1)
     lines = [parent.stdout.readline()]

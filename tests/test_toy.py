@@ -68,6 +68,7 @@ def test_loading_the_toy_model_in_float32_casts_nothing_and_warns_nothing(monkey
     assert {p.dtype for p in half.transformer.parameters()} == {torch.bfloat16}
 
 
+@pytest.mark.slow
 def test_shipped_toy_model_draws_its_shapes():
     """On held-out prompts, dense and at the rollouts' sparsity, the shipped toy draws one blob
     of the prompted colour and about the prompted size in most frames (the model shipped before
@@ -94,6 +95,7 @@ def _moves_the_prompted_way(video: torch.Tensor, prompt: str) -> bool:
     return bool(follows_direction(moved, torch.tensor(DIRECTIONS[spec.direction])))
 
 
+@pytest.mark.slow
 def test_shipped_toy_model_has_part_of_the_motion_skill():
     """The base RL starts from has part of the skill: on held-out prompts (ODE at the
     evaluation's sparsity 0.25, 4 noises each) it moves the shape the prompted way in 35-65% of

@@ -73,6 +73,7 @@ def assert_same_build(folder, reference) -> None:
     assert training_info(folder) == training_info(reference)
 
 
+@pytest.mark.slow
 def test_a_stopped_build_continues_as_the_uninterrupted_build(tmp_path, uninterrupted):
     stopped = tmp_path / "stopped"
     # 4 steps of stage 0, then stage 1 stops before its step 2: mid-ramp, after one curve point
@@ -88,6 +89,7 @@ def test_a_stopped_build_continues_as_the_uninterrupted_build(tmp_path, uninterr
     assert_same_build(stopped, uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_build_killed_at_a_stage_end_continues_after_its_last_step(
     tmp_path, uninterrupted, monkeypatch
 ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vsa2_rl.attention import SparsityState
@@ -17,6 +18,7 @@ from vsa2_rl.toy.model import (
 )
 
 
+@pytest.mark.slow
 def test_the_gate_measures_before_and_after_on_the_same_noises():
     """Without fine-tuning the two measurements are of the same videos: a gain of exactly 0,
     which fails the gate; the base passed in is left as it was."""
@@ -30,6 +32,7 @@ def test_the_gate_measures_before_and_after_on_the_same_noises():
     assert all(torch.equal(weights[k], v) for k, v in base.transformer.state_dict().items())
 
 
+@pytest.mark.slow
 def test_a_base_without_the_skill_fails_the_gate():
     """An untrained toy draws no shape, so no video moves the prompted way before or after a few
     steps on perfect data: gain 0 < MIN_GAIN."""

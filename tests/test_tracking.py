@@ -34,6 +34,7 @@ def test_resume_drops_only_rows_past_the_checkpoint(tmp_path):
     assert not (tmp_path / "metrics.jsonl.unreadable").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_logging_is_one_line_naming_metrics_jsonl(tmp_path):
     import subprocess
     import sys

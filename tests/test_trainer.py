@@ -350,6 +350,7 @@ def test_empty_prompt_file_is_rejected_before_any_work(tmp_path):
     assert not os.path.exists(config.out_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_compiled_blocks_train_like_eager_ones(tmp_path, lora):
     """model.compile_blocks=true (torch.compile of every block, inductor) changes the speed, not
@@ -553,6 +554,7 @@ def rel_rms(a, b):
     return float((a - b).double().pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
 
 
+@pytest.mark.slow
 def test_the_moving_window_is_drawn_per_step_within_its_range(tmp_path, monkeypatch):
     windows = []
     real_sample = rollout_module.sample

@@ -34,9 +34,8 @@ import torch
 from safetensors.torch import save_file
 
 from vsa2_rl.config import ConfigError, EvalTargets, RunConfig
+from vsa2_rl.runtime import ADAPTER_WEIGHTS, VSA2_WEIGHTS, check_output_dir, load_model
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-VSA2_WEIGHTS = "vsa2.safetensors"
 VSA2_SETTINGS = "vsa2_attention.json"
 
 
@@ -104,8 +103,6 @@ def _give_usual_permissions(folder: str) -> None:
 def _check_out_dir(out_dir: str) -> None:
     """A new or empty folder that can be made (outside any run's checkpoints), and a parent to
     assemble it in and rename it from (checked before the model loads)."""
-    from vsa2_rl.runtime import check_output_dir
-
     check_output_dir(out_dir)
     check_output_dir(os.path.dirname(os.path.realpath(out_dir)))
     if os.path.isdir(out_dir) and os.listdir(out_dir):
@@ -116,7 +113,6 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
     """Writes the export of the one run ``targets`` names (see the module docstring) into
     ``config.out_dir``; returns the folder."""
     from vsa2_rl.eval.sweep import resolve_targets
-    from vsa2_rl.runtime import load_model
 
     if targets.run_dirs or bool(targets.run_dir) + bool(targets.checkpoint) != 1:
         raise ConfigError("run_dir: export takes one run (run_dir=DIR or checkpoint=DIR)")

@@ -1,5 +1,7 @@
-"""Run-time plumbing shared by training and evaluation: device and dtype resolution, the model
-bundle (toy or local Wan directory) with VSA2 attached, and the prompt sets."""
+"""Run-time plumbing shared by training and evaluation: the model bundle (toy or local Wan
+directory) with VSA2 attached, the trained weights (LoRA adapters, a checkpoint's state), the
+prompt sets and the output-folder checks. Device and dtype resolution lives in
+:mod:`vsa2_rl.device`, below the model loaders, and is re-exported here."""
 
 from __future__ import annotations
 
@@ -10,23 +12,17 @@ import torch
 
 from vsa2_rl.config import ConfigError, ModelConfig, RunConfig
 from vsa2_rl.data.prompts import PromptRecord, read_prompt_records
+
+# resolved in vsa2_rl.device, below the model loaders; the trainer and users import them here
+from vsa2_rl.device import resolve_device as resolve_device
+from vsa2_rl.device import resolve_dtype as resolve_dtype
+from vsa2_rl.device import resolve_reward_device as resolve_reward_device
 from vsa2_rl.toy.prompts import toy_prompts
 
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; a CUDA device this process does not see (no CUDA, or
-    ``cuda:N`` with N >= the device count) is a config error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device: {name!r} requested but CUDA is not available (use device=cpu)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(
-            f"device: {name!r} requested but this process sees {torch.cuda.device_count()} CUDA "
-            "device(s); name one of them (cuda:0 ...), cuda, or cpu"
-        )
-    return device
+# the file names of an exported adapter folder (vsa2_rl.export writes it, model.lora.init_from
+# reads it back)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+VSA2_WEIGHTS = "vsa2.safetensors"
 
 
 def _checkpoint_holding(folder: str) -> str | None:
@@ -78,35 +74,6 @@ def _nearest_existing(path: str) -> str:
     while not os.path.lexists(path):
         path = os.path.dirname(path)
     return path
-
-
-def resolve_reward_device(config: RunConfig, run_device: torch.device) -> torch.device:
-    """Where the rewards score: ``rewards.device``, else the run's device."""
-    name = config.rewards.device
-    if name is None:
-        return run_device
-    device = torch.device(name)
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(
-            f"rewards.device: {name!r} requested but this process sees "
-            f"{torch.cuda.device_count()} CUDA device(s); name one of them, cpu, or leave it empty"
-        )
-    return device
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` = bf16 on CUDA (the trained precision of Wan), fp32 on CPU; a dtype or one of
-    ``DTYPES``' names as it says."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
@@ -261,7 +228,7 @@ def _load_adapter(transformer: torch.nn.Module, folder: str, config: RunConfig) 
                 f"model.lora.{key}: {value!r} differs from the adapter in "
                 f"model.lora.init_from ({theirs[key]!r}); set it to the adapter's"
             )
-    weights = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    weights = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
     result = set_peft_model_state_dict(transformer, weights)
     if result.unexpected_keys:
         raise ConfigError(
@@ -276,8 +243,6 @@ def _load_vsa2(transformer: torch.nn.Module, folder: str) -> None:
     (``vsa2.safetensors``), trained with it; a plain peft folder without them leaves the base
     model's, with a warning."""
     from safetensors.torch import load_file
-
-    from vsa2_rl.export import VSA2_WEIGHTS
 
     path = os.path.join(folder, VSA2_WEIGHTS)
     if not os.path.isfile(path):

@@ -38,6 +38,7 @@ from vsa2_rl.config import (
     config_from_tree,
     load_recorded_config,
 )
+from vsa2_rl.device import resolve_device, resolve_dtype, resolve_reward_device
 from vsa2_rl.eval.media import condition_images_of, save_video_grid
 from vsa2_rl.models.conditioning import encode_condition, final_latents
 from vsa2_rl.models.experts import low_noise_guidance
@@ -48,9 +49,6 @@ from vsa2_rl.runtime import (
     load_model,
     load_prompt_records,
     prompt_file_key,
-    resolve_device,
-    resolve_dtype,
-    resolve_reward_device,
 )
 from vsa2_rl.sampling import cfg_velocity, sample, seeded_noise, sigma_schedule
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from vsa2_rl.attention import SparsityState
 from vsa2_rl.config import ConfigError, VSA2Config
+from vsa2_rl.device import resolve_dtype
 from vsa2_rl.models.conditioning import (
     WanCondition,
     clip_image_embeds,
@@ -40,7 +41,6 @@ from vsa2_rl.models.conditioning import (
 )
 from vsa2_rl.models.experts import EXPERT_NAMES, WanExperts, experts_of
 from vsa2_rl.models.wan import enable_vsa2, input_dtype, wan_velocity
-from vsa2_rl.runtime import resolve_dtype
 
 WAN_TEXT_LEN = 512  # UMT5 context length of Wan (the transformer is trained on 512 tokens)
 WAN_COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")

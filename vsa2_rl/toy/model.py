@@ -34,8 +34,8 @@ from torch import nn
 
 from vsa2_rl.attention import SparsityState
 from vsa2_rl.config import ConfigError, VSA2Config
+from vsa2_rl.device import resolve_dtype
 from vsa2_rl.models.wan import enable_vsa2, wan_velocity
-from vsa2_rl.runtime import resolve_dtype
 from vsa2_rl.toy.text import ToyTextEncoder, WordTokenizer, toy_vocabulary
 
 ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "toy"
