@@ -315,13 +315,13 @@ def _stochastic_steps(sampler) -> str:
 
 
 def _plan_step(config: RunConfig, report: Report) -> None:
-    grpo, sampler = config.grpo, config.sampler
+    rl, sampler = config.rl, config.sampler
     stochastic = _stochastic_steps(sampler)
     report.plan.append((
         "step",
-        f"{grpo.prompts_per_step} prompts x {grpo.group_size} samples = "
-        f"{grpo.prompts_per_step * grpo.group_size} videos of {sampler.num_steps} sampler steps "
-        f"({stochastic}, guidance {sampler.guidance_scale:g}); {grpo.algorithm}; "
+        f"{rl.prompts_per_step} prompts x {rl.group_size} samples = "
+        f"{rl.prompts_per_step * rl.group_size} videos of {sampler.num_steps} sampler steps "
+        f"({stochastic}, guidance {sampler.guidance_scale:g}); {rl.algorithm}; "
         f"{config.train.num_steps} steps, a checkpoint every {config.train.checkpoint_every}",
     ))  # fmt: skip
 
@@ -345,9 +345,9 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
             with report.checking():
                 check_condition_images(image_scheme(config), [r.image for r in records], key)
     report.plan.append(("prompts", "; ".join(texts) or "none readable"))
-    if sets["train"] is not None and config.grpo.prompts_per_step > len(sets["train"]):
+    if sets["train"] is not None and config.rl.prompts_per_step > len(sets["train"]):
         report.problems.append(
-            f"grpo.prompts_per_step: {config.grpo.prompts_per_step} exceeds the "
+            f"rl.prompts_per_step: {config.rl.prompts_per_step} exceeds the "
             f"{len(sets['train'])} prompts of the prompt set; lower it or add prompts"
         )
 

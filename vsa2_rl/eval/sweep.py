@@ -395,7 +395,7 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
             ),
             negative_prompt=config.sampler.negative_prompt or trained.sampler.negative_prompt,
             seed=config.eval.seed,
-            batch_size=config.grpo.train_batch_size,
+            batch_size=config.rl.train_batch_size,
             shape=shape,
             progress=config.logging.progress,
             label=target.label,

@@ -159,14 +159,14 @@ class _Setup:
         self.dp_world = self.accelerator.num_processes // sp_size
         self.dp_rank = self.accelerator.process_index // sp_size
         world = self.dp_world
-        if config.grpo.prompts_per_step > len(self.prompts):
+        if config.rl.prompts_per_step > len(self.prompts):
             raise ConfigError(
-                f"grpo.prompts_per_step: {config.grpo.prompts_per_step} exceeds the "
+                f"rl.prompts_per_step: {config.rl.prompts_per_step} exceeds the "
                 f"{len(self.prompts)} prompts of the prompt set; lower it or add prompts"
             )
-        if (config.grpo.prompts_per_step * config.grpo.group_size) % world:
+        if (config.rl.prompts_per_step * config.rl.group_size) % world:
             raise ConfigError(
-                f"grpo.prompts_per_step * grpo.group_size must be divisible by the number of "
+                f"rl.prompts_per_step * rl.group_size must be divisible by the number of "
                 f"data-parallel ranks ({world}: processes / parallel.sequence_parallel_size)"
             )
         try:
@@ -282,7 +282,7 @@ def _evaluate(setup: _Setup, policy: Policy, sparsity: float, step: int, logger)
             ),
             negative_prompt=config.sampler.negative_prompt,
             seed=config.eval.seed,
-            batch_size=config.grpo.train_batch_size,
+            batch_size=config.rl.train_batch_size,
             shape=(config.model.num_frames, config.model.height, config.model.width),
             progress=False,
             reward_device=setup.reward_device,
@@ -342,20 +342,20 @@ class RLTrainer:
         self.policy = Policy(setup.bundle, self.acc, config)
         self.bundle = self.policy.bundle  # runs the engine's wrapper
         self.schedule = SparsitySchedule.from_config(config.sparsity, config.train.num_steps)
-        grpo = config.grpo
+        rl = config.rl
         self.prompt_sampler = GroupedPromptSampler(
-            len(setup.prompts), grpo.group_size, grpo.prompts_per_step,
+            len(setup.prompts), rl.group_size, rl.prompts_per_step,
             num_replicas=setup.dp_world, rank=setup.dp_rank, seed=config.seed,
         )  # fmt: skip
         self.sampler = RolloutSampler(
-            config.sampler, setup.bundle, batch_size=grpo.train_batch_size,
-            group_size=grpo.group_size, seed=config.seed, device=self.device,
+            config.sampler, setup.bundle, batch_size=rl.train_batch_size,
+            group_size=rl.group_size, seed=config.seed, device=self.device,
         )  # fmt: skip
-        if grpo.algorithm == "flow_grpo":
+        if rl.algorithm == "flow_grpo":
             _check_trained_window(self.policy.model, self.sampler.sigmas, config.sampler)
-            self.update_rule = FlowGRPOUpdate(self.policy, self.sampler, grpo, config.seed)
+            self.update_rule = FlowGRPOUpdate(self.policy, self.sampler, rl, config.seed)
         else:
-            self.update_rule = NFTUpdate(self.policy, self.sampler, config.nft, grpo, config.seed)
+            self.update_rule = NFTUpdate(self.policy, self.sampler, config.nft, rl, config.seed)
         self.checkpoints = os.path.join(config.out_dir, "checkpoints")
         # evaluation runs on the main process alone, except under ZeRO-3 and FSDP2 (the forward
         # gathers sharded weights, a collective every rank must join) and under sequence
@@ -544,10 +544,10 @@ class RLTrainer:
             penalty = torch.cat([chunk.kl_penalty for chunk in rollouts.chunks])
         group_ids = torch.tensor(rollouts.group_ids, device=device)
         advantages = step_advantages(
-            acc, config.grpo, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
+            acc, config.rl, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
             penalty, metrics,
         )  # fmt: skip
-        parts = chunk_slices(len(rollouts.prompts), config.grpo.train_batch_size)
+        parts = chunk_slices(len(rollouts.prompts), config.rl.train_batch_size)
         for chunk, part in zip(rollouts.chunks, parts, strict=True):
             chunk.advantages = advantages[part]
             chunk.valid = scored.valid[part].to(device)
@@ -589,7 +589,7 @@ class RLTrainer:
 
     def save_samples(self, step: int, rollouts: StepRollouts) -> None:
         """One group's rollouts as ``samples/step_<step>`` every ``train.sample_every`` steps."""
-        every, group = self.config.train.sample_every, self.config.grpo.group_size
+        every, group = self.config.train.sample_every, self.config.rl.group_size
         if not (self.is_main and every and step % every == 0):
             return
         from vsa2_rl.eval.media import condition_images_of, save_video_grid
@@ -672,7 +672,7 @@ class RLTrainer:
 
 
 def train(config: RunConfig) -> dict:
-    """Runs RL fine-tuning (``grpo.algorithm``); returns a summary (start/end rewards, out_dir)."""
+    """Runs RL fine-tuning (``rl.algorithm``); returns a summary (start/end rewards, out_dir)."""
     return RLTrainer(config).train()
 
 

@@ -1,11 +1,11 @@
-"""Flow-GRPO's policy update (``grpo.algorithm=flow_grpo``; a part of the trainer).
+"""Flow-GRPO's policy update (``rl.algorithm=flow_grpo``; a part of the trainer).
 
-For each inner epoch (``grpo.num_inner_epochs``) :class:`FlowGRPOUpdate` draws a random
-``grpo.timestep_fraction`` of the stochastic steps whose expert trains (of each trained expert's
+For each inner epoch (``rl.num_inner_epochs``) :class:`FlowGRPOUpdate` draws a random
+``rl.timestep_fraction`` of the stochastic steps whose expert trains (of each trained expert's
 steps, so that every optimizer step trains every expert the config names), recomputes each chunk's
 transition log-prob at those steps under the current policy, and accumulates the PPO-clip loss
-(+ ``grpo.kl_beta`` times the KL to the reference) into one optimizer step in which every sample
-and step weighs the same, however ``grpo.train_batch_size`` cuts the samples and over any number
+(+ ``rl.kl_beta`` times the KL to the reference) into one optimizer step in which every sample
+and step weighs the same, however ``rl.train_batch_size`` cuts the samples and over any number
 of ranks. A non-finite loss or gradient skips the step (weights untouched). DiffusionNFT's
 update is :class:`vsa2_rl.rl.nft.NFTUpdate`, with the same interface.
 """
@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from vsa2_rl.config import GRPOConfig
+from vsa2_rl.config import RLConfig
 from vsa2_rl.models.experts import expert_at, trains_level
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import gaussian_kl, grpo_loss
@@ -37,7 +37,7 @@ def _update_plan(acc, chunks: list, timesteps: list[int], kl_beta: float) -> tup
     """The (chunk, timestep, counted) backward passes of one update and the weight of a sample.
 
     The update is the mean over every sample of the step (all ranks) and every trained
-    timestep, as one batch would give it, however ``grpo.train_batch_size`` cuts the samples:
+    timestep, as one batch would give it, however ``rl.train_batch_size`` cuts the samples:
     a pass's loss is its chunk's mean times the chunk's size times the returned weight
     ``num_processes / (samples of all ranks * timesteps)`` (DDP then averages over ranks). A
     chunk whose advantages are all zero adds nothing unless a KL term is trained, so it is not
@@ -76,15 +76,15 @@ def _update_metrics(acc, sums: dict, count: float, ratio_dev_first) -> dict:
 
 
 class FlowGRPOUpdate:
-    """The ``grpo`` section's PPO-clip update of ``policy`` on the rollouts of ``sampler``.
+    """The ``rl`` section's PPO-clip update of ``policy`` on the rollouts of ``sampler``.
 
-    With ``grpo.kl_mode=reward`` the KL to the reference is not a loss term: the trainer takes
+    With ``rl.kl_mode=reward`` the KL to the reference is not a loss term: the trainer takes
     :meth:`kl_penalty` of each chunk off its reward instead.
     """
 
-    def __init__(self, policy: Policy, sampler: RolloutSampler, grpo: GRPOConfig, seed: int):
-        self.policy, self.sampler, self.grpo, self.seed = policy, sampler, grpo, seed
-        self.kl_in_reward = policy.reference is not None and grpo.kl_mode == "reward"
+    def __init__(self, policy: Policy, sampler: RolloutSampler, rl: RLConfig, seed: int):
+        self.policy, self.sampler, self.rl, self.seed = policy, sampler, rl, seed
+        self.kl_in_reward = policy.reference is not None and rl.kl_mode == "reward"
 
     def sampling_policy(self):
         """Yields the bundle the rollouts come from: the current policy."""
@@ -97,16 +97,16 @@ class FlowGRPOUpdate:
         pass
 
     def update(self, step: int, rollouts: StepRollouts, metrics: dict) -> tuple[list, int]:
-        """``grpo.num_inner_epochs`` optimizer steps; returns ``(grad norms, skipped steps)``
+        """``rl.num_inner_epochs`` optimizer steps; returns ``(grad norms, skipped steps)``
         and adds the loss statistics to ``metrics``."""
-        grpo, policy, acc = self.grpo, self.policy, self.policy.acc
+        rl, policy, acc = self.rl, self.policy, self.policy.acc
         stochastic = torch.nonzero(rollouts.stochastic).flatten().tolist()
         step_gen = torch.Generator().manual_seed(sample_seed(self.seed + 2, step, 0))
         sums = {name: [] for name in ("loss/policy", "loss/kl", *LOGGED_STATS.values())}
         first_ratio_dev, grad_norms, count, skipped = [], [], 0.0, 0
-        for _epoch in range(grpo.num_inner_epochs):
+        for _epoch in range(rl.num_inner_epochs):
             timesteps = self._trained_timesteps(stochastic, step_gen)
-            kl_loss_beta = 0.0 if self.kl_in_reward else grpo.kl_beta
+            kl_loss_beta = 0.0 if self.kl_in_reward else rl.kl_beta
             work, weight = _update_plan(acc, rollouts.chunks, timesteps, kl_loss_beta)
             if not work:
                 continue  # no rank has a sample with a non-zero advantage
@@ -117,7 +117,7 @@ class FlowGRPOUpdate:
                 with engines.accumulation_context(acc, policy.model, last):
                     loss, kl, stats = self._pass_losses(chunk, j)
                     size = chunk.latents.shape[1]  # the chunk's means, as sums over its samples
-                    total = (loss + grpo.kl_beta * kl) * size * (weight if counted else 0.0)
+                    total = (loss + rl.kl_beta * kl) * size * (weight if counted else 0.0)
                     engines.backward(acc, total, last)
                 if counted:
                     if not first_ratio_dev:
@@ -141,7 +141,7 @@ class FlowGRPOUpdate:
         return x, sigma, (x, x_next, float(sigmas[j]), float(sigmas[j + 1]), samp.kind)
 
     def _trained_timesteps(self, stochastic: list[int], generator: torch.Generator) -> list[int]:
-        """A random ``grpo.timestep_fraction`` (at least one) of the ``stochastic`` steps of
+        """A random ``rl.timestep_fraction`` (at least one) of the ``stochastic`` steps of
         each trained expert, sorted. Drawn per expert, every optimizer step trains every expert
         the config names: one that sat out an update would still move under Adam's momentum
         with DeepSpeed (which steps every parameter) and not with torch's optimizers (which skip
@@ -153,14 +153,14 @@ class FlowGRPOUpdate:
                 by_expert.setdefault(expert_at(model, float(sigmas[j])), []).append(j)
         chosen = []
         for steps in by_expert.values():
-            count = max(1, round(self.grpo.timestep_fraction * len(steps)))
+            count = max(1, round(self.rl.timestep_fraction * len(steps)))
             chosen += [steps[i] for i in torch.randperm(len(steps), generator=generator)[:count]]
         return sorted(chosen)
 
     def _pass_losses(self, chunk: Rollout, j: int) -> tuple:
         """One chunk's policy loss, KL to the reference (0 without one) and loss statistics at
         the stored transition j -> j + 1, under the current policy."""
-        grpo, noise_level = self.grpo, self.sampler.settings.noise_level
+        rl, noise_level = self.rl, self.sampler.settings.noise_level
         x, sigma, transition = self._transition(chunk, j)
         v = self.sampler.velocity_fn(self.policy.bundle, chunk.condition)(x, sigma)
         log_prob, mean, std = step_log_prob(v, *transition, noise_level)
@@ -168,9 +168,9 @@ class FlowGRPOUpdate:
             log_prob,
             chunk.log_probs[j],
             chunk.advantages,
-            clip_range=grpo.clip_bounds[0],
-            clip_range_high=grpo.clip_bounds[1],
-            loss_type=grpo.loss_type,
+            clip_range=rl.clip_bounds[0],
+            clip_range_high=rl.clip_bounds[1],
+            loss_type=rl.loss_type,
         )
         kl = torch.zeros((), device=x.device)
         if self.policy.reference is not None and not self.kl_in_reward:
