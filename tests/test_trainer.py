@@ -16,9 +16,9 @@ import torch
 
 from vsa2_rl.config import ConfigError, load_config, load_eval_config
 from vsa2_rl.rl import engines
+from vsa2_rl.rl import flow_grpo as update_module
 from vsa2_rl.rl import policy as policy_module
 from vsa2_rl.rl import rollout as rollout_module
-from vsa2_rl.rl import update as update_module
 from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import load_prompts

@@ -419,7 +419,7 @@ def test_the_wan22_recipes_run_one_step_on_a_tiny_model_of_their_kind(
 def _grpo_update(model, fraction: float, sigmas):
     from types import SimpleNamespace
 
-    from vsa2_rl.rl.update import FlowGRPOUpdate
+    from vsa2_rl.rl.flow_grpo import FlowGRPOUpdate
 
     policy = SimpleNamespace(model=model, reference=None)
     rl = SimpleNamespace(timestep_fraction=fraction, kl_mode="loss")

@@ -22,6 +22,7 @@ Modules, one per concern:
 
 from vsa2_rl.config.algorithm import (
     ALGORITHMS,
+    UPDATE_RULES,
     NFTConfig,
     RewardEntry,
     RewardsConfig,
@@ -67,6 +68,7 @@ __all__ = [
     "RESUMABLE_KEYS",
     "RESUMABLE_SECTIONS",
     "TARGET_KEYS",
+    "UPDATE_RULES",
     "AttentionConfig",
     "ConfigError",
     "EvalConfig",

@@ -154,7 +154,13 @@ class SamplerConfig:
         return start, start + self.sde_window_size
 
 
-ALGORITHMS = ("flow_grpo", "nft")
+# rl.algorithm -> "module:class" of its update rule (vsa2_rl.rl.update.UpdateRule), imported
+# when a run builds it; a new algorithm is its module plus an entry here
+UPDATE_RULES = {
+    "flow_grpo": "vsa2_rl.rl.flow_grpo:FlowGRPOUpdate",
+    "nft": "vsa2_rl.rl.nft:NFTUpdate",
+}
+ALGORITHMS = tuple(UPDATE_RULES)
 
 
 @dataclass

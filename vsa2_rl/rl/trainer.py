@@ -11,9 +11,10 @@ may override (as trl's trainers allow) and each built from a part a reader finds
    log-probs.
 3. :meth:`RLTrainer.score`: decode, score (vsa2_rl.rewards mixer), gather across ranks and
    normalise per prompt group into advantages (vsa2_rl.rl.scoring).
-4. :meth:`RLTrainer.update`: Flow-GRPO's PPO-clip update (vsa2_rl.rl.update) or DiffusionNFT's
-   forward-process update (vsa2_rl.rl.nft) of the policy (vsa2_rl.rl.policy: the engine-wrapped
-   model, optimizer, EMA, reference); a non-finite loss or gradient skips the step.
+4. :meth:`RLTrainer.update`: the update rule ``rl.algorithm`` names (vsa2_rl.rl.update:
+   Flow-GRPO's PPO-clip update in vsa2_rl.rl.flow_grpo, DiffusionNFT's forward-process update
+   in vsa2_rl.rl.nft) of the policy (vsa2_rl.rl.policy: the engine-wrapped model, optimizer,
+   EMA, reference); a non-finite loss or gradient skips the step.
 5. bookkeeping: evaluation of the EMA weights, metrics.jsonl, trackers, sample videos, atomic
    checkpoints.
 
@@ -42,12 +43,11 @@ from vsa2_rl.config import (
 )
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.models.conditioning import encode_condition
-from vsa2_rl.models.experts import low_noise_guidance, trains_level
+from vsa2_rl.models.experts import low_noise_guidance
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import GroupedPromptSampler
-from vsa2_rl.rl.nft import NFTUpdate
 from vsa2_rl.rl.policy import Policy
 from vsa2_rl.rl.rollout import (
     RolloutDiverged,
@@ -60,7 +60,7 @@ from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.schedule import SparsitySchedule
 from vsa2_rl.rl.scoring import step_advantages
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
-from vsa2_rl.rl.update import FlowGRPOUpdate
+from vsa2_rl.rl.update import build_update_rule, check_rollouts
 from vsa2_rl.runtime import (
     build_bundle,
     check_condition_images,
@@ -220,22 +220,6 @@ def _check_second_guidance(config: RunConfig) -> None:
             )
 
 
-def _check_trained_window(model, sigmas: torch.Tensor, samp) -> None:
-    """Refuses an SDE window none of whose steps a trained expert denoises (Wan2.2 A14B with
-    one expert in ``model.train_experts``): Flow-GRPO would have no transition to train."""
-    if samp.sde_window_size is not None:
-        steps = range(*(samp.sde_window_range or [0, samp.num_steps]))
-    else:
-        steps = range(*(samp.sde_window or [0, samp.num_steps]))
-    if not any(trains_level(model, float(sigmas[j])) for j in steps):
-        levels = [round(float(sigmas[j]), 3) for j in steps]
-        raise ConfigError(
-            f"sampler.sde_window: its steps' noise levels {levels} all belong to an expert "
-            "model.train_experts leaves frozen; move the window (or sampler.sde_window_range) "
-            "to the trained expert's steps"
-        )
-
-
 def _sequence_parallel_group(acc, config: RunConfig):
     """This rank's :class:`SequenceParallel` group (consecutive ranks), or None when off."""
     size = config.parallel.sequence_parallel_size
@@ -323,7 +307,7 @@ class RLTrainer:
     :meth:`save_samples`, :meth:`checkpoint_if_due`) are the places to override, for example a
     ``score`` that adds a reward term computed from the rollouts' latents. The parts they use
     are attributes: ``policy`` (vsa2_rl.rl.policy.Policy), ``sampler``
-    (vsa2_rl.rl.rollout.RolloutSampler), ``update_rule`` (FlowGRPOUpdate or NFTUpdate),
+    (vsa2_rl.rl.rollout.RolloutSampler), ``update_rule`` (vsa2_rl.rl.update.UpdateRule),
     ``schedule`` (the sparsity curriculum), ``setup`` (prompts, rewards, accelerator).
     """
 
@@ -351,11 +335,7 @@ class RLTrainer:
             config.sampler, setup.bundle, batch_size=rl.train_batch_size,
             group_size=rl.group_size, seed=config.seed, device=self.device,
         )  # fmt: skip
-        if rl.algorithm == "flow_grpo":
-            _check_trained_window(self.policy.model, self.sampler.sigmas, config.sampler)
-            self.update_rule = FlowGRPOUpdate(self.policy, self.sampler, rl, config.seed)
-        else:
-            self.update_rule = NFTUpdate(self.policy, self.sampler, config.nft, rl, config.seed)
+        self.update_rule = build_update_rule(self.policy, self.sampler, config)
         self.checkpoints = os.path.join(config.out_dir, "checkpoints")
         # evaluation runs on the main process alone, except under ZeRO-3 and FSDP2 (the forward
         # gathers sharded weights, a collective every rank must join) and under sequence
@@ -472,9 +452,8 @@ class RLTrainer:
             lambda rows: self.condition([indices[i] for i in rows]), self.latent_shape,
             on_chunk=score_chunk if self.scoring is not None else None,
         )  # fmt: skip
-        if self.update_rule.kl_in_reward:
-            for chunk in sampled.chunks:
-                chunk.kl_penalty = self.update_rule.kl_penalty(chunk, sampled.stochastic)
+        for chunk in sampled.chunks:  # at the rollout's sparsity, by the rule that wants it
+            chunk.kl_penalty = self.update_rule.kl_penalty(chunk, sampled.stochastic)
         self._refuse_nonfinite_videos(step, sampled.videos, global_index)
         evaluations = torch.tensor([float(sampled.evaluations)], device=self.device)
         metrics["perf/rollout_evals"] = float(self.acc.reduce(evaluations, "sum").item())
@@ -539,9 +518,8 @@ class RLTrainer:
             if self.is_main:
                 tqdm.write(f"step {step}: skipped ({skip_reason or 'a reward failed elsewhere'})")
             return False
-        penalty = None
-        if self.update_rule.kl_in_reward:
-            penalty = torch.cat([chunk.kl_penalty for chunk in rollouts.chunks])
+        penalties = [chunk.kl_penalty for chunk in rollouts.chunks]
+        penalty = None if penalties[0] is None else torch.cat(penalties)
         group_ids = torch.tensor(rollouts.group_ids, device=device)
         advantages = step_advantages(
             acc, config.rl, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
@@ -560,7 +538,9 @@ class RLTrainer:
         learning-rate schedule, and the update's metrics."""
         t0 = time.perf_counter()
         self.policy.model.train()
-        grad_norms, skipped = self.update_rule.update(step, rollouts, metrics)
+        check_rollouts(self.update_rule, rollouts)
+        grad_norms, skipped, update_metrics = self.update_rule.update(step, rollouts)
+        metrics.update(update_metrics)
         self.policy.advance_lr_schedule()
         self.bundle.sparsity_state.pop_density()
         metrics["perf/train_s"] = time.perf_counter() - t0
