@@ -44,6 +44,13 @@ from vsa2_rl.config import (
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.models.conditioning import encode_condition
 from vsa2_rl.models.experts import low_noise_guidance
+from vsa2_rl.preflight import (
+    ModelFacts,
+    check_data_parallel,
+    check_prompt_count,
+    check_second_guidance,
+    model_facts,
+)
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
@@ -137,8 +144,10 @@ class _Setup:
 
         check_output_dir(config.out_dir)
         self.config = config
+        facts = model_facts(config)  # the model folder's model_index.json, read once
         self.accelerator = Accelerator(
-            cpu=resolve_device(config.device).type == "cpu", kwargs_handlers=_ddp_options(config)
+            cpu=resolve_device(config.device).type == "cpu",
+            kwargs_handlers=_ddp_options(config, facts),
         )
         engines.check_options(self.accelerator, config)
         folder.claim(self.accelerator)
@@ -150,7 +159,7 @@ class _Setup:
         records = config.eval.select_prompts(load_prompt_records(config, "eval"))
         self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
         scheme = image_scheme(config)  # before any weight loads
-        _check_second_guidance(config)
+        check_second_guidance(config, facts)
         check_condition_images(scheme, self.images, prompt_file_key(config, "train"))
         check_condition_images(scheme, self.eval_images, prompt_file_key(config, "eval"))
         self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
@@ -158,17 +167,8 @@ class _Setup:
         # data-parallel ranks: sequence-parallel groups share their samples
         self.dp_world = self.accelerator.num_processes // sp_size
         self.dp_rank = self.accelerator.process_index // sp_size
-        world = self.dp_world
-        if config.rl.prompts_per_step > len(self.prompts):
-            raise ConfigError(
-                f"rl.prompts_per_step: {config.rl.prompts_per_step} exceeds the "
-                f"{len(self.prompts)} prompts of the prompt set; lower it or add prompts"
-            )
-        if (config.rl.prompts_per_step * config.rl.group_size) % world:
-            raise ConfigError(
-                f"rl.prompts_per_step * rl.group_size must be divisible by the number of "
-                f"data-parallel ranks ({world}: processes / parallel.sequence_parallel_size)"
-            )
+        check_prompt_count(config, len(self.prompts))
+        check_data_parallel(config, self.dp_world)
         try:
             self.rewards = RewardMixer.from_config(config.rewards)
         except ValueError as error:
@@ -187,37 +187,15 @@ class _Setup:
                 raise ConfigError(f"parallel.sequence_parallel_size: {error}") from None
 
 
-def _ddp_options(config: RunConfig) -> list:
+def _ddp_options(config: RunConfig, facts: ModelFacts) -> list:
     """DDP's settings: a Wan2.2 A14B run that trains both experts leaves one of them without
     gradients in every Flow-GRPO backward (a chunk's transition is one noise level), which DDP
     must be told to expect."""
     from accelerate.utils import DistributedDataParallelKwargs
 
-    if config.model.kind != "wan" or len(config.model.train_experts) == 1:
-        return []
-    from vsa2_rl.models.wan_bundle import read_wan_variant
-
-    if read_wan_variant(config.model.path).boundary_ratio is None:
+    if not facts.two_experts or len(config.model.train_experts) == 1:
         return []
     return [DistributedDataParallelKwargs(find_unused_parameters=True)]
-
-
-def _check_second_guidance(config: RunConfig) -> None:
-    """Refuses a guidance scale for the low-noise expert's steps without two experts, before
-    any weight loads (``low_noise_guidance`` would, at the first rollout or evaluation)."""
-    for key, scale in (
-        ("sampler.guidance_scale_2", config.sampler.guidance_scale_2),
-        ("eval.guidance_scale_2", config.eval_guidance_scale_2),
-    ):
-        if scale is None:
-            continue
-        from vsa2_rl.models.wan_bundle import read_wan_variant
-
-        if config.model.kind != "wan" or read_wan_variant(config.model.path).boundary_ratio is None:
-            raise ConfigError(
-                f"{key}: the guidance scale of the low-noise expert's steps needs a model of "
-                "two experts (Wan2.2 A14B); leave it empty"
-            )
 
 
 def _sequence_parallel_group(acc, config: RunConfig):
