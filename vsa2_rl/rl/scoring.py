@@ -40,13 +40,13 @@ def rank_advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, rl) -> t
 
 def step_advantages(
     acc, rl: RLConfig, aggregation: str, mixer, scored, group_ids: torch.Tensor,
-    kl_penalty: torch.Tensor | None, metrics: dict,
-) -> torch.Tensor:  # fmt: skip
+    kl_penalty: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
     """This rank's advantages [n] for ``scored`` (the step's ``RewardOutput``) of samples in
-    ``group_ids``; ``kl_penalty`` [n] (Flow-GRPO's ``rl.kl_mode=reward``) is taken off the
-    total, weighted by ``rl.kl_beta``. Adds the step's ``reward/*`` and ``train/*`` scoring
-    metrics to ``metrics``."""
-    device = group_ids.device
+    ``group_ids``, and the step's ``reward/*`` and ``train/*`` scoring metrics; ``kl_penalty``
+    [n] (Flow-GRPO's ``rl.kl_mode=reward``) is taken off the total, weighted by
+    ``rl.kl_beta``."""
+    device, metrics = group_ids.device, {}
     if aggregation == "reward":
         total = scored.total.to(device)
         if kl_penalty is not None:
@@ -71,7 +71,7 @@ def step_advantages(
     metrics["train/dropped_samples"] = int(acc.gather((~scored.valid).float().to(device)).sum())
     # the advantages every rank trains on, gathered: equal for any number of ranks
     metrics["train/advantage_abs_mean"] = acc.gather(advantages.abs()).mean().item()
-    return advantages
+    return advantages, metrics
 
 
 __all__ = ["rank_advantages", "step_advantages"]

@@ -499,10 +499,11 @@ class RLTrainer:
         penalties = [chunk.kl_penalty for chunk in rollouts.chunks]
         penalty = None if penalties[0] is None else torch.cat(penalties)
         group_ids = torch.tensor(rollouts.group_ids, device=device)
-        advantages = step_advantages(
+        advantages, scoring_metrics = step_advantages(
             acc, config.rl, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
-            penalty, metrics,
+            penalty,
         )  # fmt: skip
+        metrics.update(scoring_metrics)
         parts = chunk_slices(len(rollouts.prompts), config.rl.train_batch_size)
         for chunk, part in zip(rollouts.chunks, parts, strict=True):
             chunk.advantages = advantages[part]
