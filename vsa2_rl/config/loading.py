@@ -76,18 +76,25 @@ def _layers(path: str | None, overrides: list[str] | None) -> list[DictConfig]:
     _check_renamed([file], path)
     _check_renamed(given, "the command line")
     for layer in [file, *given]:
-        for old, new in RENAMED_SECTIONS.items():
-            if old in layer:
-                key = next(iter(_flatten(_section(layer, old))), "")
-                warnings.warn(
-                    f"{old}.{key}: the {old} section is renamed {new}; write {new}.{key} (the "
-                    f"old name stops loading in the next release)",
-                    FutureWarning,
-                    stacklevel=3,
-                )
-                section = layer.pop(old)
-                layer[new] = OmegaConf.merge(section, layer[new]) if new in layer else section
+        _move_renamed(layer)
     return [file, *given]
+
+
+def _move_renamed(layer: DictConfig) -> None:
+    """Moves the renamed sections of ``layer`` to their new name, in place, warning once per
+    section with its first key spelled both ways."""
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in layer:
+            continue
+        key = next(iter(_flatten(_section(layer, old))), "")
+        warnings.warn(
+            f"{old}.{key}: the {old} section is renamed {new}; write {new}.{key} (the old name "
+            "stops loading in the next release)",
+            FutureWarning,
+            stacklevel=4,  # load_config's caller
+        )
+        section = layer.pop(old)
+        layer[new] = OmegaConf.merge(section, layer[new]) if new in layer else section
 
 
 def _check_renamed(layers: list[DictConfig], place: str) -> None:
