@@ -74,7 +74,7 @@ for part in "${parts[@]}"; do
         --out "$OUT/rl_step_compiled.md" > "$OUT/rl_compiled.log" 2>&1; tail -8 "$OUT/rl_compiled.log" ;;
     ddp)  # the trainer on 2 GPUs (DDP, NCCL) vs 1 GPU, same global batch and seeds (toy model)
       toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy train.num_steps=3
-        grpo.prompts_per_step=2 grpo.group_size=4 sampler.num_steps=8 train.checkpoint_every=0
+        rl.prompts_per_step=2 rl.group_size=4 sampler.num_steps=8 train.checkpoint_every=0
         logging.progress=false"
       # image_quality needs no OpenCV (absent on that image); YAML file: the value has spaces
       printf 'rewards:\n  functions:\n    - name: image_quality\n' > /tmp/toy_gpu.yaml
@@ -130,7 +130,7 @@ for part in "${parts[@]}"; do
       recipe="attention.kv_block=16 attention.mode=topp train.num_steps=3 sampler.num_steps=8"
       PYTHONSAFEPATH=1 timeout 200 python3 $run $recipe out_dir=/tmp/alg/flow_grpo \
         > "$OUT/alg_flow_grpo.log" 2>&1; tail -2 "$OUT/alg_flow_grpo.log"
-      PYTHONSAFEPATH=1 timeout 200 python3 $run $recipe grpo.algorithm=nft sampler.kind=ode \
+      PYTHONSAFEPATH=1 timeout 200 python3 $run $recipe rl.algorithm=nft sampler.kind=ode \
         out_dir=/tmp/alg/nft > "$OUT/alg_nft.log" 2>&1; tail -2 "$OUT/alg_nft.log"
       python3 benchmarks/compare_runs.py flow_grpo=/tmp/alg/flow_grpo nft=/tmp/alg/nft \
         --keys reward/mean perf/rollout_s perf/train_s perf/peak_mem_gib --out "$OUT/algorithms.md" ;;
@@ -157,8 +157,8 @@ for part in "${parts[@]}"; do
       done ;;
     resume_toy)  # on the toy model: a ZeRO-3 (ENGINES) run stopped after step 2 and
       # resumed equals the uninterrupted 3-step run
-      toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy grpo.prompts_per_step=2
-        grpo.group_size=4 sampler.num_steps=8 train.checkpoint_every=1 logging.progress=false"
+      toy="--config /tmp/toy_gpu.yaml model.path=$PWD/assets/toy rl.prompts_per_step=2
+        rl.group_size=4 sampler.num_steps=8 train.checkpoint_every=1 logging.progress=false"
       printf 'rewards:\n  functions:\n    - name: image_quality\n' > /tmp/toy_gpu.yaml
       for engine in ${ENGINES:-zero3}; do
         for run in full:3 resumed:2 resumed:3; do
@@ -283,7 +283,7 @@ for part in "${parts[@]}"; do
       for shared in false true; do
         PYTHONSAFEPATH=1 timeout 300 python3 $run out_dir=/tmp/prefix_$shared sampler.num_steps=16 \
           sampler.sde_window_size=2 "sampler.sde_window_range=[0,8]" \
-          sampler.same_noise_per_group=$shared grpo.group_size=4 grpo.prompts_per_step=1 \
+          sampler.same_noise_per_group=$shared rl.group_size=4 rl.prompts_per_step=1 \
           train.num_steps=4 attention.kv_block=16 attention.mode=topp > "$OUT/prefix_$shared.log" 2>&1
         tail -2 "$OUT/prefix_$shared.log"
         cp /tmp/prefix_$shared/metrics.jsonl "$OUT/prefix_${shared}_metrics.jsonl"  # kept if cut short

@@ -1,7 +1,7 @@
 """How many rollouts a GRPO step needs before its gradient points somewhere: the signal-to-noise
 ratio of the policy gradient of a run's config, measured by split-half agreement.
 
-One batch of ``--prompts`` x ``grpo.group_size`` rollouts is sampled exactly as the trainer
+One batch of ``--prompts`` x ``rl.group_size`` rollouts is sampled exactly as the trainer
 samples them (SDE, window, rollout sparsity), scored by the config's rewards and turned into
 group-relative advantages. For every stochastic step the policy gradient
 ``mean_i A_i * grad log p_i`` (the first-minibatch GRPO gradient, where every ratio is 1) is
@@ -12,7 +12,7 @@ noise-to-signal ratio: a run accumulates a gradient with signal-to-noise 1 only 
 ``rho`` trained samples of that step. The same is measured with random advantages (what the
 ``random`` control reward trains on), whose cosine must scatter around 0.
 
-With ``grpo.algorithm=nft`` the gradient is DiffusionNFT's at its first pass (theta_old =
+With ``rl.algorithm=nft`` the gradient is DiffusionNFT's at its first pass (theta_old =
 theta), per noise level of the schedule within ``nft.sigma_range``: the clean rollouts are
 noised again at that sigma (one noise per sample, or per group with ``nft.group_noise``) and
 the gradient of the NFT loss with ``r`` from the advantages is formed on each half.
@@ -47,7 +47,7 @@ def _rollouts(config, bundle, prompts: list[str], seed: int):
     samp = config.sampler
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
     noise = initial_noise(  # as the trainer's step
-        samp, config.seed, config.grpo.group_size, seed, shape, list(range(len(prompts)))
+        samp, config.seed, config.rl.group_size, seed, shape, list(range(len(prompts)))
     )
     generators = [
         torch.Generator(device=bundle.device).manual_seed(seed * 100_019 + i)
@@ -80,8 +80,8 @@ def _half_gradient(config, bundle, params, latents, emb, advantages, index, j, s
     samp = config.sampler
     for p in params:
         p.grad = None
-    for start in range(0, len(index), config.grpo.train_batch_size):
-        rows = index[start : start + config.grpo.train_batch_size]
+    for start in range(0, len(index), config.rl.train_batch_size):
+        rows = index[start : start + config.rl.train_batch_size]
         x, x_next = latents[j, rows], latents[j + 1, rows]
         sigma = torch.full((len(rows),), float(sigmas[j]), device=x.device)
         velocity = bundle.velocity(x.to(bundle.dtype), sigma, emb[rows])
@@ -105,8 +105,8 @@ def _nft_half_gradient(config, bundle, params, x0, emb, r, index, sigma, noise):
 
     for p in params:
         p.grad = None
-    for start in range(0, len(index), config.grpo.train_batch_size):
-        rows = index[start : start + config.grpo.train_batch_size]
+    for start in range(0, len(index), config.rl.train_batch_size):
+        rows = index[start : start + config.rl.train_batch_size]
         sigmas = torch.full((len(rows),), sigma, device=x0.device)
         x = (1.0 - sigma) * x0[rows] + sigma * noise[rows]
         v_theta = bundle.velocity(x.to(bundle.dtype), sigmas, emb[rows]).float()
@@ -121,7 +121,7 @@ def _nft_half_gradient(config, bundle, params, x0, emb, r, index, sigma, noise):
 def _gradient_pairs(config, bundle, params, latents, emb, stochastic, sigmas, group_ids, seed):
     """Per trained step or noise level: (label step, sigma, gradient of a half given advantages
     and a half's sample indices)."""
-    if config.grpo.algorithm != "nft":
+    if config.rl.algorithm != "nft":
         for j in torch.nonzero(stochastic).flatten().tolist():
             yield (
                 j,
@@ -152,7 +152,7 @@ def measure(config, num_prompts: int, seed: int) -> list[dict]:
     device = resolve_device(config.device)
     bundle = build_bundle(config, device, resolve_dtype(config.model.dtype, device))
     params = trainable_parameters(bundle.transformer, config)
-    group = config.grpo.group_size
+    group = config.rl.group_size
     train = load_prompts(config, "train")
     prompts = [train[(seed * 7 + i) % len(train)] for i in range(num_prompts) for _ in range(group)]
     latents, emb, videos, stochastic, sigmas = _rollouts(config, bundle, prompts, seed)
@@ -161,7 +161,7 @@ def measure(config, num_prompts: int, seed: int) -> list[dict]:
     ]
     rewards = RewardMixer.from_config(config.rewards)(videos, prompts, metadata).total
     group_ids = torch.arange(len(prompts)) // group
-    scale, clip = config.grpo.scale_rewards, config.grpo.adv_clip
+    scale, clip = config.rl.scale_rewards, config.rl.adv_clip
     real = group_advantages(rewards.float(), group_ids, scale=scale, clip=clip)[0]
     noise = torch.randn(len(prompts), generator=torch.Generator().manual_seed(seed))
     control = group_advantages(noise, group_ids, scale=scale, clip=clip)[0]

@@ -62,9 +62,9 @@ def figures_row(label: str, figures: dict) -> str:
 
 
 def rollout_figures(bundle, prompts: list[str], config, groups: int, shape: dict) -> dict:
-    """:func:`score_samples` of ``groups`` draws of a group of ``grpo.group_size`` videos per
+    """:func:`score_samples` of ``groups`` draws of a group of ``rl.group_size`` videos per
     prompt at the config's rollout settings (sampler and rollout sparsity), averaged."""
-    samp, group = config.sampler, config.grpo.group_size
+    samp, group = config.sampler, config.rl.group_size
     bundle.sparsity_state.sparsity = config.sparsity.train
     per_draw = [
         score_samples(
@@ -103,7 +103,7 @@ def main() -> None:
         bundle, prompts, seeds_per_prompt=args.seeds, num_steps=samp.eval_num_steps, **shape
     )
     rollouts = rollout_figures(bundle, prompts, config, args.groups, shape)
-    group = config.grpo.group_size
+    group = config.rl.group_size
     header = (
         "| samples | shape fidelity | direction match | direction mixed | motion score | "
         "group sd |\n|---|---|---|---|---|---|"

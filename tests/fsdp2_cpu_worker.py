@@ -31,7 +31,7 @@ class CpuFsdp2Accelerator(accelerate.Accelerator):
 
 
 def poison_policy_loss() -> None:
-    from vsa2_rl.rl import update
+    from vsa2_rl.rl import flow_grpo as update
 
     real_loss = update.grpo_loss
 

@@ -135,7 +135,7 @@ def test_train_lists_every_problem_before_anything_loads(folders, tmp_path, caps
     out_dir = tmp_path / "run"
     argv = [
         "train", "--config", RECIPE_1_3B, f"model.path={folder}", f"out_dir={out_dir}",
-        f"prompts.eval_file={tmp_path / 'missing.txt'}", "grpo.prompts_per_step=401",
+        f"prompts.eval_file={tmp_path / 'missing.txt'}", "rl.prompts_per_step=401",
         "rewards.functions=[{name: no_such_reward}]",  # built by training, after these
     ]  # fmt: skip
     assert main(argv) == 2
@@ -143,7 +143,7 @@ def test_train_lists_every_problem_before_anything_loads(folders, tmp_path, caps
     assert [_key(line.removeprefix("error: ")) for line in errors] == [
         "model.path",
         "prompts.eval_file",
-        "grpo.prompts_per_step",
+        "rl.prompts_per_step",
     ]
     assert all(line.startswith("error: ") for line in errors)
     assert not out_dir.exists()

@@ -4,11 +4,22 @@ import os
 import re
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
+import yaml
 
 from vsa2_rl.cli import main
-from vsa2_rl.config import ConfigError, RunConfig, help_lines, load_config, load_eval_config
+from vsa2_rl.config import (
+    ConfigError,
+    RunConfig,
+    check_resume,
+    config_tree,
+    help_lines,
+    load_config,
+    load_eval_config,
+)
 from vsa2_rl.config.loading import load_recorded_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +34,7 @@ def test_precedence_schema_yaml_cli(tmp_path):
     assert config.train.num_steps == 2  # CLI beats YAML
     assert config.train.learning_rate == 0.5  # YAML beats schema
     assert config.seed == 3
-    assert config.grpo.group_size == RunConfig().grpo.group_size  # schema default
+    assert config.rl.group_size == RunConfig().rl.group_size  # schema default
 
 
 def test_default_config_is_valid_and_embedded():
@@ -46,7 +57,7 @@ def test_default_config_is_valid_and_embedded():
             "train.num_step: unknown config key (did you mean 'train.num_steps'",
         ),
         (["train.num_steps=abc"], "train.num_steps"),
-        (["grpo.group_size=1"], "grpo.group_size: must be >= 2"),
+        (["rl.group_size=1"], "rl.group_size: must be >= 2"),
         (["attention.kv_block=24"], "attention.kv_block: must be 16, 32 or 64"),
         (["attention.mode=top3"], "attention.mode: got 'top3'"),
         (["sparsity.train=1.0"], "sparsity.train: must be in [0, 1)"),
@@ -76,15 +87,15 @@ def test_default_config_is_valid_and_embedded():
         (["train.learning_rate=inf"], "train.learning_rate: must be a finite number, got inf"),
         (["sampler.noise_level=inf"], "sampler.noise_level: must be a finite number, got inf"),
         (["sampler.shift=inf"], "sampler.shift: must be a finite number, got inf"),
-        (["grpo.kl_beta=inf"], "grpo.kl_beta: must be a finite number, got inf"),
+        (["rl.kl_beta=inf"], "rl.kl_beta: must be a finite number, got inf"),
         (["train.max_grad_norm=nan"], "train.max_grad_norm: must be >= 0, got nan"),
         (
             ["rewards.functions=[{name: prompt_motion, weight: .inf}]"],
             "rewards.functions[0].weight: must be a finite number, got inf",
         ),
         (["sampler.noise_level=0"], "sampler.noise_level: 0 makes every rollout step determ"),
-        (["grpo.group_size=100000000000"], "grpo.prompts_per_step = 400,000,000,000 videos"),
-        (["grpo.group_size=400000"], "grpo.group_size x grpo.prompts_per_step = 1,600,000 vid"),
+        (["rl.group_size=100000000000"], "rl.prompts_per_step = 400,000,000,000 videos"),
+        (["rl.group_size=400000"], "rl.group_size x rl.prompts_per_step = 1,600,000 vid"),
         (["train.keep_last=" + "9" * 12], "train.keep_last: must be at most 2**31 - 1 in size"),
         (["train.num_steps=" + "1" * 23], "train.num_steps: must be at most 2**31 - 1 in size"),
         (["seed=" + "1" * 20], "seed: must be at most 2**31 - 1 in size"),
@@ -208,7 +219,7 @@ def test_cli_bad_input_exits_2_and_writes_nothing(argv, tmp_path, capsys):
 def test_train_rl_script_is_the_train_subcommand(tmp_path):
     out_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "train_rl.py", "grpo.group_size=1", f"out_dir={out_dir}"],
+        [sys.executable, "train_rl.py", "rl.group_size=1", f"out_dir={out_dir}"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -216,7 +227,7 @@ def test_train_rl_script_is_the_train_subcommand(tmp_path):
     )
     assert result.returncode == 2
     assert (
-        result.stderr.strip() == "error: grpo.group_size: must be >= 2 (advantages are "
+        result.stderr.strip() == "error: rl.group_size: must be >= 2 (advantages are "
         "relative within a group), got 1"
     )
     assert not out_dir.exists()
@@ -259,7 +270,7 @@ def test_a_model_path_that_holds_no_model_is_one_error_line(kind, tmp_path, caps
     unrelated.mkdir()
     (unrelated / "readme.txt").write_text("not a model\n")
     argv = ["train", f"model.kind={kind}", f"model.path={unrelated}", f"out_dir={tmp_path / 'r'}"]
-    if kind == "wan":  # which needs a prompt file, of grpo.prompts_per_step prompts at least
+    if kind == "wan":  # which needs a prompt file, of rl.prompts_per_step prompts at least
         (tmp_path / "prompts.txt").write_text("a red kite rising over a hill\n" * 8)
         argv.append(f"prompts.file={tmp_path / 'prompts.txt'}")
     assert main(argv) == 2
@@ -313,9 +324,9 @@ def test_a_cuda_index_this_process_does_not_see_is_one_error_line(monkeypatch, c
 def test_overrides_may_stand_on_both_sides_of_the_config_flag(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  num_steps: 7\n")
-    argv = ["train", "grpo.group_size=1", "--config", str(path), f"out_dir={tmp_path / 'r'}"]
+    argv = ["train", "rl.group_size=1", "--config", str(path), f"out_dir={tmp_path / 'r'}"]
     assert main(argv) == 2  # both overrides were read: group_size's error, out_dir untouched
-    assert capsys.readouterr().err.startswith("error: grpo.group_size: must be >= 2")
+    assert capsys.readouterr().err.startswith("error: rl.group_size: must be >= 2")
     assert not (tmp_path / "r").exists()
     with pytest.raises(SystemExit):
         main(["train", "--config", str(path), "--no-such-flag"])
@@ -375,3 +386,45 @@ def test_an_emptied_run_config_names_the_key_that_led_to_it(tmp_path):
         ConfigError, match=r"^run_dir: .*config.yaml holds no settings .*restore it$"
     ):
         load_recorded_config(str(tmp_path / "config.yaml"), "run_dir")
+
+
+def test_the_old_grpo_section_loads_as_rl_with_a_warning(tmp_path):
+    """``grpo`` (renamed ``rl``) still loads for one release, from a file and from an override,
+    to the config the new name gives, with a warning naming the new key."""
+    new = load_config(FLOW_GRPO_TOY, ["rl.kl_beta=0.01", "rl.clip_range=0.1"])
+    path = tmp_path / "old.yaml"
+    path.write_text(Path(FLOW_GRPO_TOY).read_text().replace("\nrl:\n", "\ngrpo:\n"))
+    assert "\ngrpo:\n" in path.read_text()
+    with pytest.warns(FutureWarning, match=r"^grpo\.\w+: the grpo section is renamed rl; write"):
+        old = load_config(str(path), ["rl.kl_beta=0.01", "rl.clip_range=0.1"])
+    assert old == new
+    with pytest.warns(FutureWarning, match=r"grpo\.kl_beta: .* write rl\.kl_beta"):
+        assert load_config(FLOW_GRPO_TOY, ["grpo.kl_beta=0.01", "rl.clip_range=0.1"]) == new
+
+
+@pytest.mark.parametrize("where", ["file", "command line"])
+def test_a_key_under_both_grpo_and_rl_is_an_error(tmp_path, where):
+    path = tmp_path / "both.yaml"
+    if where == "file":
+        path.write_text("grpo:\n  group_size: 3\nrl:\n  group_size: 4\n")
+        args = (str(path), [])
+    else:
+        args = (FLOW_GRPO_TOY, ["grpo.group_size=3", "rl.group_size=4"])
+    with pytest.raises(ConfigError, match=r"^grpo\.group_size and rl\.group_size: both given"):
+        load_config(*args)
+
+
+def test_a_run_recorded_with_the_grpo_section_loads_and_resumes(tmp_path):
+    """Run folders and checkpoints written before the rename hold ``grpo:``: they load (no
+    warning: the user did not write them) and resume under a config of ``rl.*``."""
+    config = load_config(FLOW_GRPO_TOY, ["rl.group_size=3"])
+    tree = config_tree(config)
+    tree["grpo"] = tree.pop("rl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        assert load_recorded_config(str(path), "run_dir") == config
+        check_resume(tree, config, "old")
+    with pytest.raises(ConfigError, match=r"^rl\.group_size: changed since the checkpoint"):
+        check_resume(tree, load_config(FLOW_GRPO_TOY, ["rl.group_size=4"]), "old")

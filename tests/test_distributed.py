@@ -31,9 +31,9 @@ TINY = [
     "model.width=16",
     "sampler.num_steps=3",
     "sampler.sde_window=[0,2]",
-    "grpo.prompts_per_step=1",
-    "grpo.group_size=4",
-    "grpo.train_batch_size=4",
+    "rl.prompts_per_step=1",
+    "rl.group_size=4",
+    "rl.train_batch_size=4",
     "train.num_steps=2",
     "train.learning_rate=1e-3",
     "train.sample_every=0",
@@ -117,7 +117,7 @@ def test_a_run_folder_in_use_stops_every_rank(tmp_path):
 def test_nft_on_two_processes_matches_one_process(tmp_path, parallel):
     # DiffusionNFT: the forward noising is drawn per sample, so ranks that split a group (DDP)
     # or share its videos (sequence parallelism) train as one process does
-    nft = ["grpo.algorithm=nft", "sampler.kind=ode", "nft.eta_rate=0.3"]
+    nft = ["rl.algorithm=nft", "sampler.kind=ode", "nft.eta_rate=0.3"]
     sp = ["parallel.sequence_parallel_size=2"] if parallel == "sequence_parallel" else []
     two = _run([*TORCHRUN, "train_rl.py"], tmp_path / "two", *nft, *sp)
     one = _run([sys.executable, "train_rl.py"], tmp_path / "one", *nft)
@@ -145,9 +145,9 @@ def test_a_rank_without_trainable_samples_keeps_step_with_the_others(tmp_path):
         [*TORCHRUN, "train_rl.py"],
         tmp_path / "two",
         # 2 prompts x 2 samples: each rank holds one whole group
-        "grpo.prompts_per_step=2",
-        "grpo.group_size=2",
-        "grpo.train_batch_size=1",
+        "rl.prompts_per_step=2",
+        "rl.group_size=2",
+        "rl.train_batch_size=1",
         "rewards.functions=[{name: 'tests.test_distributed:constant_on_rank0'}]",
     )
     assert [r["step"] for r in rows] == [1, 2]
@@ -281,7 +281,7 @@ def test_a_nan_on_one_fsdp2_rank_skips_the_step_on_all(tmp_path, monkeypatch):
     from vsa2_rl.config import load_config
     from vsa2_rl.runtime import build_bundle, trainable_parameters, trained_state
 
-    lora = ["model.lora.enabled=true", "grpo.kl_beta=0.1", "train.num_steps=1"]
+    lora = ["model.lora.enabled=true", "rl.kl_beta=0.1", "train.num_steps=1"]
     overrides = [*TINY, *EVERY_STEP_TRAINS[:1], *lora]
     monkeypatch.setenv("NAN_LOSS_ON_RANK", "1")  # read by tests/fsdp2_cpu_worker.py
     (row,) = _run(FSDP2_TRAIN, tmp_path / "run", *overrides)

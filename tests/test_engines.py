@@ -53,7 +53,7 @@ def test_what_each_engine_shards():
 
 
 def test_configure_fills_micro_batch_clipping_and_overflow_check():
-    config = load_config(FLOW_GRPO_TOY, ["train.max_grad_norm=0.5", "grpo.train_batch_size=2"])
+    config = load_config(FLOW_GRPO_TOY, ["train.max_grad_norm=0.5", "rl.train_batch_size=2"])
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0}
     engines.configure(_accelerator(2, ds), config)
     assert ds["train_micro_batch_size_per_gpu"] == 2
@@ -71,14 +71,14 @@ def test_configure_fills_micro_batch_clipping_and_overflow_check():
 
 @pytest.mark.parametrize("sharded", [_accelerator(3), FSDP2], ids=["zero3", "fsdp2"])
 def test_sharded_parameters_refuse_ema_and_full_finetune_kl_reference(sharded):
-    fine = load_config(FLOW_GRPO_TOY, ["train.ema_decay=0", "grpo.kl_beta=0"])
+    fine = load_config(FLOW_GRPO_TOY, ["train.ema_decay=0", "rl.kl_beta=0"])
     engines.check_options(sharded, fine)
     with pytest.raises(ConfigError, match=r"train\.ema_decay"):
         engines.check_options(sharded, load_config(FLOW_GRPO_TOY, ["train.ema_decay=0.99"]))
-    kl = load_config(FLOW_GRPO_TOY, ["train.ema_decay=0", "grpo.kl_beta=0.01"])
-    with pytest.raises(ConfigError, match=r"grpo\.kl_beta"):
+    kl = load_config(FLOW_GRPO_TOY, ["train.ema_decay=0", "rl.kl_beta=0.01"])
+    with pytest.raises(ConfigError, match=r"rl\.kl_beta"):
         engines.check_options(sharded, kl)
-    lora_kl = load_config(FLOW_GRPO_TOY, ["grpo.kl_beta=0.01", "model.lora.enabled=true"])
+    lora_kl = load_config(FLOW_GRPO_TOY, ["rl.kl_beta=0.01", "model.lora.enabled=true"])
     engines.check_options(sharded, lora_kl)  # the reference is the model with adapters off
     # ZeRO-2 keeps whole parameters on every rank: both are fine there
     engines.check_options(_accelerator(2), load_config(FLOW_GRPO_TOY, ["train.ema_decay=0.99"]))
@@ -119,7 +119,7 @@ def test_the_14b_recipe_runs_under_zero3(tmp_path):
     """configs/wan2_1_14b_vsa2_grpo.yaml says to launch it with configs/accelerate/zero3.yaml:
     what it promises for that (LoRA, so the KL reference is the model with adapters off; no
     EMA), ZeRO-3's checks passing, the DeepSpeed config filled for it, and its header's full
-    fine-tuning variant refused under ZeRO-3 unless grpo.kl_beta=0."""
+    fine-tuning variant refused under ZeRO-3 unless rl.kl_beta=0."""
     import os
 
     import yaml
@@ -130,7 +130,7 @@ def test_the_14b_recipe_runs_under_zero3(tmp_path):
     model = f"model.path={tmp_path}"
     config = load_config(recipe, [model])
     assert config.model.lora.enabled and config.model.lora.rank == 32
-    assert config.grpo.kl_beta == 0.004 and config.train.ema_decay == 0.0
+    assert config.rl.kl_beta == 0.004 and config.train.ema_decay == 0.0
     assert (config.model.num_frames, config.model.height, config.model.width) == (81, 720, 1280)
     assert (config.attention.kv_block, config.attention.mode) == (64, "topp")
 
@@ -145,11 +145,11 @@ def test_the_14b_recipe_runs_under_zero3(tmp_path):
     zero3 = _accelerator(3, ds, precision=launcher["mixed_precision"])
     engines.check_options(zero3, config)
     engines.configure(zero3, config)
-    assert ds["train_micro_batch_size_per_gpu"] == config.grpo.train_batch_size == 1
+    assert ds["train_micro_batch_size_per_gpu"] == config.rl.train_batch_size == 1
     assert ds["gradient_clipping"] == config.train.max_grad_norm
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
 
     full = ["model.lora.enabled=false", "train.learning_rate=1e-5"]
-    with pytest.raises(ConfigError, match=r"^grpo\.kl_beta: "):
+    with pytest.raises(ConfigError, match=r"^rl\.kl_beta: "):
         engines.check_options(zero3, load_config(recipe, [model, *full]))
-    engines.check_options(zero3, load_config(recipe, [model, *full, "grpo.kl_beta=0"]))
+    engines.check_options(zero3, load_config(recipe, [model, *full, "rl.kl_beta=0"]))

@@ -131,7 +131,7 @@ def test_kl_reward_penalty_is_the_sampled_log_ratio_to_the_reference(tmp_path, m
         return trajectories[-1]
 
     monkeypatch.setattr(rollout_module, "sample", recording_sample)
-    kl = ["grpo.kl_beta=1.0", "grpo.kl_mode=reward", f"model.lora.init_from={folder}"]
+    kl = ["rl.kl_beta=1.0", "rl.kl_mode=reward", f"model.lora.init_from={folder}"]
     run = load_config(FLOW_GRPO_TOY, [*TINY, *LORA, *kl, f"out_dir={tmp_path / 'kl'}"])
     train(run)
     logged = json.loads((tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -162,7 +162,7 @@ def _batch_prompts(config):
     from vsa2_rl.rl.grpo import GroupedPromptSampler
 
     sampler = GroupedPromptSampler(
-        len(load_prompts(config)), config.grpo.group_size, config.grpo.prompts_per_step,
+        len(load_prompts(config)), config.rl.group_size, config.rl.prompts_per_step,
         seed=config.seed,
     )  # fmt: skip
     return sampler.batch(0).prompt_indices

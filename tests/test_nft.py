@@ -1,4 +1,4 @@
-"""DiffusionNFT (grpo.algorithm=nft): the loss against closed forms and a float64 hand
+"""DiffusionNFT (rl.algorithm=nft): the loss against closed forms and a float64 hand
 computation, reward -> r, the old policy's soft update and swap, its config keys, and the toy
 trainer end to end (weights change, metrics logged, resume equals an uninterrupted run)."""
 
@@ -29,7 +29,7 @@ FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_g
 TINY = [
     *TRAINER_TINY,
     "rewards.functions=[{name: 'test_trainer:brightness', weight: 1.0}]",
-    "grpo.algorithm=nft",
+    "rl.algorithm=nft",
 ]
 
 
@@ -198,21 +198,21 @@ def test_old_policy_soft_update_swap_and_state(copy_model):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["grpo.algorithm=ppo"], "grpo.algorithm: got 'ppo', expected one of flow_grpo, nft"),
-        (["grpo.algorithm=nft", "nft.beta=0"], "nft.beta: must be > 0"),
-        (["grpo.algorithm=nft", "nft.beta=nan"], "nft.beta: must be a finite number, got nan"),
-        (["grpo.algorithm=nft", "nft.advantage_scale=inf"], "nft.advantage_scale: must be a fin"),
-        (["grpo.algorithm=nft", "nft.eta_max=1.0"], "nft.eta_max: must be in [0, 1)"),
-        (["grpo.algorithm=nft", "nft.eta_delay_steps=-1"], "nft.eta_delay_steps: must be >= 0"),
-        (["grpo.algorithm=nft", "nft.timestep_fraction=0"], "nft.timestep_fraction: must be in"),
-        (["grpo.algorithm=nft", "nft.timestep_sampling=log"], "nft.timestep_sampling: got 'log'"),
-        (["grpo.algorithm=nft", "nft.sigma_range=[0.9,0.2]"], "nft.sigma_range: must be [low,"),
-        (["nft.beta=0.1"], "nft.beta: is only read by grpo.algorithm=nft"),
+        (["rl.algorithm=ppo"], "rl.algorithm: got 'ppo', expected one of flow_grpo, nft"),
+        (["rl.algorithm=nft", "nft.beta=0"], "nft.beta: must be > 0"),
+        (["rl.algorithm=nft", "nft.beta=nan"], "nft.beta: must be a finite number, got nan"),
+        (["rl.algorithm=nft", "nft.advantage_scale=inf"], "nft.advantage_scale: must be a fin"),
+        (["rl.algorithm=nft", "nft.eta_max=1.0"], "nft.eta_max: must be in [0, 1)"),
+        (["rl.algorithm=nft", "nft.eta_delay_steps=-1"], "nft.eta_delay_steps: must be >= 0"),
+        (["rl.algorithm=nft", "nft.timestep_fraction=0"], "nft.timestep_fraction: must be in"),
+        (["rl.algorithm=nft", "nft.timestep_sampling=log"], "nft.timestep_sampling: got 'log'"),
+        (["rl.algorithm=nft", "nft.sigma_range=[0.9,0.2]"], "nft.sigma_range: must be [low,"),
+        (["nft.beta=0.1"], "nft.beta: is only read by rl.algorithm=nft"),
         (["sampler.kind=ode"], "sampler.kind: 'ode' rollouts have no log-probs for Flow-GRPO"),
-        (["grpo.algorithm=nft", "grpo.kl_mode=reward"], "grpo.kl_mode: 'reward' needs the log"),
-        (["grpo.algorithm=nft", "sampler.guidance_scale=3"], "sampler.guidance_scale: nft trains"),
+        (["rl.algorithm=nft", "rl.kl_mode=reward"], "rl.kl_mode: 'reward' needs the log"),
+        (["rl.algorithm=nft", "sampler.guidance_scale=3"], "sampler.guidance_scale: nft trains"),
         (
-            ["grpo.algorithm=nft", "sampler.kind=ode", "sampler.same_noise_per_group=true"],
+            ["rl.algorithm=nft", "sampler.kind=ode", "sampler.same_noise_per_group=true"],
             "sampler.same_noise_per_group: with sampler.noise_level 0 or sampler.kind ode",
         ),
     ],
@@ -228,7 +228,7 @@ def test_bad_nft_settings_are_one_error_line(overrides, expected, tmp_path, caps
 
 
 def test_nft_defaults_are_the_papers():
-    config = load_config(FLOW_GRPO_TOY, ["grpo.algorithm=nft", "sampler.kind=ode"])
+    config = load_config(FLOW_GRPO_TOY, ["rl.algorithm=nft", "sampler.kind=ode"])
     assert config.nft == NFTConfig(
         beta=1.0, advantage_scale=5.0, eta_rate=0.001, eta_max=0.5, eta_delay_steps=0,
         timestep_sampling="schedule", timestep_fraction=0.99, adaptive_weighting=True,
@@ -252,11 +252,11 @@ def _step_inputs(config, bundle, step):
     """The prompts' embeddings and the starting noise of the rollouts of ``step``."""
     prompts = load_prompts(config)
     batch = GroupedPromptSampler(
-        len(prompts), config.grpo.group_size, config.grpo.prompts_per_step, seed=config.seed
+        len(prompts), config.rl.group_size, config.rl.prompts_per_step, seed=config.seed
     ).batch(step - 1)
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
     noise = rollout_module.initial_noise(
-        config.sampler, config.seed, config.grpo.group_size, step, shape,
+        config.sampler, config.seed, config.rl.group_size, step, shape,
         list(range(len(batch.group_ids))),
     )  # fmt: skip
     return bundle.encode_prompts([prompts[i] for i in batch.prompt_indices]), noise
@@ -381,7 +381,7 @@ def test_a_sigma_range_without_schedule_sigmas_is_one_error_line(tmp_path):
 
 def test_an_nft_lora_run_resumes_as_it_would_have_gone_on(tmp_path):
     # LoRA (the old policy as swapped adapter tensors), an SDE sampler and a KL to the reference
-    common = ("train.checkpoint_every=1", "model.lora.enabled=true", "grpo.kl_beta=0.1",
+    common = ("train.checkpoint_every=1", "model.lora.enabled=true", "rl.kl_beta=0.1",
               "nft.eta_rate=0.3", "nft.timestep_sampling=uniform")  # fmt: skip
     whole = _config(tmp_path, "train.num_steps=2", *common, name="whole")
     train(whole)
@@ -423,11 +423,11 @@ def _first_gradient(tmp_path, monkeypatch, name, *extra):
 
 def test_every_sample_and_level_weighs_the_same_whatever_the_chunking(tmp_path, monkeypatch):
     # 2 groups of 3: chunks of 4 and 2 against one chunk of 6
-    group = ("grpo.group_size=3",)
+    group = ("rl.group_size=3",)
     whole, whole_grad = _first_gradient(tmp_path, monkeypatch, "whole", *group,
-                                        "grpo.train_batch_size=6")  # fmt: skip
+                                        "rl.train_batch_size=6")  # fmt: skip
     split, split_grad = _first_gradient(tmp_path, monkeypatch, "split", *group,
-                                        "grpo.train_batch_size=4")  # fmt: skip
+                                        "rl.train_batch_size=4")  # fmt: skip
     assert split["loss/policy"] == pytest.approx(whole["loss/policy"], rel=1e-5)
     error = (split_grad - whole_grad).norm() / whole_grad.norm()
     assert error < 1e-4, f"relative gradient difference {error:.2e}"
@@ -438,8 +438,8 @@ def test_sharded_parameters_refuse_nft_and_zero2_takes_it(stage):
     plugin = SimpleNamespace(zero_stage=stage, deepspeed_config={}) if stage else None
     fsdp = None if stage else SimpleNamespace(fsdp_version=2)
     sharded = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin, fsdp_plugin=fsdp))
-    config = load_config(FLOW_GRPO_TOY, ["grpo.algorithm=nft", "model.lora.enabled=true"])
-    with pytest.raises(ConfigError, match=r"^grpo\.algorithm: nft keeps whole old-policy"):
+    config = load_config(FLOW_GRPO_TOY, ["rl.algorithm=nft", "model.lora.enabled=true"])
+    with pytest.raises(ConfigError, match=r"^rl\.algorithm: nft keeps whole old-policy"):
         engines.check_options(sharded, config)
     zero2 = SimpleNamespace(zero_stage=2, deepspeed_config={})
     engines.check_options(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=zero2)), config)
@@ -450,7 +450,7 @@ def test_a_checkpoint_from_before_the_algorithm_keys_resumes_at_their_defaults()
 
     config = load_config(FLOW_GRPO_TOY, [])
     saved = config_tree(config)
-    del saved["grpo"]["algorithm"], saved["nft"]  # what a checkpoint of an older version holds
+    del saved["rl"]["algorithm"], saved["nft"]  # what a checkpoint of an older version holds
     check_resume(saved, config, "old")
-    with pytest.raises(ConfigError, match=r"^grpo\.algorithm: changed since the checkpoint"):
-        check_resume(saved, load_config(FLOW_GRPO_TOY, ["grpo.algorithm=nft"]), "old")
+    with pytest.raises(ConfigError, match=r"^rl\.algorithm: changed since the checkpoint"):
+        check_resume(saved, load_config(FLOW_GRPO_TOY, ["rl.algorithm=nft"]), "old")

@@ -138,7 +138,7 @@ def _tracker_that_cannot_start(*args, **kwargs):
 @pytest.mark.parametrize(
     ("failure", "expected"),
     [
-        (["grpo.prompts_per_step=1000"], "error: grpo.prompts_per_step: 1000 exceeds"),
+        (["rl.prompts_per_step=1000"], "error: rl.prompts_per_step: 1000 exceeds"),
         ([], "error: logging.report_to: the tracker cannot start"),
     ],
 )

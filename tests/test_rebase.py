@@ -9,7 +9,7 @@ from diffusers import WanTransformer3DModel
 from test_models import TINY_WAN  # the tests folder is on sys.path under pytest
 
 from vsa2_rl.attention import SparsityState
-from vsa2_rl.config import VSA2Config
+from vsa2_rl.config import SparsityConfig, VSA2Config
 from vsa2_rl.models.rebase import RebaseSchedule, rebase_to_vsa2
 from vsa2_rl.models.wan import vsa2_parameters
 from vsa2_rl.rl.schedule import SparsitySchedule
@@ -82,8 +82,8 @@ def test_rebase_and_rl_warmups_follow_one_closed_form_ramp(shape):
     (1 - cos(pi x)) / 2."""
     target, steps = 0.85, 7
     rebase = RebaseSchedule(target=target, steps=steps, ramp=shape)
-    rl = SparsitySchedule(
-        train_sparsity=target, eval_sparsity=0.0, warmup_steps=steps, warmup_shape=shape
+    rl = SparsitySchedule.from_config(
+        SparsityConfig(train=target, eval=0.0, warmup_steps=steps, warmup_shape=shape), 100
     )
     for step in (0, 1, 2, 3, 5, 6, 7, 20):
         x = min(step / steps, 1.0)

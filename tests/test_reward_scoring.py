@@ -37,7 +37,7 @@ def _config(tmp_path, name, *extra):
         [
             *TINY,
             f"out_dir={tmp_path / name}",
-            "grpo.train_batch_size=1",  # 4 chunks a step
+            "rl.train_batch_size=1",  # 4 chunks a step
             "rewards.functions=[{name: 'test_reward_scoring:recording_brightness'}]",
             *extra,
         ],

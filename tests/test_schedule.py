@@ -4,11 +4,16 @@ import math
 
 import pytest
 
+from vsa2_rl.config import ConfigError, SparsityConfig
 from vsa2_rl.rl.schedule import SparsitySchedule, plot_schedule
 
 
+def _schedule(num_steps=100, **settings):
+    return SparsitySchedule.from_config(SparsityConfig(**settings), num_steps)
+
+
 def test_constant_schedule_rollout_equals_train_eval_lower():
-    schedule = SparsitySchedule(train_sparsity=0.9, eval_sparsity=0.75)
+    schedule = _schedule(train=0.9, eval=0.75)
     for step in (0, 1, 1000):
         levels = schedule(step)
         assert levels.rollout == levels.train == 0.9
@@ -16,7 +21,7 @@ def test_constant_schedule_rollout_equals_train_eval_lower():
 
 
 def test_linear_warmup_from_dense():
-    schedule = SparsitySchedule(train_sparsity=0.9, eval_sparsity=0.5, warmup_steps=10)
+    schedule = _schedule(train=0.9, eval=0.5, warmup_steps=10, warmup_shape="linear")
     assert schedule(0).train == 0.0  # dense
     assert schedule(5).train == pytest.approx(0.45)
     assert schedule(9).train == pytest.approx(0.81)
@@ -24,10 +29,9 @@ def test_linear_warmup_from_dense():
     assert schedule(3).eval == 0.5
 
 
-def test_cosine_warmup_anneals_density():
-    schedule = SparsitySchedule(
-        train_sparsity=0.8, eval_sparsity=0.5, warmup_steps=8, warmup_shape="cosine"
-    )
+def test_cosine_warmup_anneals_density_and_is_the_configs_default():
+    assert SparsityConfig().warmup_shape == "cosine"  # one default: the config's
+    schedule = _schedule(train=0.8, eval=0.5, warmup_steps=8)
     for step in (0, 2, 4, 6):
         density = 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * step / 8))
         assert schedule(step).train == pytest.approx(1 - density)
@@ -36,81 +40,77 @@ def test_cosine_warmup_anneals_density():
 
 
 def test_curriculum_after_warmup_hard_to_easy():
-    schedule = SparsitySchedule(
-        train_sparsity=0.95,
-        train_sparsity_end=0.85,
-        curriculum_steps=10,
-        warmup_steps=4,
-        eval_sparsity=0.75,
+    schedule = _schedule(
+        14, train=0.95, train_end=0.85, warmup_steps=4, warmup_shape="linear", eval=0.75
     )
+    assert schedule.curriculum_steps == 10  # the steps after the warm-up
     assert schedule(2).train == pytest.approx(0.95 / 2)  # warm-up towards the start value
     assert schedule(4).train == pytest.approx(0.95)
     assert schedule(9).train == pytest.approx(0.90)
     assert schedule(14).train == pytest.approx(0.85)
     assert schedule(100).train == pytest.approx(0.85)
-    cosine = SparsitySchedule(
-        train_sparsity=0.95,
-        train_sparsity_end=0.85,
-        curriculum_steps=10,
-        curriculum_shape="cosine",
-        eval_sparsity=0.75,
-    )
-    assert cosine(5).train == pytest.approx(0.90)  # half way either shape
-    assert cosine(2).train == pytest.approx(0.95 - 0.1 * 0.5 * (1 - math.cos(0.2 * math.pi)))
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "field"),
+    ("settings", "key"),
     [
-        ({"train_sparsity": 1.0}, "train_sparsity"),
-        ({"eval_sparsity": -0.1}, "eval_sparsity"),
-        ({"train_sparsity": 0.7, "eval_sparsity": 0.8}, "eval_sparsity"),
-        ({"warmup_steps": -1}, "warmup_steps"),
-        ({"warmup_shape": "step"}, "warmup_shape"),
-        ({"train_sparsity_end": 0.8}, "train_sparsity_end"),
-        ({"curriculum_steps": 5}, "curriculum_steps"),
-        (
-            {"train_sparsity_end": 0.6, "curriculum_steps": 5, "eval_sparsity": 0.7},
-            "eval_sparsity",
-        ),
-        ({"train_sparsity_end": 1.2, "curriculum_steps": 5}, "train_sparsity_end"),
+        ({"train": 1.0}, "sparsity.train"),
+        ({"eval": -0.1}, "sparsity.eval"),
+        ({"train": 0.7, "eval": 0.8}, "sparsity.eval"),
+        ({"warmup_steps": -1}, "sparsity.warmup_steps"),
+        ({"warmup_shape": "step"}, "sparsity.warmup_shape"),
+        ({"train_end": 0.6, "eval": 0.7}, "sparsity.train_end"),
+        ({"train_end": 1.2}, "sparsity.train_end"),
     ],
 )
-def test_validation_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        SparsitySchedule(**kwargs)
+def test_the_config_validates_the_settings_naming_the_key(settings, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        _schedule(**settings)
 
 
-def test_eval_above_train_when_allowed():
-    schedule = SparsitySchedule(train_sparsity=0.5, eval_sparsity=0.9, allow_eval_above_train=True)
-    assert schedule(0) == (0.5, 0.5, 0.9)
+def test_bad_steps_are_refused():
+    with pytest.raises(ValueError, match="num_steps"):
+        _schedule(0)
     with pytest.raises(ValueError, match="step"):
-        schedule(-1)
+        _schedule()(-1)
 
 
 def test_state_dict_roundtrip_and_rejected_state_keeps_settings():
-    source = SparsitySchedule(
-        train_sparsity=0.95,
-        train_sparsity_end=0.9,
-        curriculum_steps=20,
-        warmup_steps=5,
-        warmup_shape="cosine",
-        eval_sparsity=0.8,
-    )
-    target = SparsitySchedule()
+    source = _schedule(25, train=0.95, train_end=0.9, warmup_steps=5, eval=0.8)
+    target = _schedule()
     target.load_state_dict(source.state_dict())
     assert [target(s) for s in range(40)] == [source(s) for s in range(40)]
     before = target.state_dict()
-    with pytest.raises(ValueError, match="eval_sparsity"):
-        target.load_state_dict({**before, "eval_sparsity": 0.99})
+    with pytest.raises(ValueError, match=r"sparsity\.eval"):
+        target.load_state_dict({**before, "eval": 0.99})
+    with pytest.raises(ValueError, match="curriculum_steps=0"):
+        target.load_state_dict({**before, "curriculum_steps": 0})
     assert target.state_dict() == before
     with pytest.raises(ValueError, match="unknown"):
         target.load_state_dict({"sparsity": 0.5})
 
 
-def test_from_run_config():
-    from vsa2_rl.config import SparsityConfig
+def test_state_of_a_checkpoint_before_the_config_held_it_loads():
+    """Checkpoints written while the schedule had fields of its own resume on the same curve."""
+    old = {
+        "train_sparsity": 0.95,
+        "eval_sparsity": 0.8,
+        "warmup_steps": 5,
+        "warmup_shape": "cosine",
+        "train_sparsity_end": 0.9,
+        "curriculum_steps": 20,
+        "curriculum_shape": "linear",
+        "allow_eval_above_train": False,
+    }
+    target = _schedule()
+    target.load_state_dict(old)
+    expected = _schedule(25, train=0.95, train_end=0.9, warmup_steps=5, eval=0.8)
+    assert [target(s) for s in range(40)] == [expected(s) for s in range(40)]
+    with pytest.raises(ValueError, match="not one a run config gives"):
+        target.load_state_dict({**old, "curriculum_shape": "cosine"})
 
+
+def test_from_run_config():
     config = SparsityConfig(train=0.9, train_end=0.8, eval=0.7, warmup_steps=10)
     schedule = SparsitySchedule.from_config(config, num_steps=30)
     assert schedule(0).train == 0.0
@@ -133,7 +133,7 @@ def test_plot_schedule_draws_the_schedule_into_a_png(tmp_path, monkeypatch):
         return savefig(figure, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", recording_savefig)
-    schedule = SparsitySchedule(train_sparsity=0.9, eval_sparsity=0.75, warmup_steps=5)
+    schedule = _schedule(train=0.9, eval=0.75, warmup_steps=5, warmup_shape="linear")
     path = tmp_path / "schedule.png"
     plot_schedule(schedule, 20, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

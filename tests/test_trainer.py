@@ -16,9 +16,9 @@ import torch
 
 from vsa2_rl.config import ConfigError, load_config, load_eval_config
 from vsa2_rl.rl import engines
+from vsa2_rl.rl import flow_grpo as update_module
 from vsa2_rl.rl import policy as policy_module
 from vsa2_rl.rl import rollout as rollout_module
-from vsa2_rl.rl import update as update_module
 from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 from vsa2_rl.rl.trainer import train
 from vsa2_rl.runtime import load_prompts
@@ -31,9 +31,9 @@ TINY = [
     "model.width=16",
     "sampler.num_steps=3",
     "sampler.sde_window=[0,2]",
-    "grpo.prompts_per_step=2",
-    "grpo.group_size=2",
-    "grpo.train_batch_size=4",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+    "rl.train_batch_size=4",
     "train.learning_rate=1e-3",
     "train.sample_every=0",
     "logging.progress=false",
@@ -316,7 +316,7 @@ def constant(videos, prompts, metadata):
     return torch.ones(len(videos))
 
 
-@pytest.mark.parametrize("algorithm", [[], ["grpo.algorithm=nft", "sampler.kind=ode"]])
+@pytest.mark.parametrize("algorithm", [[], ["rl.algorithm=nft", "sampler.kind=ode"]])
 def test_a_step_without_reward_variance_raises_no_scheduler_warning(tmp_path, algorithm):
     import warnings
 
@@ -332,7 +332,7 @@ def test_a_step_without_reward_variance_raises_no_scheduler_warning(tmp_path, al
 
 
 def test_lora_with_kl_to_the_reference(tmp_path):
-    config = _config(tmp_path, "train.num_steps=2", "model.lora.enabled=true", "grpo.kl_beta=0.1")
+    config = _config(tmp_path, "train.num_steps=2", "model.lora.enabled=true", "rl.kl_beta=0.1")
     train(config)
     rows = _rows(config.out_dir)
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-12)  # LoRA starts at the reference
@@ -362,7 +362,7 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path, lora):
     # comparison about the compiled kernels, not about the signs of near-zero gradients
     common = ("train.num_steps=1", "eval.every=1", "eval.num_prompts=2", "train.learning_rate=1e-5")
     if lora:
-        common += ("model.lora.enabled=true", "grpo.kl_beta=0.1")
+        common += ("model.lora.enabled=true", "rl.kl_beta=0.1")
     eager = _config(tmp_path, *common, name="eager")
     compiled = _config(tmp_path, *common, "model.compile_blocks=true", name="compiled")
     assert compiled.sparsity.train != compiled.sparsity.eval
@@ -402,13 +402,9 @@ def _first_update(tmp_path, monkeypatch, name, *extra):
 def test_every_sample_weighs_the_same_whatever_the_chunking(tmp_path, monkeypatch, kl_beta):
     # 2 groups of 3: chunks of 4 split the second group and leave a chunk of 2; one chunk of 6
     # is the reference. The on-policy loss of zero-mean advantages is 0 in both.
-    kl = f"grpo.kl_beta={kl_beta} grpo.group_size=3".split()
-    whole, whole_grad = _first_update(
-        tmp_path, monkeypatch, "whole", "grpo.train_batch_size=6", *kl
-    )
-    split, split_grad = _first_update(
-        tmp_path, monkeypatch, "split", "grpo.train_batch_size=4", *kl
-    )
+    kl = f"rl.kl_beta={kl_beta} rl.group_size=3".split()
+    whole, whole_grad = _first_update(tmp_path, monkeypatch, "whole", "rl.train_batch_size=6", *kl)
+    split, split_grad = _first_update(tmp_path, monkeypatch, "split", "rl.train_batch_size=4", *kl)
     assert abs(whole["loss/policy"]) < 1e-6 and abs(split["loss/policy"]) < 1e-6
     assert split["loss/kl"] == pytest.approx(whole["loss/kl"], rel=1e-4, abs=1e-12)
     error = (split_grad - whole_grad).norm() / whole_grad.norm()
@@ -419,7 +415,7 @@ def test_resume_refuses_a_changed_setting_and_accepts_a_longer_run(tmp_path):
     first = _config(tmp_path, "train.num_steps=1")
     train(first)
     for key, value, was in (
-        ("grpo.group_size", "3", "2"),
+        ("rl.group_size", "3", "2"),
         ("train.learning_rate", "0.01", "0.001"),
         ("model.lora.enabled", "true", "False"),
         ("attention.enabled", "false", "True"),
@@ -510,7 +506,7 @@ def test_a_group_shares_its_steps_before_the_window_and_branches_at_it(tmp_path,
 
     monkeypatch.setattr(sys.modules[__name__], "recorded_reward", recording_reward, raising=False)
     config = _config(
-        tmp_path, "train.num_steps=1", "sampler.sde_window=[1,3]", "grpo.group_size=3",
+        tmp_path, "train.num_steps=1", "sampler.sde_window=[1,3]", "rl.group_size=3",
         "sampler.same_noise_per_group=true",
         "rewards.functions=[{name: 'test_trainer:recorded_reward'}]",
     )  # fmt: skip
@@ -521,7 +517,7 @@ def test_a_group_shares_its_steps_before_the_window_and_branches_at_it(tmp_path,
     bundle.sparsity_state.sparsity = config.sparsity.train
     shape = bundle.latent_shape(config.model.num_frames, config.model.height, config.model.width)
     noise = rollout_module.initial_noise(
-        config.sampler, config.seed, config.grpo.group_size, 1, shape, list(range(6))
+        config.sampler, config.seed, config.rl.group_size, 1, shape, list(range(6))
     )
     prompts = [load_prompts(config)[i] for i in _prompt_indices(config)]
     expected = []
@@ -544,8 +540,8 @@ def _prompt_indices(config):
     from vsa2_rl.rl.grpo import GroupedPromptSampler
 
     sampler = GroupedPromptSampler(
-        len(load_prompts(config)), config.grpo.group_size,
-        config.grpo.prompts_per_step, seed=config.seed,
+        len(load_prompts(config)), config.rl.group_size,
+        config.rl.prompts_per_step, seed=config.seed,
     )  # fmt: skip
     return sampler.batch(0).prompt_indices
 
@@ -577,12 +573,12 @@ def test_the_moving_window_is_drawn_per_step_within_its_range(tmp_path, monkeypa
 
 
 def test_clip_ranges_are_checked():
-    with pytest.raises(ConfigError, match=r"^grpo\.clip_range: must be in \(0, 1\)"):
-        load_config(FLOW_GRPO_TOY, ["grpo.clip_range=1.5"])
-    with pytest.raises(ConfigError, match=r"^grpo\.clip_range_high: must be > 0"):
-        load_config(FLOW_GRPO_TOY, ["grpo.clip_range_high=0"])
-    with pytest.raises(ConfigError, match=r"^grpo\.clip_range_low: must be in \(0, 1\)"):
-        load_config(FLOW_GRPO_TOY, ["grpo.clip_range_low=1.5"])
+    with pytest.raises(ConfigError, match=r"^rl\.clip_range: must be in \(0, 1\)"):
+        load_config(FLOW_GRPO_TOY, ["rl.clip_range=1.5"])
+    with pytest.raises(ConfigError, match=r"^rl\.clip_range_high: must be > 0"):
+        load_config(FLOW_GRPO_TOY, ["rl.clip_range_high=0"])
+    with pytest.raises(ConfigError, match=r"^rl\.clip_range_low: must be in \(0, 1\)"):
+        load_config(FLOW_GRPO_TOY, ["rl.clip_range_low=1.5"])
 
 
 def test_each_clip_side_takes_its_own_range_or_clip_range(tmp_path, monkeypatch):
@@ -595,12 +591,12 @@ def test_each_clip_side_takes_its_own_range_or_clip_range(tmp_path, monkeypatch)
 
     monkeypatch.setattr(update_module, "grpo_loss", recording_loss)
     for name, extra, bounds in (
-        ("low", ["grpo.clip_range_low=0.3"], (0.3, 0.05)),
-        ("high", ["grpo.clip_range_high=0.28"], (0.05, 0.28)),
-        ("both", ["grpo.clip_range_low=0.1", "grpo.clip_range_high=0.4"], (0.1, 0.4)),
+        ("low", ["rl.clip_range_low=0.3"], (0.3, 0.05)),
+        ("high", ["rl.clip_range_high=0.28"], (0.05, 0.28)),
+        ("both", ["rl.clip_range_low=0.1", "rl.clip_range_high=0.4"], (0.1, 0.4)),
     ):
         seen.clear()
-        train(_config(tmp_path, "train.num_steps=1", "grpo.clip_range=0.05", *extra, name=name))
+        train(_config(tmp_path, "train.num_steps=1", "rl.clip_range=0.05", *extra, name=name))
         assert seen and set(seen) == {bounds}, name
 
 
@@ -651,7 +647,7 @@ def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch
     )  # fmt: skip
     train(config)
     (init_kwargs,) = calls["init"]
-    assert init_kwargs["config"]["grpo"]["group_size"] == 2  # the whole resolved config
+    assert init_kwargs["config"]["rl"]["group_size"] == 2  # the whole resolved config
     assert init_kwargs["config"]["sampler"]["num_steps"] == 3
     videos = [(step, data["eval/videos"]) for step, data in calls["log"] if "eval/videos" in data]
     assert [step for step, _ in videos] == [0, 1]
@@ -667,7 +663,7 @@ def test_trackers_get_the_config_and_captioned_eval_videos(tmp_path, monkeypatch
 
 
 def test_kl_as_reward_penalty_is_the_log_ratio_to_the_reference(tmp_path, monkeypatch):
-    """grpo.kl_mode=reward with a reference that differs from the policy (velocity 0): each
+    """rl.kl_mode=reward with a reference that differs from the policy (velocity 0): each
     sample's penalty is the sum over the stochastic steps of log p - log p_ref of the transition
     it drew, with log p_ref the closed-form Gaussian of the reference's SDE step written out
     below, and the reward it trains on is the reward minus kl_beta times the penalty."""
@@ -690,7 +686,7 @@ def test_kl_as_reward_penalty_is_the_log_ratio_to_the_reference(tmp_path, monkey
     monkeypatch.setattr(update_module.FlowGRPOUpdate, "kl_penalty", recording_penalty)
     beta = 0.5
     config = _config(
-        tmp_path, "train.num_steps=1", f"grpo.kl_beta={beta}", "grpo.kl_mode=reward",
+        tmp_path, "train.num_steps=1", f"rl.kl_beta={beta}", "rl.kl_mode=reward",
         "sampler.kind=sde",
     )  # fmt: skip
     train(config)
@@ -723,8 +719,8 @@ def test_kl_as_reward_penalty_is_the_log_ratio_to_the_reference(tmp_path, monkey
     # the reward the advantages come from: brightness - kl_beta * penalty
     penalized = row["reward/brightness"] - beta * expected.mean().item()
     assert row["reward/mean"] == pytest.approx(penalized, rel=1e-4, abs=1e-5)
-    with pytest.raises(ConfigError, match=r"^grpo\.kl_mode: 'reward' .* rewards\.aggregation"):
-        load_config(FLOW_GRPO_TOY, ["grpo.kl_mode=reward", "rewards.aggregation=advantage"])
+    with pytest.raises(ConfigError, match=r"^rl\.kl_mode: 'reward' .* rewards\.aggregation"):
+        load_config(FLOW_GRPO_TOY, ["rl.kl_mode=reward", "rewards.aggregation=advantage"])
 
 
 def test_sequence_parallel_size_must_divide_the_processes(tmp_path):

@@ -171,9 +171,9 @@ RUN = [
     f"model.width={VIDEO[2]}",
     "sampler.num_steps=3",
     "sampler.sde_window=[0,2]",
-    "grpo.prompts_per_step=2",
-    "grpo.group_size=2",
-    "grpo.train_batch_size=4",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+    "rl.train_batch_size=4",
     "train.learning_rate=1e-2",
     "train.sample_every=0",
     "logging.progress=false",
@@ -272,7 +272,7 @@ def test_lora_on_one_expert_trains_saves_resumes_and_exports_that_expert(tmp_pat
 
 
 @pytest.mark.parametrize(
-    "algorithm", ["grpo.algorithm=flow_grpo", "grpo.algorithm=nft nft.sigma_range=[0.875,1.0]"]
+    "algorithm", ["rl.algorithm=flow_grpo", "rl.algorithm=nft nft.sigma_range=[0.875,1.0]"]
 )
 def test_full_fine_tuning_of_one_expert_leaves_the_other_as_loaded(tmp_path, folders, algorithm):
     from vsa2_rl.rl.trainer import train
@@ -280,7 +280,7 @@ def test_full_fine_tuning_of_one_expert_leaves_the_other_as_loaded(tmp_path, fol
 
     config = _run_config(
         tmp_path, folders, "wan22_a14b_t2v", "model.train_experts=[high_noise]",
-        "train.num_steps=1", "grpo.kl_beta=0.1", "train.ema_decay=0.9",
+        "train.num_steps=1", "rl.kl_beta=0.1", "train.ema_decay=0.9",
         *algorithm.split(),
     )  # fmt: skip
     train(config)
@@ -297,7 +297,7 @@ def test_nft_levels_and_sde_windows_must_reach_a_trained_expert(tmp_path, folder
 
     low_only = ["model.train_experts=[low_noise]", "train.num_steps=1"]
     cases = [
-        (["grpo.algorithm=nft"], r"nft\.sigma_range: \[0\.0, 1\.0\].*within \[0, 0\.875\)"),
+        (["rl.algorithm=nft"], r"nft\.sigma_range: \[0\.0, 1\.0\].*within \[0, 0\.875\)"),
         (["sampler.sde_window=[0,1]"], r"sampler\.sde_window: .*\[1\.0\] all belong"),
     ]
     for index, (extra, message) in enumerate(cases):
@@ -318,7 +318,7 @@ def image_reward(videos, prompts, metadata):
 @pytest.mark.parametrize(
     ("kind", "extra"),
     [
-        ("wan22_ti2v", ["grpo.algorithm=nft"]),
+        ("wan22_ti2v", ["rl.algorithm=nft"]),
         ("wan21_i2v", ["sampler.guidance_scale=3.0", *LORA]),
         ("wan22_a14b_i2v", ["model.train_experts=[low_noise]", *LORA]),
     ],
@@ -400,7 +400,7 @@ def test_the_wan22_recipes_run_one_step_on_a_tiny_model_of_their_kind(
     monkeypatch.chdir(repo)  # the recipes name their evaluation prompt files from there
     shrink = [
         f"model.num_frames={VIDEO[0]}", f"model.height={VIDEO[1]}", f"model.width={VIDEO[2]}",
-        "grpo.group_size=2", "grpo.prompts_per_step=2", "grpo.train_batch_size=2",
+        "rl.group_size=2", "rl.prompts_per_step=2", "rl.train_batch_size=2",
         "train.num_steps=1", "train.sample_every=0", "logging.report_to=[]",
         "logging.progress=false", "attention.backend=torch", "eval.every=0",
         "rewards.functions=[{name: 'test_wan_variants:image_reward'}, {name: image_consistency}]",
@@ -419,11 +419,11 @@ def test_the_wan22_recipes_run_one_step_on_a_tiny_model_of_their_kind(
 def _grpo_update(model, fraction: float, sigmas):
     from types import SimpleNamespace
 
-    from vsa2_rl.rl.update import FlowGRPOUpdate
+    from vsa2_rl.rl.flow_grpo import FlowGRPOUpdate
 
     policy = SimpleNamespace(model=model, reference=None)
-    grpo = SimpleNamespace(timestep_fraction=fraction, kl_mode="loss")
-    return FlowGRPOUpdate(policy, SimpleNamespace(sigmas=sigmas), grpo, seed=0)
+    rl = SimpleNamespace(timestep_fraction=fraction, kl_mode="loss")
+    return FlowGRPOUpdate(policy, SimpleNamespace(sigmas=sigmas), rl, seed=0)
 
 
 def test_every_grpo_update_trains_each_expert_the_config_names():
@@ -449,7 +449,7 @@ def test_every_grpo_update_trains_each_expert_the_config_names():
 
 @pytest.mark.parametrize(
     ("zero3", "algorithm", "refused"),
-    [(True, "flow_grpo", "ZeRO-3"), (False, "nft", "grpo.algorithm=nft"), (False, "flow_grpo", "")],
+    [(True, "flow_grpo", "ZeRO-3"), (False, "nft", "rl.algorithm=nft"), (False, "flow_grpo", "")],
 )
 def test_deepspeed_refuses_two_experts_where_it_would_step_them_apart(
     monkeypatch, zero3, algorithm, refused
@@ -458,7 +458,7 @@ def test_deepspeed_refuses_two_experts_where_it_would_step_them_apart(
 
     monkeypatch.setattr(engines, "uses_deepspeed", lambda acc: True)
     monkeypatch.setattr(engines, "shards_parameters", lambda acc: zero3)
-    config = load_config(FLOW_GRPO_TOY, [f"grpo.algorithm={algorithm}"])
+    config = load_config(FLOW_GRPO_TOY, [f"rl.algorithm={algorithm}"])
     both = WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5)
     one = WanExperts(nn.Linear(1, 1), nn.Linear(1, 1), 0.5, train_experts=("high_noise",))
     engines.check_trained_experts(None, one, config)  # one expert: every engine steps it alike

@@ -13,7 +13,9 @@ runs of docs/results.md, whose figures per recipe docs/wan.md lists. A config th
 load (an unknown key, a wrong type, a contradiction) is one problem: nothing after it can be
 checked. ``vsa2-rl train`` runs the same checks, rewards aside (:func:`problems_before_loading`),
 before it loads anything; those that need the processes (engines, number of ranks) run when its
-processes start.
+processes start. The checks themselves, shared with the trainer, ``eval`` and ``export``, are
+:mod:`vsa2_rl.preflight`'s; the model folder's ``model_index.json`` is read once, into its
+:class:`~vsa2_rl.preflight.ModelFacts`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from vsa2_rl.config import ConfigError, RunConfig, load_config
 from vsa2_rl.config.paths import check_model_paths, check_prompt_path, check_resume_path
 from vsa2_rl.data.prompts import PromptRecord
+from vsa2_rl.preflight import ModelFacts, check_prompt_count, check_second_guidance, model_facts
+
+if TYPE_CHECKING:
+    from vsa2_rl.models.wan_bundle import WanVariant
 
 MEMORY_AND_TIME = "not estimated (uncalibrated); measured figures per recipe: docs/wan.md"
 
@@ -82,7 +89,14 @@ def problems_before_loading(config: RunConfig) -> list[str]:
 
 def _inspect(config: RunConfig, report: Report, rewards: bool) -> None:
     _check_paths(config, report)
-    _plan_model(config, report)
+    facts = None
+    if not any(problem.startswith("model.path") for problem in report.problems):
+        with report.checking():
+            facts = model_facts(config)
+    if facts is not None:
+        _plan_model(config, facts, report)
+        with report.checking():
+            check_second_guidance(config, facts)
     _plan_schedule(config, report)
     _plan_step(config, report)
     _plan_prompts(config, report)
@@ -103,21 +117,20 @@ def _check_paths(config: RunConfig, report: Report) -> None:
 # ---- model -----------------------------------------------------------------------------------
 
 
-def _plan_model(config: RunConfig, report: Report) -> None:
-    """Model, experts, what trains and tokens per video, from the folder's configuration
-    (nothing to read where ``model.path`` is already a problem)."""
-    if any(problem.startswith("model.path") for problem in report.problems):
-        return
+def _plan_model(config: RunConfig, facts: ModelFacts, report: Report) -> None:
+    """Model, experts, what trains and tokens per video, from the folder's configuration."""
     with report.checking():
-        transformer, latent_shape, what = _shapes(config)
+        transformer, latent_shape, what = _shapes(config, facts)
         report.plan.append(("model", what))
         report.plan.append(("trains", _trained(transformer, config)))
         _plan_tokens(config, latent_shape, transformer, report)
 
 
-def _shapes(config: RunConfig):
+def _shapes(config: RunConfig, facts: ModelFacts):
     """(transformer without weights, the bundle's ``latent_shape``, a description)."""
-    return _toy_shapes(config) if config.model.kind == "toy" else _wan_shapes(config)
+    if facts.variant is None:
+        return _toy_shapes(config)
+    return _wan_shapes(config, facts.variant)
 
 
 def _toy_shapes(config: RunConfig):
@@ -135,7 +148,7 @@ def _toy_shapes(config: RunConfig):
     return transformer, shapes.latent_shape, f"toy ({config.model.path or 'shipped'})"
 
 
-def _wan_shapes(config: RunConfig):
+def _wan_shapes(config: RunConfig, variant: WanVariant):
     from diffusers import WanTransformer3DModel
 
     from vsa2_rl.attention import SparsityState
@@ -148,11 +161,9 @@ def _wan_shapes(config: RunConfig):
         missing_component,
         needed_folders,
         read_vae_config,
-        read_wan_variant,
     )
 
     path = config.model.path
-    variant = read_wan_variant(path)
     missing = ", ".join(f"{name}/" for name in needed_folders(variant) if not _is_dir(path, name))
     if missing:
         raise missing_component(path, missing, f"has no {missing}.")
@@ -315,13 +326,13 @@ def _stochastic_steps(sampler) -> str:
 
 
 def _plan_step(config: RunConfig, report: Report) -> None:
-    grpo, sampler = config.grpo, config.sampler
+    rl, sampler = config.rl, config.sampler
     stochastic = _stochastic_steps(sampler)
     report.plan.append((
         "step",
-        f"{grpo.prompts_per_step} prompts x {grpo.group_size} samples = "
-        f"{grpo.prompts_per_step * grpo.group_size} videos of {sampler.num_steps} sampler steps "
-        f"({stochastic}, guidance {sampler.guidance_scale:g}); {grpo.algorithm}; "
+        f"{rl.prompts_per_step} prompts x {rl.group_size} samples = "
+        f"{rl.prompts_per_step * rl.group_size} videos of {sampler.num_steps} sampler steps "
+        f"({stochastic}, guidance {sampler.guidance_scale:g}); {rl.algorithm}; "
         f"{config.train.num_steps} steps, a checkpoint every {config.train.checkpoint_every}",
     ))  # fmt: skip
 
@@ -332,7 +343,11 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
     sets = {split: _prompt_set(config, split, report) for split in ("train", "eval")}
     # what the model takes is read from its transformer/config.json: without one, unknown
     readable = config.model.kind != "wan" or _is_dir(config.model.path, "transformer")
-    texts, checked = [], set()
+    texts, checked, scheme, problems = [], set(), None, len(report.problems)
+    if readable:  # read once for both prompt sets; unreadable, the images go unchecked
+        with report.checking():
+            scheme = image_scheme(config)
+        readable = len(report.problems) == problems
     for split, records in sets.items():
         if records is None:  # unreadable: a problem already
             continue
@@ -343,13 +358,11 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
         if readable and key not in checked:  # evaluation may read the training file
             checked.add(key)
             with report.checking():
-                check_condition_images(image_scheme(config), [r.image for r in records], key)
+                check_condition_images(scheme, [r.image for r in records], key)
     report.plan.append(("prompts", "; ".join(texts) or "none readable"))
-    if sets["train"] is not None and config.grpo.prompts_per_step > len(sets["train"]):
-        report.problems.append(
-            f"grpo.prompts_per_step: {config.grpo.prompts_per_step} exceeds the "
-            f"{len(sets['train'])} prompts of the prompt set; lower it or add prompts"
-        )
+    if sets["train"] is not None:
+        with report.checking():
+            check_prompt_count(config, len(sets["train"]))
 
 
 def _prompt_set(config: RunConfig, split: str, report: Report) -> list[PromptRecord] | None:

@@ -113,12 +113,14 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
     """Writes the export of the one run ``targets`` names (see the module docstring) into
     ``config.out_dir``; returns the folder."""
     from vsa2_rl.eval.sweep import resolve_targets
+    from vsa2_rl.preflight import model_facts
 
     if targets.run_dirs or bool(targets.run_dir) + bool(targets.checkpoint) != 1:
         raise ConfigError("run_dir: export takes one run (run_dir=DIR or checkpoint=DIR)")
     _check_out_dir(config.out_dir)
     (target,) = resolve_targets(config, targets)
     trained = target.config
+    model_facts(trained)  # the pre-flight of its model folder, before the weights load
     bundle = load_model(trained, torch.device("cpu"), torch.float32, checkpoint=target.checkpoint)
     place = os.path.realpath(config.out_dir)  # a link to an empty folder: the folder it names
     parent = os.path.dirname(place)

@@ -12,7 +12,7 @@ Modules, one per concern:
 
 - ``checks``: :class:`ConfigError` and the value checks the sections share;
 - ``model``, ``algorithm``, ``run``: the sections (``model``, ``attention``, ``sparsity``;
-  ``sampler``, ``grpo``, ``nft``, ``rewards``; ``prompts``, ``train``, ``eval``, ``parallel``,
+  ``sampler``, ``rl``, ``nft``, ``rewards``; ``prompts``, ``train``, ``eval``, ``parallel``,
   ``logging``) and :class:`RunConfig`, the whole config with its checks across sections;
 - ``targets``: :class:`EvalTargets`, the models ``vsa2-rl eval`` and ``export`` take;
 - ``paths``: the file-system checks;
@@ -22,10 +22,11 @@ Modules, one per concern:
 
 from vsa2_rl.config.algorithm import (
     ALGORITHMS,
-    GRPOConfig,
+    UPDATE_RULES,
     NFTConfig,
     RewardEntry,
     RewardsConfig,
+    RLConfig,
     SamplerConfig,
 )
 from vsa2_rl.config.checks import MAX_INT, MAX_ROLLOUTS_PER_STEP, ConfigError
@@ -67,17 +68,18 @@ __all__ = [
     "RESUMABLE_KEYS",
     "RESUMABLE_SECTIONS",
     "TARGET_KEYS",
+    "UPDATE_RULES",
     "AttentionConfig",
     "ConfigError",
     "EvalConfig",
     "EvalTargets",
-    "GRPOConfig",
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
     "NFTConfig",
     "ParallelConfig",
     "PromptsConfig",
+    "RLConfig",
     "RewardEntry",
     "RewardsConfig",
     "RunConfig",

@@ -1,4 +1,4 @@
-"""Config sections of the RL algorithm: ``sampler`` (rollouts), ``grpo`` (groups, advantages and
+"""Config sections of the RL algorithm: ``sampler`` (rollouts), ``rl`` (groups, advantages and
 the update rule), ``nft`` (DiffusionNFT's settings) and ``rewards``."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class SamplerConfig:
 
     kind: str = _doc(
         "Rollout sampler: 'sde' (Flow-GRPO), 'cps' (coefficient-preserving) or 'ode' "
-        "(deterministic Euler, no log-probs: grpo.algorithm=nft only, the DiffusionNFT paper's "
+        "(deterministic Euler, no log-probs: rl.algorithm=nft only, the DiffusionNFT paper's "
         "setting).",
         default="sde",
     )
@@ -34,7 +34,7 @@ class SamplerConfig:
         "Timestep shift of the sigma schedule (Wan uses 3-5 at 480p/720p).", default=1.0
     )
     noise_level: float = _doc(
-        "SDE noise level a (> 0 for Flow-GRPO; 0 = ODE steps, for grpo.algorithm=nft).",
+        "SDE noise level a (> 0 for Flow-GRPO; 0 = ODE steps, for rl.algorithm=nft).",
         default=0.7,
     )
     guidance_scale: float = _doc(
@@ -154,12 +154,18 @@ class SamplerConfig:
         return start, start + self.sde_window_size
 
 
-ALGORITHMS = ("flow_grpo", "nft")
+# rl.algorithm -> "module:class" of its update rule (vsa2_rl.rl.update.UpdateRule), imported
+# when a run builds it; a new algorithm is its module plus an entry here
+UPDATE_RULES = {
+    "flow_grpo": "vsa2_rl.rl.flow_grpo:FlowGRPOUpdate",
+    "nft": "vsa2_rl.rl.nft:NFTUpdate",
+}
+ALGORITHMS = tuple(UPDATE_RULES)
 
 
 @dataclass
-class GRPOConfig:
-    """Group-relative RL: prompt groups, advantages and the update rule (grpo.algorithm)."""
+class RLConfig:
+    """Group-relative RL: prompt groups, advantages and the update rule (rl.algorithm)."""
 
     algorithm: str = _doc(
         "Update rule. 'flow_grpo': PPO-clip on the log-probs of SDE transitions (Flow-GRPO, Liu "
@@ -223,66 +229,66 @@ class GRPOConfig:
         return low, high
 
     def __post_init__(self) -> None:
-        _check_choice(self.algorithm, "grpo.algorithm", ALGORITHMS)
+        _check_choice(self.algorithm, "rl.algorithm", ALGORITHMS)
         _check(
             self.group_size >= 2,
-            "grpo.group_size",
+            "rl.group_size",
             f"must be >= 2 (advantages are relative within a group), got {self.group_size}",
         )
         _check(
             self.prompts_per_step >= 1,
-            "grpo.prompts_per_step",
+            "rl.prompts_per_step",
             f"must be >= 1, got {self.prompts_per_step}",
         )
         rollouts = self.group_size * self.prompts_per_step
         _check(
             rollouts <= MAX_ROLLOUTS_PER_STEP,
-            "grpo.group_size",
-            f"grpo.group_size x grpo.prompts_per_step = {rollouts:,} videos a step; at most "
+            "rl.group_size",
+            f"rl.group_size x rl.prompts_per_step = {rollouts:,} videos a step; at most "
             f"{MAX_ROLLOUTS_PER_STEP:,}",
         )
-        _check_choice(self.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
-        _check_choice(self.loss_type, "grpo.loss_type", ("ppo_clip", "reinforce"))
-        _check(self.adv_clip > 0, "grpo.adv_clip", f"must be > 0, got {self.adv_clip}")
+        _check_choice(self.scale_rewards, "rl.scale_rewards", ("group", "batch", "none"))
+        _check_choice(self.loss_type, "rl.loss_type", ("ppo_clip", "reinforce"))
+        _check(self.adv_clip > 0, "rl.adv_clip", f"must be > 0, got {self.adv_clip}")
         _check(
             0 < self.clip_range < 1,
-            "grpo.clip_range",
+            "rl.clip_range",
             f"must be in (0, 1) (the lower bound 1 - clip_range stays above 0), got "
             f"{self.clip_range}",
         )
         _check(
             self.clip_range_low is None or 0 < self.clip_range_low < 1,
-            "grpo.clip_range_low",
+            "rl.clip_range_low",
             f"must be in (0, 1) (the lower bound 1 - clip_range_low stays above 0), or empty for "
             f"clip_range; got {self.clip_range_low}",
         )
         _check(
             self.clip_range_high is None or self.clip_range_high > 0,
-            "grpo.clip_range_high",
+            "rl.clip_range_high",
             f"must be > 0 (or empty for clip_range), got {self.clip_range_high}",
         )
-        _check(self.kl_beta >= 0, "grpo.kl_beta", f"must be >= 0, got {self.kl_beta}")
-        _check_choice(self.kl_mode, "grpo.kl_mode", ("loss", "reward"))
+        _check(self.kl_beta >= 0, "rl.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        _check_choice(self.kl_mode, "rl.kl_mode", ("loss", "reward"))
         _check(
             0 < self.timestep_fraction <= 1,
-            "grpo.timestep_fraction",
+            "rl.timestep_fraction",
             f"must be in (0, 1], got {self.timestep_fraction}",
         )
         _check(
             self.num_inner_epochs >= 1,
-            "grpo.num_inner_epochs",
+            "rl.num_inner_epochs",
             f"must be >= 1, got {self.num_inner_epochs}",
         )
         _check(
             self.train_batch_size >= 1,
-            "grpo.train_batch_size",
+            "rl.train_batch_size",
             f"must be >= 1, got {self.train_batch_size}",
         )
 
 
 @dataclass
 class NFTConfig:
-    """DiffusionNFT (grpo.algorithm=nft; Zheng et al. 2025, arXiv 2509.16117): defaults are the
+    """DiffusionNFT (rl.algorithm=nft; Zheng et al. 2025, arXiv 2509.16117): defaults are the
     paper's (its Algorithm 1 and the authors' SD3.5 scripts, NVlabs/DiffusionNFT)."""
 
     beta: float = _doc(
@@ -424,7 +430,7 @@ class RewardsConfig:
         default=None,
     )
     async_scoring: bool = _doc(
-        "Score each chunk of grpo.train_batch_size videos in a background thread as soon as it "
+        "Score each chunk of rl.train_batch_size videos in a background thread as soon as it "
         "is decoded, while the rollout samples the next chunks (not named rewards.async: "
         "async is a Python keyword). The update waits for every score, so GRPO stays "
         "on-policy; a reward sees one chunk per call.",

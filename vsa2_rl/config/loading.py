@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import warnings
 from typing import Any
 
 import yaml
@@ -25,6 +26,12 @@ from vsa2_rl.config.targets import TARGET_KEYS, EvalTargets
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(_REPO, "configs", "default.yaml")
+
+# Sections renamed by this release (old name -> new). The old name loads for one more release
+# with a FutureWarning, the category Python shows to the users of a program (a
+# DeprecationWarning raised in library code is hidden by default, and a config file is written
+# by users, not developers).
+RENAMED_SECTIONS = {"grpo": "rl"}
 
 
 def _all_keys(schema: Any, prefix: str = "") -> list[str]:
@@ -64,7 +71,60 @@ def _layers(path: str | None, overrides: list[str] | None) -> list[DictConfig]:
     path = path or DEFAULT_CONFIG
     if not os.path.isfile(path):
         raise ConfigError(f"--config: {_not_a_file(path, 'a YAML file')}")
-    return [_load_yaml(path, "--config")] + [_parse_override(item) for item in overrides or []]
+    file = _load_yaml(path, "--config")
+    given = [_parse_override(item) for item in overrides or []]
+    _check_renamed([file], path)
+    _check_renamed(given, "the command line")
+    for layer in [file, *given]:
+        _move_renamed(layer)
+    return [file, *given]
+
+
+def _move_renamed(layer: DictConfig) -> None:
+    """Moves the renamed sections of ``layer`` to their new name, in place, warning once per
+    section with its first key spelled both ways."""
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in layer:
+            continue
+        key = next(iter(_flatten(_section(layer, old))), "")
+        warnings.warn(
+            f"{old}.{key}: the {old} section is renamed {new}; write {new}.{key} (the old name "
+            "stops loading in the next release)",
+            FutureWarning,
+            stacklevel=4,  # load_config's caller
+        )
+        section = layer.pop(old)
+        layer[new] = OmegaConf.merge(section, layer[new]) if new in layer else section
+
+
+def _check_renamed(layers: list[DictConfig], place: str) -> None:
+    """Refuses a key that ``layers`` (the config file, or the command line) set under both its
+    old and its new section name: which one was meant is a guess."""
+    for old, new in RENAMED_SECTIONS.items():
+        spelled: dict[str, set[str]] = {}
+        for layer in layers:
+            for section in (old, new):
+                for key in _flatten(_section(layer, section)):
+                    spelled.setdefault(key, set()).add(section)
+        both = sorted(key for key, sections in spelled.items() if len(sections) == 2)
+        if both:
+            key = both[0]
+            raise ConfigError(
+                f"{old}.{key} and {new}.{key}: both given in {place}; {old} is the old name of "
+                f"the {new} section: keep {new}.{key} only"
+            )
+
+
+def _section(layer: DictConfig, name: str) -> dict[str, Any]:
+    """The section ``name`` of ``layer`` as plain containers ({} if absent or not a mapping)."""
+    section = layer.get(name)
+    return OmegaConf.to_container(section) if isinstance(section, DictConfig) else {}
+
+
+def upgrade_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config tree (a run folder's config.yaml, a checkpoint's) with its renamed
+    sections under their new names: runs written before a rename load and resume silently."""
+    return {RENAMED_SECTIONS.get(key, key): value for key, value in tree.items()}
 
 
 def _split_targets(layers: list[DictConfig]) -> tuple[list[DictConfig], EvalTargets]:
@@ -130,7 +190,7 @@ def config_from_tree(tree: dict[str, Any], source: str) -> RunConfig:
     """The RunConfig of a recorded config tree (:func:`config_tree`, e.g. a checkpoint's),
     validated like :func:`load_config`'s, its paths unchecked; errors name ``source``. The
     EvalTargets keys that trees recorded before they left RunConfig hold are dropped."""
-    tree = {key: value for key, value in tree.items() if key not in TARGET_KEYS}
+    tree = {key: value for key, value in upgrade_tree(tree).items() if key not in TARGET_KEYS}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(tree))
         config = OmegaConf.to_object(merged)

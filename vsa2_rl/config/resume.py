@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vsa2_rl.config.checks import ConfigError
-from vsa2_rl.config.loading import _flatten, config_tree
+from vsa2_rl.config.loading import _flatten, config_tree, upgrade_tree
 from vsa2_rl.config.run import RunConfig
 from vsa2_rl.config.targets import TARGET_KEYS
 
@@ -36,9 +36,11 @@ def check_resume(saved: dict[str, Any], config: RunConfig, source: str) -> None:
     a config that changes anything outside ``RESUMABLE_KEYS`` / ``RESUMABLE_SECTIONS``. A key
     the checkpoint does not record (added to the schema after it was written) counts as
     unchanged while it holds its schema default, the behaviour the run had before the key
-    existed. The EvalTargets keys that checkpoints recorded before they left RunConfig hold are
+    existed; sections renamed since (``grpo``, now ``rl``) compare under their new name. The
+    EvalTargets keys that checkpoints recorded before they left RunConfig hold are
     no settings of the run and are ignored."""
-    was = {key: value for key, value in _flatten(saved).items() if key not in TARGET_KEYS}
+    flat = _flatten(upgrade_tree(saved))
+    was = {key: value for key, value in flat.items() if key not in TARGET_KEYS}
     now = _flatten(config_tree(config))
     absent = "<absent>"
     defaults = _flatten(config_tree(RunConfig()))

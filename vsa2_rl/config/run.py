@@ -9,10 +9,10 @@ import warnings
 from dataclasses import dataclass, field
 
 from vsa2_rl.config.algorithm import (
-    GRPOConfig,
     NFTConfig,
     RewardEntry,
     RewardsConfig,
+    RLConfig,
     SamplerConfig,
 )
 from vsa2_rl.config.checks import (
@@ -225,7 +225,7 @@ class RunConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
@@ -246,8 +246,8 @@ class RunConfig:
             f"got {self.device!r}, expected auto, cpu or cuda[:N]",
         )
         _check(
-            not (self.grpo.kl_mode == "reward" and self.rewards.aggregation == "advantage"),
-            "grpo.kl_mode",
+            not (self.rl.kl_mode == "reward" and self.rewards.aggregation == "advantage"),
+            "rl.kl_mode",
             "'reward' subtracts the KL from the combined reward, so it needs "
             "rewards.aggregation=reward (with 'advantage' there is no combined reward)",
         )
@@ -277,18 +277,18 @@ class RunConfig:
 
     def _check_algorithm(self) -> None:
         """Settings that only one update rule can honour (vsa2_rl.rl.nft says why)."""
-        if self.grpo.algorithm == "flow_grpo":
+        if self.rl.algorithm == "flow_grpo":
             _check(
                 self.sampler.kind != "ode",
                 "sampler.kind",
                 "'ode' rollouts have no log-probs for Flow-GRPO to train on; use sde or cps, "
-                "or grpo.algorithm=nft",
+                "or rl.algorithm=nft",
             )
             _check(
                 self.sampler.noise_level > 0,
                 "sampler.noise_level",
                 "0 makes every rollout step deterministic (an ODE): Flow-GRPO has no log-probs "
-                "to train on; use a level > 0 (0.7 is Flow-GRPO's), or grpo.algorithm=nft",
+                "to train on; use a level > 0 (0.7 is Flow-GRPO's), or rl.algorithm=nft",
             )
             changed = [
                 f.name
@@ -298,15 +298,15 @@ class RunConfig:
             _check(
                 not changed,
                 f"nft.{changed[0] if changed else ''}",
-                "is only read by grpo.algorithm=nft (this run is flow_grpo); set "
-                "grpo.algorithm=nft or leave nft.* at its defaults",
+                "is only read by rl.algorithm=nft (this run is flow_grpo); set "
+                "rl.algorithm=nft or leave nft.* at its defaults",
             )
             return
         _check(
-            self.grpo.kl_mode == "loss",
-            "grpo.kl_mode",
+            self.rl.kl_mode == "loss",
+            "rl.kl_mode",
             "'reward' needs the log-probs of SDE transitions, which nft does not use; with "
-            "grpo.algorithm=nft the KL is a loss term (grpo.kl_mode=loss)",
+            "rl.algorithm=nft the KL is a loss term (rl.kl_mode=loss)",
         )
         for key in ("guidance_scale", "guidance_scale_2"):
             _check(

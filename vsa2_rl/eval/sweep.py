@@ -42,6 +42,7 @@ from vsa2_rl.device import resolve_device, resolve_dtype, resolve_reward_device
 from vsa2_rl.eval.media import condition_images_of, save_video_grid
 from vsa2_rl.models.conditioning import encode_condition, final_latents
 from vsa2_rl.models.experts import low_noise_guidance
+from vsa2_rl.preflight import check_target
 from vsa2_rl.runtime import (
     check_condition_images,
     check_output_dir,
@@ -361,15 +362,17 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
     of ``config.model``); writes and returns the table rows."""
     check_output_dir(config.out_dir)  # before the sweep, whose results would be lost
     models = resolve_targets(config, targets)
-    rewards = _reward_fns(config)
     records = config.eval.select_prompts(load_prompt_records(config, "eval"))
     prompts, images = [r.text for r in records], [r.image for r in records]
+    for target in models:  # every model's pre-flight, before the first one loads
+        check_target(config, target.config)
+        check_condition_images(image_scheme(target.config), images, prompt_file_key(config, "eval"))
+    rewards = _reward_fns(config)
     device = resolve_device(config.device)
     rows, previews = [], {}
     for target in models:
         trained = target.config
         dtype = resolve_dtype(trained.model.dtype, device)
-        check_condition_images(image_scheme(trained), images, prompt_file_key(config, "eval"))
         bundle = load_model(trained, device, dtype, checkpoint=target.checkpoint)
         shape = (trained.model.num_frames, trained.model.height, trained.model.width)
         own_scales = config.eval.guidance_scale is None and config.eval.guidance_scale_2 is None
@@ -393,7 +396,7 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
             ),
             negative_prompt=config.sampler.negative_prompt or trained.sampler.negative_prompt,
             seed=config.eval.seed,
-            batch_size=config.grpo.train_batch_size,
+            batch_size=config.rl.train_batch_size,
             shape=shape,
             progress=config.logging.progress,
             label=target.label,

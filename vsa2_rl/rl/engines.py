@@ -92,9 +92,9 @@ def check_options(acc, config: RunConfig) -> None:
         return
     engine = "FSDP2" if uses_fsdp2(acc) else "ZeRO-3"
     whole = "configs/accelerate/ddp_2gpu.yaml or zero2.yaml"
-    if config.grpo.algorithm == "nft":
+    if config.rl.algorithm == "nft":
         raise ConfigError(
-            f"grpo.algorithm: nft keeps whole old-policy weights (LoRA tensors or a frozen "
+            f"rl.algorithm: nft keeps whole old-policy weights (LoRA tensors or a frozen "
             f"model copy) beside the trained ones on every rank, which {engine}-sharded "
             f"parameters do not give; use {whole}"
         )
@@ -103,10 +103,10 @@ def check_options(acc, config: RunConfig) -> None:
             f"train.ema_decay: an EMA of {engine}-sharded parameters is not supported; set "
             f"train.ema_decay=0 or use {whole}"
         )
-    if config.grpo.kl_beta > 0 and not config.model.lora.enabled:
+    if config.rl.kl_beta > 0 and not config.model.lora.enabled:
         raise ConfigError(
-            "grpo.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
-            f"which {engine} cannot make from sharded parameters; set grpo.kl_beta=0, enable "
+            "rl.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
+            f"which {engine} cannot make from sharded parameters; set rl.kl_beta=0, enable "
             f"model.lora (the reference is then the model with adapters off) or use {whole}"
         )
 
@@ -129,9 +129,9 @@ def check_trained_experts(acc, model, config: RunConfig) -> None:
             f"model.train_experts: ZeRO-3 trains one expert per run; {one_expert}, or launch "
             "with configs/accelerate/zero2.yaml, ddp_2gpu.yaml or fsdp2.yaml"
         )
-    if config.grpo.algorithm == "nft":
+    if config.rl.algorithm == "nft":
         raise ConfigError(
-            f"model.train_experts: grpo.algorithm=nft under DeepSpeed trains one expert per "
+            f"model.train_experts: rl.algorithm=nft under DeepSpeed trains one expert per "
             f"run; {one_expert}, or launch with configs/accelerate/ddp_2gpu.yaml or fsdp2.yaml"
         )
 
@@ -164,7 +164,7 @@ def configure(acc, config: RunConfig) -> None:
     ds = acc.state.deepspeed_plugin.deepspeed_config
     # the loop feeds one chunk per backward and no dataloader tells accelerate the batch size
     if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = config.grpo.train_batch_size
+        ds["train_micro_batch_size_per_gpu"] = config.rl.train_batch_size
     ds["gradient_clipping"] = float(config.train.max_grad_norm or 0.0)
     if acc.mixed_precision == "bf16":
         bf16 = ds.setdefault("bf16", {})

@@ -1,4 +1,4 @@
-"""DiffusionNFT: online RL on the forward process (``grpo.algorithm=nft``).
+"""DiffusionNFT: online RL on the forward process (``rl.algorithm=nft``).
 
 Follows Zheng et al., 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"
 (arXiv 2509.16117), its Algorithm 1 and the authors' SD3.5 scripts (NVlabs/DiffusionNFT), in this
@@ -19,9 +19,10 @@ repository's convention ``x_sigma = (1 - sigma) x0 + sigma eps``, velocity ``v =
   ``theta_old <- eta theta_old + (1 - eta) theta`` with a growing eta (``NFTConfig.eta``).
 
 :class:`OldPolicy` holds theta_old (LoRA runs: float32 copies of the trained tensors, swapped in
-while it runs; full fine-tuning: a frozen copy of the model) and :class:`NFTUpdate` is the
-trainer's update step for this rule; rollout, rewards, advantages, guards, the sparsity
-schedule, engines and checkpoints are the trainer's own (vsa2_rl.rl.trainer).
+while it runs; full fine-tuning: a frozen copy of the model) and :class:`NFTUpdate` is this
+rule behind the trainer's :class:`vsa2_rl.rl.update.UpdateRule`; rollout, rewards, advantages,
+guards, the sparsity schedule, engines and checkpoints are the trainer's own
+(vsa2_rl.rl.trainer).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from vsa2_rl.config import ConfigError, GRPOConfig, NFTConfig
+from vsa2_rl.config import ConfigError, NFTConfig, RLConfig, RunConfig
 from vsa2_rl.models.experts import frozen_copy, trained_sigma_range
 from vsa2_rl.models.wan_bundle import with_transformer
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.policy import Policy
-from vsa2_rl.rl.rollout import RolloutSampler
+from vsa2_rl.rl.rollout import Rollout, RolloutSampler, StepRollouts
+from vsa2_rl.rl.update import UpdateResult
 
 # the authors' floor of the adaptive weight (a sample whose x0 is already exact)
 MIN_WEIGHT = 1e-5
@@ -219,23 +221,24 @@ def _check_trained_levels(model, low: float, high: float) -> None:
 
 
 class NFTUpdate:
-    """The update of ``grpo.algorithm=nft`` (the ``nft`` section) of ``policy`` on the rollouts
-    of ``sampler``, and its old policy; the same interface as
-    :class:`vsa2_rl.rl.update.FlowGRPOUpdate`.
+    """The update of ``rl.algorithm=nft`` (the ``nft`` section) of ``policy`` on the rollouts
+    of ``sampler``, and its old policy (a :class:`vsa2_rl.rl.update.UpdateRule`).
 
     Per inner epoch, every kept sample (its reward not dropped) is trained at K =
     ``nft.timesteps_per_sample(sampler.num_steps)`` noise levels, one backward pass per
     (chunk, level), all accumulated into one optimizer step in which every sample and level
-    weighs the same, however ``grpo.train_batch_size`` cuts the samples and over any number of
+    weighs the same, however ``rl.train_batch_size`` cuts the samples and over any number of
     ranks. The old and the trained velocity both run at the training sparsity, so that at the
     first pass of a run (theta_old = theta) they agree exactly (``train/old_deviation`` 0).
     """
 
+    requires = ("latents",)  # of the trajectory only its end, the clean samples x0
+
     def __init__(
-        self, policy: Policy, sampler: RolloutSampler, settings: NFTConfig, grpo: GRPOConfig,
+        self, policy: Policy, sampler: RolloutSampler, settings: NFTConfig, rl: RLConfig,
         seed: int,
     ):  # fmt: skip
-        self.policy, self.settings, self.grpo, self.seed = policy, settings, grpo, seed
+        self.policy, self.settings, self.rl, self.seed = policy, settings, rl, seed
         low, high = settings.sigma_range
         _check_trained_levels(policy.unwrapped, low, high)
         levels = sampler.sigmas[:-1]  # the schedule's sigmas but the final 0
@@ -252,7 +255,14 @@ class NFTUpdate:
         lora = policy.config.model.lora.enabled
         self.old = OldPolicy(policy.bundle, policy.unwrapped, copy_model=not lora)
 
-    kl_in_reward = False  # nft's KL is a loss term (RunConfig refuses grpo.kl_mode=reward)
+    @classmethod
+    def from_config(cls, policy: Policy, sampler: RolloutSampler, config: RunConfig) -> NFTUpdate:
+        """The rule of ``config``; refuses an ``nft.sigma_range`` the model cannot train."""
+        return cls(policy, sampler, config.nft, config.rl, config.seed)
+
+    def kl_penalty(self, chunk: Rollout, stochastic: Tensor) -> None:
+        """None: nft's KL is a loss term (RunConfig refuses ``rl.kl_mode=reward``)."""
+        return None
 
     def sampling_policy(self):
         """Yields the bundle the rollouts come from: the old policy."""
@@ -264,14 +274,13 @@ class NFTUpdate:
     def load_state(self, restored: dict) -> None:
         self.old.load_state_dict(restored["old_policy"])
 
-    def update(self, step: int, rollouts, metrics: dict) -> tuple[list, int]:
-        """``grpo.num_inner_epochs`` optimizer steps on the step's rollouts, then the old
-        policy's soft update; returns ``(grad norms, skipped steps)`` and adds the loss
-        statistics to ``metrics``."""
+    def update(self, step: int, rollouts: StepRollouts) -> UpdateResult:
+        """``rl.num_inner_epochs`` optimizer steps on the step's rollouts and their loss
+        statistics, then the old policy's soft update."""
         weight = self._sample_weight(rollouts.chunks)
         names = ("loss/policy", "loss/kl", "train/old_deviation", "train/r_mean")
         sums = {name: [] for name in names}
-        epochs = self.grpo.num_inner_epochs if weight else 0
+        epochs = self.rl.num_inner_epochs if weight else 0
         grad_norms, skipped = [], 0
         for epoch in range(epochs):
             stepped, grad_norm = self._epoch(step, epoch, rollouts, weight, sums)
@@ -281,13 +290,13 @@ class NFTUpdate:
         self.old.soft_update(eta)
         # (sample, level) terms of all ranks: num_processes / weight per epoch
         processes = self.policy.acc.num_processes
-        metrics.update(self._means(sums, epochs * processes / weight if epochs else 1))
+        metrics = self._means(sums, epochs * processes / weight if epochs else 1)
         metrics["train/old_policy_eta"] = eta
-        return grad_norms, skipped
+        return UpdateResult(grad_norms, skipped, metrics)
 
     def _epoch(self, step: int, epoch: int, rollouts, weight: float, sums: dict) -> tuple:
         """One optimizer step over every (chunk, noise level) pass; ``(stepped, grad norm)``."""
-        policy, kl_beta = self.policy, self.grpo.kl_beta
+        policy, kl_beta = self.policy, self.rl.kl_beta
         keys = _chunk_draw_keys(rollouts, by_group=self.settings.group_noise)
         draws = [self._draws(step, epoch, chunk_keys) for chunk_keys in keys]
         work = [  # a chunk's passes in level order: its generators draw one noise per pass

@@ -49,7 +49,7 @@ class ReferencePolicy:
 class Policy:
     """The trained transformer under the run's engine, with its optimizer, learning-rate
     schedule (linear warm-up over ``train.warmup_steps``), EMA (``train.ema_decay``) and, with
-    ``grpo.kl_beta > 0``, its :class:`ReferencePolicy`.
+    ``rl.kl_beta > 0``, its :class:`ReferencePolicy`.
 
     ``bundle`` runs the engine's wrapper (rollouts and training forwards); ``unwrapped`` is the
     bare model (shapes, evaluation, checkpoints).
@@ -82,7 +82,7 @@ class Policy:
         self.evaluation_bundle = with_transformer(bundle, self.unwrapped)
         self.reference = (
             ReferencePolicy(self.bundle, self.unwrapped, lora=config.model.lora.enabled)
-            if config.grpo.kl_beta > 0
+            if config.rl.kl_beta > 0
             else None
         )
         self.ema = EMA(self.unwrapped, decay=train.ema_decay) if train.ema_decay > 0 else None

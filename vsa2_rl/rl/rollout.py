@@ -1,7 +1,7 @@
 """Rollouts: one RL step's videos with their trajectories and log-probs (a part of the trainer).
 
 :class:`RolloutSampler` runs the ``sampler`` section: SDE (or CPS, ODE) sampling of this rank's
-prompts (vsa2_rl.sampling), in chunks of ``grpo.train_batch_size`` that the update reuses (so
+prompts (vsa2_rl.sampling), in chunks of ``rl.train_batch_size`` that the update reuses (so
 its first probability ratio is 1); the SDE window is fixed or drawn per step, and with one noise
 per group the steps before the window run once per group, which branches at the window
 (Flow-GRPO-Fast). Every random draw is a pure function of (seed, step, global sample index), so
@@ -34,7 +34,7 @@ class Rollout:
     latents: torch.Tensor  # [N + 1, b, C, T, H, W] float32
     log_probs: torch.Tensor  # [N, b] float32
     advantages: torch.Tensor | None = None  # [b]
-    kl_penalty: torch.Tensor | None = None  # [b], grpo.kl_mode=reward: sum_j log p - log p_ref
+    kl_penalty: torch.Tensor | None = None  # [b], rl.kl_mode=reward: sum_j log p - log p_ref
     valid: torch.Tensor | None = None  # bool [b]: False where rewards.on_error dropped the sample
 
 
@@ -110,7 +110,7 @@ class SampledChunks:
 class RolloutSampler:
     """The ``sampler`` section's rollouts for a bundle: sigma schedule, guidance and noise.
 
-    ``batch_size`` is ``grpo.train_batch_size``, ``group_size`` ``grpo.group_size``, ``seed``
+    ``batch_size`` is ``rl.train_batch_size``, ``group_size`` ``rl.group_size``, ``seed``
     the run's seed, ``device`` where the latents live; ``bundle`` encodes the negative prompt
     once when guidance is on.
     """

@@ -2,7 +2,7 @@
 
 The trainer hands over the rewards of this rank's samples (a ``RewardOutput``) and their prompt
 groups; :func:`step_advantages` gathers every rank's rewards of a group, normalises them as
-``grpo.scale_rewards`` says (per reward and then combined by weight with
+``rl.scale_rewards`` says (per reward and then combined by weight with
 ``rewards.aggregation=advantage``, or on the weighted total minus the KL penalty with
 ``reward``), and logs the reward statistics of the whole step. Samples a reward dropped
 (``rewards.on_error=drop_sample``, a non-finite value) get advantage 0. The result is the same
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from vsa2_rl.config import GRPOConfig
+from vsa2_rl.config import RLConfig
 from vsa2_rl.rl.grpo import gather_group_rewards
 
 
-def rank_advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) -> tuple:
+def rank_advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, rl) -> tuple:
     """GRPO advantages of this rank's samples, normalised over every rank's samples of a group.
 
     Non-finite rewards (samples dropped by ``rewards.on_error=drop_sample``) get advantage 0
@@ -32,30 +32,30 @@ def rank_advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, grpo) ->
     if not bool(acc.gather(finite.any().float().reshape(1)).max() > 0):
         return advantages, zero_var, values[finite]  # every sample of the step was dropped
     gathered = gather_group_rewards(
-        acc, values[finite], group_ids[finite], scale=grpo.scale_rewards, clip=grpo.adv_clip
+        acc, values[finite], group_ids[finite], scale=rl.scale_rewards, clip=rl.adv_clip
     )
     advantages[finite], zero_var[finite] = gathered.advantages, gathered.zero_var_mask
     return advantages, zero_var, gathered.all_rewards
 
 
 def step_advantages(
-    acc, grpo: GRPOConfig, aggregation: str, mixer, scored, group_ids: torch.Tensor,
-    kl_penalty: torch.Tensor | None, metrics: dict,
-) -> torch.Tensor:  # fmt: skip
+    acc, rl: RLConfig, aggregation: str, mixer, scored, group_ids: torch.Tensor,
+    kl_penalty: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
     """This rank's advantages [n] for ``scored`` (the step's ``RewardOutput``) of samples in
-    ``group_ids``; ``kl_penalty`` [n] (Flow-GRPO's ``grpo.kl_mode=reward``) is taken off the
-    total, weighted by ``grpo.kl_beta``. Adds the step's ``reward/*`` and ``train/*`` scoring
-    metrics to ``metrics``."""
-    device = group_ids.device
+    ``group_ids``, and the step's ``reward/*`` and ``train/*`` scoring metrics; ``kl_penalty``
+    [n] (Flow-GRPO's ``rl.kl_mode=reward``) is taken off the total, weighted by
+    ``rl.kl_beta``."""
+    device, metrics = group_ids.device, {}
     if aggregation == "reward":
         total = scored.total.to(device)
         if kl_penalty is not None:
             metrics["train/kl_penalty"] = acc.gather(kl_penalty).mean().item()
-            total = total - grpo.kl_beta * kl_penalty
-        advantages, zero_var, all_rewards = rank_advantages(acc, total, group_ids, grpo)
+            total = total - rl.kl_beta * kl_penalty
+        advantages, zero_var, all_rewards = rank_advantages(acc, total, group_ids, rl)
     else:
         per_reward = {
-            name: rank_advantages(acc, values, group_ids, grpo)
+            name: rank_advantages(acc, values, group_ids, rl)
             for name, values in scored.rewards.items()
         }
         advantages = mixer.combine_advantages({name: r[0] for name, r in per_reward.items()})
@@ -71,7 +71,7 @@ def step_advantages(
     metrics["train/dropped_samples"] = int(acc.gather((~scored.valid).float().to(device)).sum())
     # the advantages every rank trains on, gathered: equal for any number of ranks
     metrics["train/advantage_abs_mean"] = acc.gather(advantages.abs()).mean().item()
-    return advantages
+    return advantages, metrics
 
 
 __all__ = ["rank_advantages", "step_advantages"]

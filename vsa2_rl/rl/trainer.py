@@ -11,9 +11,10 @@ may override (as trl's trainers allow) and each built from a part a reader finds
    log-probs.
 3. :meth:`RLTrainer.score`: decode, score (vsa2_rl.rewards mixer), gather across ranks and
    normalise per prompt group into advantages (vsa2_rl.rl.scoring).
-4. :meth:`RLTrainer.update`: Flow-GRPO's PPO-clip update (vsa2_rl.rl.update) or DiffusionNFT's
-   forward-process update (vsa2_rl.rl.nft) of the policy (vsa2_rl.rl.policy: the engine-wrapped
-   model, optimizer, EMA, reference); a non-finite loss or gradient skips the step.
+4. :meth:`RLTrainer.update`: the update rule ``rl.algorithm`` names (vsa2_rl.rl.update:
+   Flow-GRPO's PPO-clip update in vsa2_rl.rl.flow_grpo, DiffusionNFT's forward-process update
+   in vsa2_rl.rl.nft) of the policy (vsa2_rl.rl.policy: the engine-wrapped model, optimizer,
+   EMA, reference); a non-finite loss or gradient skips the step.
 5. bookkeeping: evaluation of the EMA weights, metrics.jsonl, trackers, sample videos, atomic
    checkpoints.
 
@@ -42,12 +43,18 @@ from vsa2_rl.config import (
 )
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.models.conditioning import encode_condition
-from vsa2_rl.models.experts import low_noise_guidance, trains_level
+from vsa2_rl.models.experts import low_noise_guidance
+from vsa2_rl.preflight import (
+    ModelFacts,
+    check_data_parallel,
+    check_prompt_count,
+    check_second_guidance,
+    model_facts,
+)
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.grpo import GroupedPromptSampler
-from vsa2_rl.rl.nft import NFTUpdate
 from vsa2_rl.rl.policy import Policy
 from vsa2_rl.rl.rollout import (
     RolloutDiverged,
@@ -60,7 +67,7 @@ from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.schedule import SparsitySchedule
 from vsa2_rl.rl.scoring import step_advantages
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
-from vsa2_rl.rl.update import FlowGRPOUpdate
+from vsa2_rl.rl.update import build_update_rule, check_rollouts
 from vsa2_rl.runtime import (
     build_bundle,
     check_condition_images,
@@ -137,8 +144,10 @@ class _Setup:
 
         check_output_dir(config.out_dir)
         self.config = config
+        facts = model_facts(config)  # the model folder's model_index.json, read once
         self.accelerator = Accelerator(
-            cpu=resolve_device(config.device).type == "cpu", kwargs_handlers=_ddp_options(config)
+            cpu=resolve_device(config.device).type == "cpu",
+            kwargs_handlers=_ddp_options(config, facts),
         )
         engines.check_options(self.accelerator, config)
         folder.claim(self.accelerator)
@@ -150,7 +159,7 @@ class _Setup:
         records = config.eval.select_prompts(load_prompt_records(config, "eval"))
         self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
         scheme = image_scheme(config)  # before any weight loads
-        _check_second_guidance(config)
+        check_second_guidance(config, facts)
         check_condition_images(scheme, self.images, prompt_file_key(config, "train"))
         check_condition_images(scheme, self.eval_images, prompt_file_key(config, "eval"))
         self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
@@ -158,17 +167,8 @@ class _Setup:
         # data-parallel ranks: sequence-parallel groups share their samples
         self.dp_world = self.accelerator.num_processes // sp_size
         self.dp_rank = self.accelerator.process_index // sp_size
-        world = self.dp_world
-        if config.grpo.prompts_per_step > len(self.prompts):
-            raise ConfigError(
-                f"grpo.prompts_per_step: {config.grpo.prompts_per_step} exceeds the "
-                f"{len(self.prompts)} prompts of the prompt set; lower it or add prompts"
-            )
-        if (config.grpo.prompts_per_step * config.grpo.group_size) % world:
-            raise ConfigError(
-                f"grpo.prompts_per_step * grpo.group_size must be divisible by the number of "
-                f"data-parallel ranks ({world}: processes / parallel.sequence_parallel_size)"
-            )
+        check_prompt_count(config, len(self.prompts))
+        check_data_parallel(config, self.dp_world)
         try:
             self.rewards = RewardMixer.from_config(config.rewards)
         except ValueError as error:
@@ -187,53 +187,15 @@ class _Setup:
                 raise ConfigError(f"parallel.sequence_parallel_size: {error}") from None
 
 
-def _ddp_options(config: RunConfig) -> list:
+def _ddp_options(config: RunConfig, facts: ModelFacts) -> list:
     """DDP's settings: a Wan2.2 A14B run that trains both experts leaves one of them without
     gradients in every Flow-GRPO backward (a chunk's transition is one noise level), which DDP
     must be told to expect."""
     from accelerate.utils import DistributedDataParallelKwargs
 
-    if config.model.kind != "wan" or len(config.model.train_experts) == 1:
-        return []
-    from vsa2_rl.models.wan_bundle import read_wan_variant
-
-    if read_wan_variant(config.model.path).boundary_ratio is None:
+    if not facts.two_experts or len(config.model.train_experts) == 1:
         return []
     return [DistributedDataParallelKwargs(find_unused_parameters=True)]
-
-
-def _check_second_guidance(config: RunConfig) -> None:
-    """Refuses a guidance scale for the low-noise expert's steps without two experts, before
-    any weight loads (``low_noise_guidance`` would, at the first rollout or evaluation)."""
-    for key, scale in (
-        ("sampler.guidance_scale_2", config.sampler.guidance_scale_2),
-        ("eval.guidance_scale_2", config.eval_guidance_scale_2),
-    ):
-        if scale is None:
-            continue
-        from vsa2_rl.models.wan_bundle import read_wan_variant
-
-        if config.model.kind != "wan" or read_wan_variant(config.model.path).boundary_ratio is None:
-            raise ConfigError(
-                f"{key}: the guidance scale of the low-noise expert's steps needs a model of "
-                "two experts (Wan2.2 A14B); leave it empty"
-            )
-
-
-def _check_trained_window(model, sigmas: torch.Tensor, samp) -> None:
-    """Refuses an SDE window none of whose steps a trained expert denoises (Wan2.2 A14B with
-    one expert in ``model.train_experts``): Flow-GRPO would have no transition to train."""
-    if samp.sde_window_size is not None:
-        steps = range(*(samp.sde_window_range or [0, samp.num_steps]))
-    else:
-        steps = range(*(samp.sde_window or [0, samp.num_steps]))
-    if not any(trains_level(model, float(sigmas[j])) for j in steps):
-        levels = [round(float(sigmas[j]), 3) for j in steps]
-        raise ConfigError(
-            f"sampler.sde_window: its steps' noise levels {levels} all belong to an expert "
-            "model.train_experts leaves frozen; move the window (or sampler.sde_window_range) "
-            "to the trained expert's steps"
-        )
 
 
 def _sequence_parallel_group(acc, config: RunConfig):
@@ -282,7 +244,7 @@ def _evaluate(setup: _Setup, policy: Policy, sparsity: float, step: int, logger)
             ),
             negative_prompt=config.sampler.negative_prompt,
             seed=config.eval.seed,
-            batch_size=config.grpo.train_batch_size,
+            batch_size=config.rl.train_batch_size,
             shape=(config.model.num_frames, config.model.height, config.model.width),
             progress=False,
             reward_device=setup.reward_device,
@@ -323,7 +285,7 @@ class RLTrainer:
     :meth:`save_samples`, :meth:`checkpoint_if_due`) are the places to override, for example a
     ``score`` that adds a reward term computed from the rollouts' latents. The parts they use
     are attributes: ``policy`` (vsa2_rl.rl.policy.Policy), ``sampler``
-    (vsa2_rl.rl.rollout.RolloutSampler), ``update_rule`` (FlowGRPOUpdate or NFTUpdate),
+    (vsa2_rl.rl.rollout.RolloutSampler), ``update_rule`` (vsa2_rl.rl.update.UpdateRule),
     ``schedule`` (the sparsity curriculum), ``setup`` (prompts, rewards, accelerator).
     """
 
@@ -342,20 +304,16 @@ class RLTrainer:
         self.policy = Policy(setup.bundle, self.acc, config)
         self.bundle = self.policy.bundle  # runs the engine's wrapper
         self.schedule = SparsitySchedule.from_config(config.sparsity, config.train.num_steps)
-        grpo = config.grpo
+        rl = config.rl
         self.prompt_sampler = GroupedPromptSampler(
-            len(setup.prompts), grpo.group_size, grpo.prompts_per_step,
+            len(setup.prompts), rl.group_size, rl.prompts_per_step,
             num_replicas=setup.dp_world, rank=setup.dp_rank, seed=config.seed,
         )  # fmt: skip
         self.sampler = RolloutSampler(
-            config.sampler, setup.bundle, batch_size=grpo.train_batch_size,
-            group_size=grpo.group_size, seed=config.seed, device=self.device,
+            config.sampler, setup.bundle, batch_size=rl.train_batch_size,
+            group_size=rl.group_size, seed=config.seed, device=self.device,
         )  # fmt: skip
-        if grpo.algorithm == "flow_grpo":
-            _check_trained_window(self.policy.model, self.sampler.sigmas, config.sampler)
-            self.update_rule = FlowGRPOUpdate(self.policy, self.sampler, grpo, config.seed)
-        else:
-            self.update_rule = NFTUpdate(self.policy, self.sampler, config.nft, grpo, config.seed)
+        self.update_rule = build_update_rule(self.policy, self.sampler, config)
         self.checkpoints = os.path.join(config.out_dir, "checkpoints")
         # evaluation runs on the main process alone, except under ZeRO-3 and FSDP2 (the forward
         # gathers sharded weights, a collective every rank must join) and under sequence
@@ -472,9 +430,8 @@ class RLTrainer:
             lambda rows: self.condition([indices[i] for i in rows]), self.latent_shape,
             on_chunk=score_chunk if self.scoring is not None else None,
         )  # fmt: skip
-        if self.update_rule.kl_in_reward:
-            for chunk in sampled.chunks:
-                chunk.kl_penalty = self.update_rule.kl_penalty(chunk, sampled.stochastic)
+        for chunk in sampled.chunks:  # at the rollout's sparsity, by the rule that wants it
+            chunk.kl_penalty = self.update_rule.kl_penalty(chunk, sampled.stochastic)
         self._refuse_nonfinite_videos(step, sampled.videos, global_index)
         evaluations = torch.tensor([float(sampled.evaluations)], device=self.device)
         metrics["perf/rollout_evals"] = float(self.acc.reduce(evaluations, "sum").item())
@@ -539,15 +496,15 @@ class RLTrainer:
             if self.is_main:
                 tqdm.write(f"step {step}: skipped ({skip_reason or 'a reward failed elsewhere'})")
             return False
-        penalty = None
-        if self.update_rule.kl_in_reward:
-            penalty = torch.cat([chunk.kl_penalty for chunk in rollouts.chunks])
+        penalties = [chunk.kl_penalty for chunk in rollouts.chunks]
+        penalty = None if penalties[0] is None else torch.cat(penalties)
         group_ids = torch.tensor(rollouts.group_ids, device=device)
-        advantages = step_advantages(
-            acc, config.grpo, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
-            penalty, metrics,
+        advantages, scoring_metrics = step_advantages(
+            acc, config.rl, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
+            penalty,
         )  # fmt: skip
-        parts = chunk_slices(len(rollouts.prompts), config.grpo.train_batch_size)
+        metrics.update(scoring_metrics)
+        parts = chunk_slices(len(rollouts.prompts), config.rl.train_batch_size)
         for chunk, part in zip(rollouts.chunks, parts, strict=True):
             chunk.advantages = advantages[part]
             chunk.valid = scored.valid[part].to(device)
@@ -560,7 +517,9 @@ class RLTrainer:
         learning-rate schedule, and the update's metrics."""
         t0 = time.perf_counter()
         self.policy.model.train()
-        grad_norms, skipped = self.update_rule.update(step, rollouts, metrics)
+        check_rollouts(self.update_rule, rollouts)
+        grad_norms, skipped, update_metrics = self.update_rule.update(step, rollouts)
+        metrics.update(update_metrics)
         self.policy.advance_lr_schedule()
         self.bundle.sparsity_state.pop_density()
         metrics["perf/train_s"] = time.perf_counter() - t0
@@ -589,7 +548,7 @@ class RLTrainer:
 
     def save_samples(self, step: int, rollouts: StepRollouts) -> None:
         """One group's rollouts as ``samples/step_<step>`` every ``train.sample_every`` steps."""
-        every, group = self.config.train.sample_every, self.config.grpo.group_size
+        every, group = self.config.train.sample_every, self.config.rl.group_size
         if not (self.is_main and every and step % every == 0):
             return
         from vsa2_rl.eval.media import condition_images_of, save_video_grid
@@ -672,7 +631,7 @@ class RLTrainer:
 
 
 def train(config: RunConfig) -> dict:
-    """Runs RL fine-tuning (``grpo.algorithm``); returns a summary (start/end rewards, out_dir)."""
+    """Runs RL fine-tuning (``rl.algorithm``); returns a summary (start/end rewards, out_dir)."""
     return RLTrainer(config).train()
 
 

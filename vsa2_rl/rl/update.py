@@ -1,198 +1,94 @@
-"""Flow-GRPO's policy update (``grpo.algorithm=flow_grpo``; a part of the trainer).
+"""The seam between the trainer and a policy-improvement algorithm: the :class:`UpdateRule`
+protocol and :func:`build_update_rule`, which picks the rule ``rl.algorithm`` names.
 
-For each inner epoch (``grpo.num_inner_epochs``) :class:`FlowGRPOUpdate` draws a random
-``grpo.timestep_fraction`` of the stochastic steps whose expert trains (of each trained expert's
-steps, so that every optimizer step trains every expert the config names), recomputes each chunk's
-transition log-prob at those steps under the current policy, and accumulates the PPO-clip loss
-(+ ``grpo.kl_beta`` times the KL to the reference) into one optimizer step in which every sample
-and step weighs the same, however ``grpo.train_batch_size`` cuts the samples and over any number
-of ranks. A non-finite loss or gradient skips the step (weights untouched). DiffusionNFT's
-update is :class:`vsa2_rl.rl.nft.NFTUpdate`, with the same interface.
+Rollout, scoring (rewards, guards, group advantages), the sparsity schedule, engines,
+checkpoints and tracking are the trainer's (vsa2_rl.rl.trainer); an update rule owns what
+differs between algorithms: which policy samples the rollouts, which rollout fields its loss
+reads, its loss on a chunk, its optimizer steps and their metrics, and its own checkpoint state.
+Flow-GRPO is :class:`vsa2_rl.rl.flow_grpo.FlowGRPOUpdate`, DiffusionNFT
+:class:`vsa2_rl.rl.nft.NFTUpdate`. A third algorithm is one module with a class that follows
+:class:`UpdateRule` and its entry in :data:`vsa2_rl.config.UPDATE_RULES` (its settings, if it
+has any, a config section beside ``nft``), as trl adds a trainer per algorithm behind one base.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from vsa2_rl.config import GRPOConfig
-from vsa2_rl.models.experts import expert_at, trains_level
-from vsa2_rl.rl import engines
-from vsa2_rl.rl.grpo import gaussian_kl, grpo_loss
-from vsa2_rl.rl.policy import Policy
-from vsa2_rl.rl.rollout import Rollout, RolloutSampler, StepRollouts, sample_seed
-from vsa2_rl.sampling import step_log_prob
+from vsa2_rl.config import UPDATE_RULES
 
-# grpo_loss's statistics as logged (per-sample means over an update); ratio_max_dev is logged
-# as train/ratio_dev_first, from the first pass only
-LOGGED_STATS = {
-    "clip_frac": "train/clip_frac",
-    "ratio_mean": "train/ratio_mean",
-    "approx_kl": "train/approx_kl",
-}
+if TYPE_CHECKING:
+    from vsa2_rl.config import RunConfig
+    from vsa2_rl.rl.policy import Policy
+    from vsa2_rl.rl.rollout import Rollout, RolloutSampler, StepRollouts
 
 
-def _update_plan(acc, chunks: list, timesteps: list[int], kl_beta: float) -> tuple[list, float]:
-    """The (chunk, timestep, counted) backward passes of one update and the weight of a sample.
+class UpdateResult(NamedTuple):
+    """What one step's update produced."""
 
-    The update is the mean over every sample of the step (all ranks) and every trained
-    timestep, as one batch would give it, however ``grpo.train_batch_size`` cuts the samples:
-    a pass's loss is its chunk's mean times the chunk's size times the returned weight
-    ``num_processes / (samples of all ranks * timesteps)`` (DDP then averages over ranks). A
-    chunk whose advantages are all zero adds nothing unless a KL term is trained, so it is not
-    counted; with several processes it still runs, with weight 0, since every rank must run
-    the same number of backward passes (DDP all-reduces in the last one and DeepSpeed reduces
-    in each). Empty when no sample of any rank has a non-zero advantage: the step teaches
-    nothing and the weights stay as they are.
-    """
-    useful = [bool(chunk.advantages.abs().sum() > 0) for chunk in chunks]
-    samples = sum(chunk.advantages.numel() for chunk in chunks)
-    local = torch.tensor([float(any(useful)), float(samples)], device=acc.device)
-    any_useful, all_samples = acc.reduce(local, reduction="sum").tolist()
-    if any_useful == 0:
-        return [], 0.0
-    counted = [flag or kl_beta > 0 for flag in useful]
-    keep_all = acc.num_processes > 1
-    work = [
-        (chunk, j, flag)
-        for chunk, flag in zip(chunks, counted, strict=True)
-        for j in timesteps
-        if flag or keep_all
-    ]
-    return work, acc.num_processes / (all_samples * len(timesteps))
+    grad_norms: list[float]  # one per optimizer step taken (inner epochs with work)
+    skipped: int  # optimizer steps refused for a non-finite loss or gradient
+    metrics: dict[str, float]  # the rule's loss statistics (``loss/*``, ``train/*``)
 
 
-def _update_metrics(acc, sums: dict, count: float, ratio_dev_first) -> dict:
-    """Per-sample means of the update's loss statistics over every rank (``sums`` hold this
-    rank's sums over samples and timesteps, ``count`` is the number of both of all ranks)."""
-    zero = torch.zeros((), device=acc.device)
-    totals = torch.stack([torch.stack(v).float().sum() if v else zero for v in sums.values()])
-    totals = acc.reduce(totals, reduction="sum")
-    ratio = acc.gather(torch.tensor([ratio_dev_first or 0.0], device=acc.device))
-    count = max(count, 1.0)
-    means = {name: float(total) / count for name, total in zip(sums, totals, strict=True)}
-    return {**means, "train/ratio_dev_first": float(ratio.max())}
+class UpdateRule(Protocol):
+    """A policy-improvement rule of the trainer (``rl.algorithm``)."""
 
+    # The fields of vsa2_rl.rl.rollout.Rollout the rule reads besides ``condition``,
+    # ``advantages`` and ``valid`` (which scoring sets for every rule); checked by
+    # :func:`check_rollouts` before each update.
+    requires: tuple[str, ...]
 
-class FlowGRPOUpdate:
-    """The ``grpo`` section's PPO-clip update of ``policy`` on the rollouts of ``sampler``.
+    @classmethod
+    def from_config(cls, policy: Policy, sampler: RolloutSampler, config: RunConfig) -> Any:
+        """The rule for ``config``; a :class:`vsa2_rl.config.ConfigError` naming the key for a
+        setting the model or the rollout schedule cannot train, before the run writes a file."""
+        ...
 
-    With ``grpo.kl_mode=reward`` the KL to the reference is not a loss term: the trainer takes
-    :meth:`kl_penalty` of each chunk off its reward instead.
-    """
+    def sampling_policy(self) -> AbstractContextManager:
+        """Yields the model bundle the step's rollouts come from."""
+        ...
 
-    def __init__(self, policy: Policy, sampler: RolloutSampler, grpo: GRPOConfig, seed: int):
-        self.policy, self.sampler, self.grpo, self.seed = policy, sampler, grpo, seed
-        self.kl_in_reward = policy.reference is not None and grpo.kl_mode == "reward"
+    def kl_penalty(self, chunk: Rollout, stochastic: torch.Tensor) -> torch.Tensor | None:
+        """Per sample of ``chunk`` [b], the term ``rl.kl_beta`` times which scoring takes off
+        its reward; None when the rule puts no penalty in the reward. Called right after the
+        rollout, at its sparsity."""
+        ...
 
-    def sampling_policy(self):
-        """Yields the bundle the rollouts come from: the current policy."""
-        return contextlib.nullcontext(self.policy.bundle)
+    def update(self, step: int, rollouts: StepRollouts) -> UpdateResult:
+        """The step's optimizer steps on ``rollouts`` (advantages set), at the training
+        sparsity the caller set."""
+        ...
 
     def state_entries(self) -> dict:
-        return {}  # the policy's own entries hold all of Flow-GRPO's state
+        """Checkpoint entries of the rule's own state (beyond the policy's)."""
+        ...
 
     def load_state(self, restored: dict) -> None:
-        pass
-
-    def update(self, step: int, rollouts: StepRollouts, metrics: dict) -> tuple[list, int]:
-        """``grpo.num_inner_epochs`` optimizer steps; returns ``(grad norms, skipped steps)``
-        and adds the loss statistics to ``metrics``."""
-        grpo, policy, acc = self.grpo, self.policy, self.policy.acc
-        stochastic = torch.nonzero(rollouts.stochastic).flatten().tolist()
-        step_gen = torch.Generator().manual_seed(sample_seed(self.seed + 2, step, 0))
-        sums = {name: [] for name in ("loss/policy", "loss/kl", *LOGGED_STATS.values())}
-        first_ratio_dev, grad_norms, count, skipped = [], [], 0.0, 0
-        for _epoch in range(grpo.num_inner_epochs):
-            timesteps = self._trained_timesteps(stochastic, step_gen)
-            kl_loss_beta = 0.0 if self.kl_in_reward else grpo.kl_beta
-            work, weight = _update_plan(acc, rollouts.chunks, timesteps, kl_loss_beta)
-            if not work:
-                continue  # no rank has a sample with a non-zero advantage
-            count += acc.num_processes / weight
-            policy.optimizer.zero_grad(set_to_none=True)
-            for index, (chunk, j, counted) in enumerate(work):
-                last = index == len(work) - 1
-                with engines.accumulation_context(acc, policy.model, last):
-                    loss, kl, stats = self._pass_losses(chunk, j)
-                    size = chunk.latents.shape[1]  # the chunk's means, as sums over its samples
-                    total = (loss + grpo.kl_beta * kl) * size * (weight if counted else 0.0)
-                    engines.backward(acc, total, last)
-                if counted:
-                    if not first_ratio_dev:
-                        first_ratio_dev.append(stats["ratio_max_dev"].item())
-                    sums["loss/policy"].append(loss.detach() * size)
-                    sums["loss/kl"].append(kl.detach() * size)
-                    for stat, name in LOGGED_STATS.items():
-                        sums[name].append(stats[stat] * size)
-            stepped, grad_norm = policy.optimizer_step(sums["loss/policy"])
-            skipped += not stepped  # a NaN/inf never reaches the weights
-            grad_norms.append(grad_norm)
-        ratio_dev = first_ratio_dev[0] if first_ratio_dev else None
-        metrics.update(_update_metrics(acc, sums, count, ratio_dev))
-        return grad_norms, skipped
-
-    def _transition(self, chunk: Rollout, j: int) -> tuple:
-        """The stored transition j -> j + 1: ``(x, sigma [b], step_log_prob's arguments)``."""
-        sigmas, samp = self.sampler.sigmas, self.sampler.settings
-        x, x_next = chunk.latents[j], chunk.latents[j + 1]
-        sigma = torch.full((x.shape[0],), float(sigmas[j]), device=x.device)
-        return x, sigma, (x, x_next, float(sigmas[j]), float(sigmas[j + 1]), samp.kind)
-
-    def _trained_timesteps(self, stochastic: list[int], generator: torch.Generator) -> list[int]:
-        """A random ``grpo.timestep_fraction`` (at least one) of the ``stochastic`` steps of
-        each trained expert, sorted. Drawn per expert, every optimizer step trains every expert
-        the config names: one that sat out an update would still move under Adam's momentum
-        with DeepSpeed (which steps every parameter) and not with torch's optimizers (which skip
-        a parameter without a gradient)."""
-        model, sigmas = self.policy.model, self.sampler.sigmas
-        by_expert: dict[str, list[int]] = {}
-        for j in stochastic:
-            if trains_level(model, float(sigmas[j])):
-                by_expert.setdefault(expert_at(model, float(sigmas[j])), []).append(j)
-        chosen = []
-        for steps in by_expert.values():
-            count = max(1, round(self.grpo.timestep_fraction * len(steps)))
-            chosen += [steps[i] for i in torch.randperm(len(steps), generator=generator)[:count]]
-        return sorted(chosen)
-
-    def _pass_losses(self, chunk: Rollout, j: int) -> tuple:
-        """One chunk's policy loss, KL to the reference (0 without one) and loss statistics at
-        the stored transition j -> j + 1, under the current policy."""
-        grpo, noise_level = self.grpo, self.sampler.settings.noise_level
-        x, sigma, transition = self._transition(chunk, j)
-        v = self.sampler.velocity_fn(self.policy.bundle, chunk.condition)(x, sigma)
-        log_prob, mean, std = step_log_prob(v, *transition, noise_level)
-        loss, stats = grpo_loss(
-            log_prob,
-            chunk.log_probs[j],
-            chunk.advantages,
-            clip_range=grpo.clip_bounds[0],
-            clip_range_high=grpo.clip_bounds[1],
-            loss_type=grpo.loss_type,
-        )
-        kl = torch.zeros((), device=x.device)
-        if self.policy.reference is not None and not self.kl_in_reward:
-            with torch.no_grad(), self.policy.reference.active() as reference:
-                ref_v = self.sampler.velocity_fn(reference, chunk.condition)(x, sigma)
-            ref_mean = step_log_prob(ref_v, *transition, noise_level)[1]
-            kl = gaussian_kl(mean, ref_mean, std).mean()
-        return loss, kl, stats
-
-    def kl_penalty(self, chunk: Rollout, stochastic: torch.Tensor) -> torch.Tensor:
-        """Per sample, sum over the stochastic steps of log p - log p_ref of the transition the
-        rollout drew (an unbiased estimate of the trajectory's KL to the reference), at the
-        rollout's sparsity."""
-        penalty = torch.zeros(chunk.latents.shape[1], device=chunk.latents.device)
-        noise_level = self.sampler.settings.noise_level
-        with torch.no_grad(), self.policy.reference.active() as reference:
-            for j in torch.nonzero(stochastic).flatten().tolist():
-                x, sigma, transition = self._transition(chunk, j)
-                ref_v = self.sampler.velocity_fn(reference, chunk.condition)(x, sigma)
-                ref_log_prob = step_log_prob(ref_v, *transition, noise_level)[0]
-                penalty += chunk.log_probs[j] - ref_log_prob
-        return penalty
+        """Restores :meth:`state_entries` from a loaded checkpoint."""
+        ...
 
 
-__all__ = ["LOGGED_STATS", "FlowGRPOUpdate"]
+def build_update_rule(policy: Policy, sampler: RolloutSampler, config: RunConfig) -> UpdateRule:
+    """The update rule ``rl.algorithm`` names (:data:`vsa2_rl.config.UPDATE_RULES`)."""
+    module, _, name = UPDATE_RULES[config.rl.algorithm].partition(":")
+    rule_class = getattr(importlib.import_module(module), name)
+    return rule_class.from_config(policy, sampler, config)
+
+
+def check_rollouts(rule: UpdateRule, rollouts: StepRollouts) -> None:
+    """Refuses rollouts that lack a field ``rule`` reads (a subclass's rollout phase, say)."""
+    for chunk in rollouts.chunks:
+        for field in rule.requires:
+            if getattr(chunk, field, None) is None:
+                raise ValueError(
+                    f"{type(rule).__name__} trains on the rollouts' {field}, which the rollout "
+                    "phase left empty"
+                )
+
+
+__all__ = ["UpdateResult", "UpdateRule", "build_update_rule", "check_rollouts"]
