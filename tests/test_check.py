@@ -2,6 +2,7 @@
 weight file is read), with figures computed here by hand, and every problem at once, one line
 each naming its key, exit status 1."""
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -79,6 +80,56 @@ def test_the_plan_of_the_1_3b_recipe(folders):
         "(configs/prompts/wan_motion_eval.txt)"
     )
     assert plan["step"].startswith("4 prompts x 8 samples = 32 videos of 16 sampler steps")
+
+
+def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
+    from wan_folders import TRANSFORMER
+
+    from vsa2_rl.plan import ModelShape, StepShape, describe, memory_gib, seconds_per_step
+
+    report = check(RECIPE_1_3B, [f"model.path={folders['wan21_t2v']}", NO_WEIGHTS])
+    model = ModelShape(
+        params=_tiny_parameters(16) + 16_644,  # with VSA2's, before the adapters
+        trained_params=65_536 + 16_644,
+        layers=TRANSFORMER["num_layers"],
+        hidden=TRANSFORMER["num_attention_heads"] * TRANSFORMER["attention_head_dim"],
+        ffn=TRANSFORMER["ffn_dim"],
+    )
+    # the recipe: 4 x 8 videos of 16 SDE steps with guidance 5, half of the 8 stochastic steps
+    # trained, KL 0.004, EMA, LoRA, gradient checkpointing, rollouts at 0.9, one GPU
+    step = StepShape(
+        tokens=14_040, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
+        guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.9,
+    )  # fmt: skip
+    memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
+    assert (_plan(report)["memory"], _plan(report)["time"]) == (memory, time)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "changed"),
+    [
+        ([], {}),
+        (["rl.num_inner_epochs=2"], {"trained_steps": 8}),
+        (["sampler.sde_window=null", "rl.timestep_fraction=0.25"], {"trained_steps": 4}),
+        (["rl.algorithm=nft", "sampler.kind=ode", "sampler.guidance_scale=1",
+          "nft.timestep_fraction=0.5", "rl.kl_beta=0"],
+         {"trained_steps": 8, "guidance": False}),  # nft: the old policy's forward as the KL's
+        (["sampler.guidance_scale=1", "rl.kl_beta=0", "train.ema_decay=0"],
+         {"guidance": False, "kl": False, "ema": False}),
+        (["attention.enabled=false", "model.lora.enabled=false"],
+         {"sparsity": 0.0, "lora": False}),
+    ],
+)  # fmt: skip
+def test_a_recipes_step_shape_follows_its_config(overrides, changed):
+    from vsa2_rl.config import load_config
+    from vsa2_rl.plan import StepShape, step_shape
+
+    config = load_config(RECIPE_1_3B, ["model.path=/nowhere", *overrides], check_files=False)
+    recipe = StepShape(
+        tokens=100, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
+        guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.9,
+    )  # fmt: skip
+    assert step_shape(config, 100) == dataclasses.replace(recipe, **changed)
 
 
 def test_full_fine_tuning_counts_every_weight(folders):

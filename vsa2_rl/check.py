@@ -8,8 +8,9 @@ It prints one plan (the model and its experts, what trains, tokens per video, th
 schedule with the key segments each query tile keeps, the videos of a step) and every problem
 found, one line each naming the key, instead of stopping at the first.
 
-Memory and time are not estimated: no model of them has been calibrated against the measured
-runs of docs/results.md, whose figures per recipe docs/wan.md lists. A config that does not
+For Wan models it adds per-GPU memory and minutes a step on one GPU, estimated from the shapes
+by :mod:`vsa2_rl.plan` (calibrated against the measured runs of docs/results.md; the toy is not
+estimated). A config that does not
 load (an unknown key, a wrong type, a contradiction) is one problem: nothing after it can be
 checked. ``vsa2-rl train`` runs the same checks, rewards aside (:func:`problems_before_loading`),
 before it loads anything; those that need the processes (engines, number of ranks) run when its
@@ -37,7 +38,7 @@ from vsa2_rl.preflight import ModelFacts, check_prompt_count, check_second_guida
 if TYPE_CHECKING:
     from vsa2_rl.models.wan_bundle import WanVariant
 
-MEMORY_AND_TIME = "not estimated (uncalibrated); measured figures per recipe: docs/wan.md"
+TOY_MEMORY_AND_TIME = "not estimated for the toy (make demo: about 5 minutes on 2 CPU cores)"
 
 
 @dataclass
@@ -75,7 +76,6 @@ def check(path: str | None, overrides: list[str] | None) -> Report:
         report.problems.append(str(error))
         return report
     _inspect(config, report, rewards=True)
-    report.plan.append(("memory, time", MEMORY_AND_TIME))
     return report
 
 
@@ -121,9 +121,15 @@ def _plan_model(config: RunConfig, facts: ModelFacts, report: Report) -> None:
     """Model, experts, what trains and tokens per video, from the folder's configuration."""
     with report.checking():
         transformer, latent_shape, what = _shapes(config, facts)
+        base_params = sum(p.numel() for p in transformer.parameters())  # before any LoRA
         report.plan.append(("model", what))
-        report.plan.append(("trains", _trained(transformer, config)))
+        trains, trained_params = _trained(transformer, config)
+        report.plan.append(("trains", trains))
         _plan_tokens(config, latent_shape, transformer, report)
+        if config.model.kind == "toy":
+            report.plan.append(("memory, time", TOY_MEMORY_AND_TIME))
+        else:
+            _plan_estimates(config, transformer, base_params, trained_params, report)
 
 
 def _shapes(config: RunConfig, facts: ModelFacts):
@@ -228,9 +234,10 @@ def _count(count: float) -> str:
     return f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count:,.0f}"
 
 
-def _trained(transformer: torch.nn.Module, config: RunConfig) -> str:
-    """What RL trains, counted by marking it as training does (LoRA adapters added) on the
-    weightless model; adapters to start from are read when training starts."""
+def _trained(transformer: torch.nn.Module, config: RunConfig) -> tuple[str, int]:
+    """What RL trains and how many parameters, counted by marking it as training does (LoRA
+    adapters added) on the weightless model; adapters to start from are read when training
+    starts."""
     from vsa2_rl.models.experts import WanExperts
     from vsa2_rl.runtime import trainable_parameters
 
@@ -249,13 +256,13 @@ def _trained(transformer: torch.nn.Module, config: RunConfig) -> str:
     where = ""
     if isinstance(transformer, WanExperts):
         where = f" of {' and '.join(transformer.train_experts)}"
+    total = sum(p.numel() for p in params)
     if not config.model.lora.enabled:
-        return f"every weight{where} (full fine-tuning): {_count(sum(p.numel() for p in params))}"
-    lora_count = sum(p.numel() for p in params) - vsa2
+        return f"every weight{where} (full fine-tuning): {_count(total)}", total
     return (
         f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}{where}: "
-        f"{_count(lora_count)}, and the VSA2 router and gates: {_count(vsa2)}"
-    )
+        f"{_count(total - vsa2)}, and the VSA2 router and gates: {_count(vsa2)}"
+    ), total
 
 
 def _plan_tokens(config: RunConfig, latent_shape, transformer, report: Report) -> None:
@@ -277,6 +284,26 @@ def _plan_tokens(config: RunConfig, latent_shape, transformer, report: Report) -
         f"({'x'.join(map(str, grid))}), {layout.num_tiles} query tiles of 64",
     ))  # fmt: skip
     report.tokens = layout.num_tokens
+
+
+def _plan_estimates(
+    config: RunConfig, transformer, base_params: int, trained_params: int, report: Report
+) -> None:
+    """Per-GPU memory and time a step on one GPU (DDP; vsa2_rl.plan says what is counted)."""
+    from vsa2_rl.models.experts import experts_of
+    from vsa2_rl.plan import ModelShape, describe, memory_gib, seconds_per_step, step_shape
+
+    first = experts_of(transformer)[0].config
+    model = ModelShape(
+        params=base_params,
+        trained_params=trained_params,
+        layers=first.num_layers,
+        hidden=first.num_attention_heads * first.attention_head_dim,
+        ffn=first.ffn_dim,
+    )
+    step = step_shape(config, report.tokens)
+    memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
+    report.plan += [("memory", memory), ("time", time)]
 
 
 # ---- schedule, step, prompts, rewards ---------------------------------------------------------

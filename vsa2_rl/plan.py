@@ -35,7 +35,12 @@ GPUs are left out (a step is its transformer work divided evenly over the GPUs).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vsa2_rl.config import RunConfig
 
 GIB = 2**30
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
@@ -228,6 +233,40 @@ def seconds_per_step(model: ModelShape, step: StepShape) -> dict[str, float]:
 
 
 # ---- printout --------------------------------------------------------------------------------
+
+
+def step_shape(config: RunConfig, tokens: int) -> StepShape:
+    """The :class:`StepShape` of a run's config with videos of ``tokens`` tokens, on one GPU
+    under DDP (several with sequence parallelism: one group)."""
+    rl, sampler = config.rl, config.sampler
+    return StepShape(
+        tokens=tokens,
+        videos=rl.prompts_per_step * rl.group_size,
+        sampler_steps=sampler.num_steps,
+        trained_steps=trained_steps(config),
+        train_batch_size=rl.train_batch_size,
+        guidance=sampler.guidance_scale != 1 or (sampler.guidance_scale_2 or 1) != 1,
+        kl=rl.kl_beta > 0 or rl.algorithm == "nft",  # nft: the old policy's forward
+        ema=config.train.ema_decay > 0,
+        lora=config.model.lora.enabled,
+        checkpointing=config.model.gradient_checkpointing,
+        sparsity=config.sparsity.train if config.attention.enabled else 0.0,
+        sequence_parallel=config.parallel.sequence_parallel_size,
+        gpus=config.parallel.sequence_parallel_size,
+    )
+
+
+def trained_steps(config: RunConfig) -> int:
+    """Denoising steps trained per video and update: Flow-GRPO's share of the stochastic
+    steps, DiffusionNFT's noise levels; times the inner epochs."""
+    rl, sampler = config.rl, config.sampler
+    if rl.algorithm == "nft":
+        per_video = config.nft.timesteps_per_sample(sampler.num_steps)
+    else:
+        window = sampler.sde_window or [0, sampler.num_steps]
+        stochastic = sampler.sde_window_size or window[1] - window[0]
+        per_video = max(1, math.floor(rl.timestep_fraction * stochastic))
+    return per_video * rl.num_inner_epochs
 
 
 def _duration(seconds: float) -> str:
