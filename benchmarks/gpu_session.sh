@@ -3,7 +3,7 @@
 # Packages missing on that image travel as wheels in .whl/ (omegaconf, diffusers, peft and this
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
-#     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [ddp]
+#     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
@@ -63,6 +63,14 @@ for part in "${parts[@]}"; do
     e2e_compiled)  # the DiT with torch.compile of the blocks: 720p forward
       timeout 240 python3 benchmarks/bench_e2e.py --grids 720p --compile on --forward-only \
         --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8 ;;
+    testbed_bases)  # learnable testbed bases (truthful captions, fewer steps) and their gates
+      for spec in ${TESTBED_BUILDS:-s025=0.25 s05=0.5}; do
+        timeout 400 python3 -m vsa2_rl.toy.testbed --out "$OUT/testbed_${spec%=*}" --device cuda \
+          --attention rebase --mirrored-captions 0 --steps-scale "${spec#*=}" \
+          > "$OUT/testbed_${spec%=*}.log" 2>&1 || echo "testbed build ${spec%=*} failed"
+        timeout 300 python3 -m vsa2_rl.toy.gate --model "$OUT/testbed_${spec%=*}" --device cuda \
+          --eval-sparsity ${TESTBED_EVAL_SPARSITY:-0.5} 2>&1 | head -1
+      done ;;
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;

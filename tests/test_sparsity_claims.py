@@ -181,6 +181,27 @@ def tiny_testbed(monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_testbed_base_with_truthful_captions_and_its_gate_at_its_own_size(
+    tmp_path, tiny_testbed, capsys
+):
+    from vsa2_rl.toy import gate
+    from vsa2_rl.toy.model import read_toy_config
+
+    out = tmp_path / "learnable"
+    testbed.main(["--out", str(out), "--mirrored-captions", "0", "--steps-scale", "0.5"])
+    recipe = read_toy_config(out)["training"]["recipe"]
+    assert recipe["mirrored_captions"] == 0.0
+    assert [stage["steps"] for stage in recipe["stages"]] == [2, 2]  # the tiny 4 + 4, halved
+    capsys.readouterr()
+    # no fine-tuning: the same videos before and after, a gain of 0 fails the gate
+    assert gate.main(["--model", str(out), "--steps", "0", "--threads", "1"]) == 1
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["gain"] == 0.0
+    # measured at the base's last stage: the tiny testbed's 32 px x 4 frames
+    assert (result["settings"]["size"], result["settings"]["num_frames"]) == (32, 4)
+
+
+@pytest.mark.slow
 def test_every_part_runs_and_the_report_has_each_claim(tmp_path, tiny_testbed):
     out = tmp_path / "claims"
     sparsity_claims.main(["base", "claim1", "claim2", "report", "--out", str(out),

@@ -11,6 +11,10 @@ evaluation's sparsity. The shipped base must raise it by at least ``MIN_GAIN`` (
 on the results page).
 
     python -m vsa2_rl.toy.gate [--model assets/toy] [--device cuda] [--eval-sparsity 0.25]
+
+It measures and fine-tunes at the video size the base was built for (its last pretraining
+stage's, from its ``config.json``): 16 px x 8 frames for the shipped toy, 64 px x 16 frames
+for a sparsity-testbed base (:mod:`vsa2_rl.toy.testbed`).
 """
 
 from __future__ import annotations
@@ -119,10 +123,17 @@ def learnability_gate(base: ToyBundle, settings: GateSettings | None = None) -> 
     }
 
 
+def built_video_size(toy_config: dict) -> tuple[int, int]:
+    """(size in px, frames) of the last pretraining stage a toy checkpoint's ``config.json``
+    records."""
+    last = toy_config["training"]["recipe"]["stages"][-1]
+    return last["size"], last["num_frames"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the gate on a toy checkpoint folder; exit 0 when it passes, 1 when it does not."""
     from vsa2_rl.config import VSA2Config
-    from vsa2_rl.toy.model import ASSET_DIR, load_toy_bundle
+    from vsa2_rl.toy.model import ASSET_DIR, load_toy_bundle, read_toy_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ASSET_DIR, help="toy checkpoint folder")
@@ -135,8 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = load_toy_bundle(VSA2Config(backend="torch"), device=args.device, path=args.model)
+    size, frames = built_video_size(read_toy_config(args.model))
     settings = GateSettings(
-        eval_sparsity=args.eval_sparsity, lr=args.lr, steps=args.steps, seed=args.seed
+        eval_sparsity=args.eval_sparsity,
+        lr=args.lr,
+        steps=args.steps,
+        seed=args.seed,
+        size=size,
+        num_frames=frames,
     )
     result = learnability_gate(base, settings)
     verdict = "passes" if result["passed"] else f"fails (needs a gain of >= {MIN_GAIN:.2f})"

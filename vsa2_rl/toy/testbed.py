@@ -21,14 +21,24 @@ claim:
 
 :func:`fine_tune_recipe` adds one flow-matching stage at 64 px to a built base (resumed from its
 folder): the runs of the router and hard-to-easy claims (``benchmarks/sparsity_claims.py``).
+
+Built alone, with truthful captions and fewer steps, a base has part of the direction skill left
+to learn, for RL at the testbed's scale (``python -m vsa2_rl.toy.gate --model DIR`` measures
+how much perfect data moves it)::
+
+    python -m vsa2_rl.toy.testbed --out DIR --device cuda --attention rebase \
+        --mirrored-captions 0 --steps-scale 0.25
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+from pathlib import Path
 
 from vsa2_rl.config import VSA2Config
-from vsa2_rl.toy.build import ToyBuildConfig, ToyStage
+from vsa2_rl.toy.build import ToyBuildConfig, ToyStage, build_toy_model
 
 TESTBED_ARCHITECTURE = {
     "patch_size": [1, 4, 4],
@@ -131,3 +141,34 @@ def fine_tune_recipe(
         eval_sparsities=eval_sparsities or (sparsity,),
         report_seeds=report_seeds,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build one testbed base (module docstring) into ``--out``."""
+    parser = argparse.ArgumentParser(description="Build one sparsity-testbed base.")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--attention", choices=ATTENTION_SWITCHES, default="rebase")
+    parser.add_argument("--sparsity", type=float, default=0.9, help="VSA2's target sparsity")
+    parser.add_argument(
+        "--mirrored-captions",
+        type=float,
+        default=CLAIMS_MIRRORED_CAPTIONS,
+        help="share of pretraining videos moving opposite to their caption (claims' bases: 0.5)",
+    )
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="times every stage's steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    args = parser.parse_args(argv)
+    recipe = testbed_recipe(
+        args.attention,
+        args.seed,
+        args.sparsity,
+        args.steps_scale,
+        mirrored_captions=args.mirrored_captions,
+    )
+    info = build_toy_model(args.out, recipe, device=args.device)
+    print(json.dumps({"out": str(args.out), "build_seconds": info["build_seconds"]}))
+
+
+if __name__ == "__main__":
+    main()
