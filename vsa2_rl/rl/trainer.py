@@ -252,7 +252,7 @@ def _evaluate(setup: _Setup, policy: Policy, sparsity: float, step: int, logger)
         )
     if setup.accelerator.is_main_process:
         _save_eval_videos(setup, previews[sparsity], step, logger)
-    total = sum(w * row[f"reward/{name}"] for name, w in setup.rewards.weights.items())
+    total = setup.rewards.weighted_total({n: row[f"reward/{n}"] for n in setup.rewards.names})
     metrics = {"eval/reward": total, "eval/density": row["density"]}
     for key, value in row.items():  # reward/<name> -> eval/reward/<name>, guards eval/guard/<name>
         if key.startswith("reward/" + GUARD_PREFIX):
