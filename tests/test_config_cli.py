@@ -354,7 +354,7 @@ def test_an_empty_config_file_is_an_error_naming_it(tmp_path, capsys, text):
 def test_a_full_disk_during_a_checkpoint_save_is_one_error_line(tmp_path, monkeypatch, capsys):
     from vsa2_rl.rl.checkpoint import DiskFull
 
-    def fills_the_disk(config):
+    def fills_the_disk(config, facts):
         raise DiskFull(28, "checkpoint: writing X/model.safetensors failed: its disk is full")
 
     monkeypatch.setattr("vsa2_rl.rl.trainer.train", fills_the_disk)
@@ -364,7 +364,7 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_error_line(tmp_path, monkey
 
 
 def test_ctrl_c_during_training_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
-    def interrupted(config):
+    def interrupted(config, facts):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("vsa2_rl.rl.trainer.train", interrupted)

@@ -137,14 +137,15 @@ def _refuse_abandoned_run(config: RunConfig) -> None:
 
 class _Setup:
     """Everything the loop needs, built before any file of the run is written (``folder`` is
-    locked first, so that no other run writes there meanwhile)."""
+    locked first, so that no other run writes there meanwhile). ``facts``: the model folder's,
+    where the caller read them already (``vsa2-rl train``'s pre-flight)."""
 
-    def __init__(self, config: RunConfig, folder: RunFolder):
+    def __init__(self, config: RunConfig, folder: RunFolder, facts: ModelFacts | None):
         from accelerate import Accelerator
 
         check_output_dir(config.out_dir)
         self.config = config
-        facts = model_facts(config)  # the model folder's model_index.json, read once
+        facts = facts or model_facts(config)  # the model folder's model_index.json, read once
         self.accelerator = Accelerator(
             cpu=resolve_device(config.device).type == "cpu",
             kwargs_handlers=_ddp_options(config, facts),
@@ -158,7 +159,7 @@ class _Setup:
         self.prompts, self.images = [r.text for r in records], [r.image for r in records]
         records = config.eval.select_prompts(load_prompt_records(config, "eval"))
         self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
-        scheme = image_scheme(config)  # before any weight loads
+        scheme = image_scheme(config, facts)  # before any weight loads
         check_second_guidance(config, facts)
         check_condition_images(scheme, self.images, prompt_file_key(config, "train"))
         check_condition_images(scheme, self.eval_images, prompt_file_key(config, "eval"))
@@ -176,7 +177,7 @@ class _Setup:
         self.reward_device = resolve_reward_device(config, self.device)
         self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
-            self.bundle = build_bundle(config, self.device, self.dtype)
+            self.bundle = build_bundle(config, self.device, self.dtype, facts)
         engines.check_trained_experts(self.accelerator, self.bundle.transformer, config)
         if self.sequence_parallel is not None:
             from vsa2_rl.models.wan import enable_sequence_parallel
@@ -287,16 +288,19 @@ class RLTrainer:
     are attributes: ``policy`` (vsa2_rl.rl.policy.Policy), ``sampler``
     (vsa2_rl.rl.rollout.RolloutSampler), ``update_rule`` (vsa2_rl.rl.update.UpdateRule),
     ``schedule`` (the sparsity curriculum), ``setup`` (prompts, rewards, accelerator).
+    ``facts`` (vsa2_rl.preflight.ModelFacts): the model folder's, where the caller read them
+    already; None reads them at :meth:`build`.
     """
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, facts: ModelFacts | None = None):
         self.config = config
+        self.facts = facts
 
     def build(self, folder: RunFolder) -> None:
         """Every check and all loading, before anything of the run is written (``folder`` is
         locked first, so that no other run writes there meanwhile)."""
         config = self.config
-        self.setup = setup = _Setup(config, folder)
+        self.setup = setup = _Setup(config, folder, self.facts)
         self.acc, self.device = setup.accelerator, setup.device
         self.is_main = self.acc.is_main_process
         self.video_size = (config.model.num_frames, config.model.height, config.model.width)
@@ -629,9 +633,10 @@ class RLTrainer:
         return summary
 
 
-def train(config: RunConfig) -> dict:
-    """Runs RL fine-tuning (``rl.algorithm``); returns a summary (start/end rewards, out_dir)."""
-    return RLTrainer(config).train()
+def train(config: RunConfig, facts: ModelFacts | None = None) -> dict:
+    """Runs RL fine-tuning (``rl.algorithm``); returns a summary (start/end rewards, out_dir).
+    ``facts``: the model folder's, where the caller read them already."""
+    return RLTrainer(config, facts).train()
 
 
 __all__ = ["RLTrainer", "train"]
