@@ -13,6 +13,7 @@ import yaml
 from vsa2_rl.cli import main
 from vsa2_rl.config import (
     ConfigError,
+    RLConfig,
     RunConfig,
     check_resume,
     config_tree,
@@ -400,6 +401,20 @@ def test_the_old_grpo_section_loads_as_rl_with_a_warning(tmp_path):
     assert old == new
     with pytest.warns(FutureWarning, match=r"grpo\.kl_beta: .* write rl\.kl_beta"):
         assert load_config(FLOW_GRPO_TOY, ["grpo.kl_beta=0.01", "rl.clip_range=0.1"]) == new
+
+
+def test_the_old_name_grpoconfig_imports_as_rlconfig_with_a_warning():
+    import vsa2_rl.config
+
+    with pytest.warns(FutureWarning, match=r"GRPOConfig is renamed RLConfig") as caught:
+        from vsa2_rl.config import GRPOConfig
+    assert GRPOConfig is RLConfig
+    assert caught[0].filename == __file__  # the warning points at the importing line
+    with pytest.warns(FutureWarning, match=r"import RLConfig"):
+        assert vsa2_rl.config.GRPOConfig is RLConfig
+    with pytest.raises(AttributeError, match=r"has no attribute 'NoSuchConfig'"):
+        vsa2_rl.config.NoSuchConfig  # noqa: B018
+    assert "GRPOConfig" not in vsa2_rl.config.__all__
 
 
 @pytest.mark.parametrize("where", ["file", "command line"])
