@@ -7,7 +7,8 @@ GPU rewards (CLIP, RAFT); OpenCV and torch release the GIL in their kernels.
 Two aggregation levels (``aggregation``), as in multi-reward Flow-GRPO / DanceGRPO recipes:
 
 - ``"reward"``: the trainer computes advantages of ``output.total``, the weighted sum of the raw
-  rewards: ``adv = advantage_fn(output.total)``.
+  rewards (:meth:`RewardMixer.weighted_total`, which evaluation uses on mean rewards too):
+  ``adv = advantage_fn(output.total)``.
 - ``"advantage"``: the trainer computes advantages of each reward separately and combines them,
   so rewards on different scales count by their weights only:
   ``adv = mixer.combine_advantages({n: advantage_fn(r) for n, r in output.rewards.items()})``.
@@ -205,6 +206,15 @@ class RewardMixer:
     def names(self) -> list[str]:
         return list(self.rewards)
 
+    def weighted_total(self, values: Mapping[str, Any]) -> Any:
+        """``sum_name weights[name] * values[name]`` over this mixer's rewards, in their order:
+        the combined reward of ``aggregation="reward"``, of per-sample tensors or of numbers
+        (an evaluation's mean rewards). ``values`` must hold every reward; others are ignored."""
+        missing = [name for name in self.weights if name not in values]
+        if missing:
+            raise ValueError(f"weighted_total: no value for the reward(s) {missing}")
+        return sum(weight * values[name] for name, weight in self.weights.items())
+
     def combine_advantages(self, per_reward_adv: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """:func:`combine_advantages` with this mixer's weights."""
         return combine_advantages(per_reward_adv, self.weights)
@@ -286,7 +296,7 @@ class RewardMixer:
                 dropped[name] = (~finite).nonzero().flatten().tolist()
                 logger.warning("reward %r: non-finite at samples %s; dropped", name, dropped[name])
                 valid &= finite
-        total = sum(self.weights[name] * values for name, values in rewards.items())
+        total = self.weighted_total(rewards)
         valid = self._check_total(total, valid, dropped)
         total = torch.where(valid, total, torch.full_like(total, math.nan))
         return RewardOutput(rewards=rewards, total=total, valid=valid, dropped=dropped)

@@ -82,6 +82,19 @@ def test_the_plan_of_the_1_3b_recipe(folders):
     assert plan["step"].startswith("4 prompts x 8 samples = 32 videos of 16 sampler steps")
 
 
+def test_check_reads_model_index_json_once(folders, monkeypatch, capsys):
+    """The plan, the guidance checks and the prompts' condition images all come from one read
+    of the folder's model_index.json."""
+    from wan_folders import count_index_reads
+
+    reads = count_index_reads(monkeypatch)
+    for kind, recipe in (("wan21_t2v", RECIPE_1_3B), ("wan22_a14b_i2v", RECIPE_A14B)):
+        reads.clear()
+        assert main(["check", "--config", recipe, f"model.path={folders[kind]}", NO_WEIGHTS]) == 0
+        assert reads == [os.path.join(folders[kind], "model_index.json")], kind
+    assert "no problems found" in capsys.readouterr().out
+
+
 def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
     from wan_folders import TRANSFORMER
 

@@ -13,6 +13,7 @@ import yaml
 from vsa2_rl.cli import main
 from vsa2_rl.config import (
     ConfigError,
+    RLConfig,
     RunConfig,
     check_resume,
     config_tree,
@@ -354,7 +355,7 @@ def test_an_empty_config_file_is_an_error_naming_it(tmp_path, capsys, text):
 def test_a_full_disk_during_a_checkpoint_save_is_one_error_line(tmp_path, monkeypatch, capsys):
     from vsa2_rl.rl.checkpoint import DiskFull
 
-    def fills_the_disk(config):
+    def fills_the_disk(config, facts):
         raise DiskFull(28, "checkpoint: writing X/model.safetensors failed: its disk is full")
 
     monkeypatch.setattr("vsa2_rl.rl.trainer.train", fills_the_disk)
@@ -364,7 +365,7 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_error_line(tmp_path, monkey
 
 
 def test_ctrl_c_during_training_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
-    def interrupted(config):
+    def interrupted(config, facts):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("vsa2_rl.rl.trainer.train", interrupted)
@@ -400,6 +401,20 @@ def test_the_old_grpo_section_loads_as_rl_with_a_warning(tmp_path):
     assert old == new
     with pytest.warns(FutureWarning, match=r"grpo\.kl_beta: .* write rl\.kl_beta"):
         assert load_config(FLOW_GRPO_TOY, ["grpo.kl_beta=0.01", "rl.clip_range=0.1"]) == new
+
+
+def test_the_old_name_grpoconfig_imports_as_rlconfig_with_a_warning():
+    import vsa2_rl.config
+
+    with pytest.warns(FutureWarning, match=r"GRPOConfig is renamed RLConfig") as caught:
+        from vsa2_rl.config import GRPOConfig
+    assert GRPOConfig is RLConfig
+    assert caught[0].filename == __file__  # the warning points at the importing line
+    with pytest.warns(FutureWarning, match=r"import RLConfig"):
+        assert vsa2_rl.config.GRPOConfig is RLConfig
+    with pytest.raises(AttributeError, match=r"has no attribute 'NoSuchConfig'"):
+        vsa2_rl.config.NoSuchConfig  # noqa: B018
+    assert "GRPOConfig" not in vsa2_rl.config.__all__
 
 
 @pytest.mark.parametrize("where", ["file", "command line"])

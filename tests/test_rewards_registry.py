@@ -237,6 +237,21 @@ def test_mixer_reward_level_aggregation(plugin):
     assert metrics["reward/valid_fraction"] == 1.0
 
 
+def test_weighted_total_is_the_hand_computed_weighted_sum(plugin):
+    """The mixer's weighted total, of per-sample tensors (its reward-level ``total``) and of
+    numbers (an evaluation's mean rewards), equals the sum worked out by hand."""
+    mixer = RewardMixer(_score_entries(plugin, weights=(0.25, 3.0)))
+    # 0.25 * 2 + 3 * -0.5 = -1.0; rewards the mixer does not hold are ignored
+    assert mixer.weighted_total({"Offset": -0.5, "from_metadata": 2.0, "other": 9.0}) == -1.0
+    per_sample = {"from_metadata": torch.tensor([1.0, -4.0]), "Offset": torch.tensor([0.5, 2.0])}
+    torch.testing.assert_close(mixer.weighted_total(per_sample), torch.tensor([1.75, 5.0]))
+    videos, metadata = _videos(batch=2), [{"score": 1.0}, {"score": -4.0}]
+    out = mixer(videos, ["p"] * 2, metadata)
+    assert torch.equal(out.total, mixer.weighted_total(out.rewards))
+    with pytest.raises(ValueError, match=r"no value for the reward\(s\) \['Offset'\]"):
+        mixer.weighted_total({"from_metadata": 1.0})
+
+
 def test_advantage_level_aggregation_hand_computed(plugin):
     mixer = RewardMixer(_score_entries(plugin, weights=(0.25, 3.0)), aggregation="advantage")
     advantages = {

@@ -733,28 +733,30 @@ def test_sequence_parallel_size_must_divide_the_processes(tmp_path):
 
 
 def test_a_subclass_overrides_a_phase_and_the_loop_uses_it(tmp_path):
-    """RLTrainer's phases are the places to override: a ``score`` that records the rollouts'
-    mean brightness logs it in metrics.jsonl, and an ``update`` that trains nothing leaves the
-    checkpointed weights at the start's (compared with a plain run that changes them)."""
+    """RLTrainer's phases are the places to override: a ``score`` that adds the rollouts' mean
+    brightness to its metrics logs it in metrics.jsonl, and an ``update`` that trains nothing
+    (its metrics logged too) leaves the checkpointed weights at the start's (compared with a
+    plain run that changes them)."""
     from vsa2_rl.rl.trainer import RLTrainer
 
     seen = []
 
     class Recording(RLTrainer):
-        def score(self, step, rollouts, metrics):
-            kept = super().score(step, rollouts, metrics)
-            metrics["train/brightness"] = rollouts.videos.mean().item()
-            seen.append((step, metrics["train/brightness"]))
-            return kept
+        def score(self, step, rollouts):
+            scores = super().score(step, rollouts)
+            seen.append((step, rollouts.videos.mean().item()))
+            return scores._replace(metrics={**scores.metrics, "train/brightness": seen[-1][1]})
 
-        def update(self, step, rollouts, metrics):
-            metrics.update({"perf/train_s": 0.0, "train/lr": 0.0})
+        def update(self, step, rollouts, scores):
+            return {"train/frozen_advantages": len(scores.advantages)}
 
     config = _config(tmp_path, "train.num_steps=2", name="frozen")
     Recording(config).train()
     rows = _rows(config.out_dir)
     assert [(row["step"], row["train/brightness"]) for row in rows] == seen
     assert [step for step, _ in seen] == [1, 2]
+    per_rank = config.rl.prompts_per_step * config.rl.group_size
+    assert [row["train/frozen_advantages"] for row in rows] == [per_rank] * 2
     from vsa2_rl.runtime import build_bundle
 
     initial = build_bundle(config, torch.device("cpu"), torch.float32).transformer.state_dict()

@@ -18,7 +18,7 @@ from vsa2_rl.models.wan_bundle import load_wan_bundle
 from vsa2_rl.sampling import cfg_velocity, sample
 
 sys.path.insert(0, os.path.dirname(__file__))
-from wan_folders import KINDS, save_image, save_wan_folder
+from wan_folders import KINDS, count_index_reads, save_image, save_wan_folder
 
 FLOW_GRPO_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flow_grpo_toy.yaml")
 
@@ -208,6 +208,22 @@ def _checkpoint(out_dir):
     from vsa2_rl.rl.checkpoint import find_latest, load_checkpoint
 
     return load_checkpoint(find_latest(os.path.join(out_dir, "checkpoints")))
+
+
+def test_a_train_start_reads_model_index_json_once(tmp_path, folders, monkeypatch):
+    """``vsa2-rl train``'s pre-flight, the trainer's set-up and the loader share one read of
+    the folder's model_index.json (a run of one step, on a two-expert folder)."""
+    from vsa2_rl.cli import main
+
+    path = folders["wan22_a14b_t2v"]
+    reads = count_index_reads(monkeypatch)
+    argv = [
+        "train", "--config", FLOW_GRPO_TOY, *RUN, f"model.path={path}", "train.num_steps=1",
+        f"prompts.file={_prompt_file(tmp_path)}", f"out_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert reads == [os.path.join(path, "model_index.json")]
+    assert os.path.isdir(tmp_path / "run" / "checkpoints")  # the step ran
 
 
 def test_lora_on_one_expert_trains_saves_resumes_and_exports_that_expert(tmp_path, folders):

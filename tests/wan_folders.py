@@ -1,9 +1,11 @@
 """Tiny random-initialised diffusers Wan folders of every kind vsa2_rl loads, written locally
 (nothing downloads): Wan2.1 T2V / I2V, Wan2.2 A14B T2V / I2V (two experts) and TI2V-5B (16x
-VAE, per-token timesteps). The architectures are the real ones at toy widths."""
+VAE, per-token timesteps). The architectures are the real ones at toy widths.
+:func:`count_index_reads` records who opens a folder's ``model_index.json``."""
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 
@@ -114,6 +116,20 @@ def save_wan_folder(root, kind: str, seed: int = 0) -> str:
     with open(os.path.join(root, "model_index.json"), "w", encoding="utf-8") as handle:
         json.dump(index, handle)
     return root
+
+
+def count_index_reads(monkeypatch) -> list[str]:
+    """The paths of the ``model_index.json`` files opened from now on (the list fills as they
+    open), by any reader: vsa2_rl's and its libraries' alike."""
+    opened, real_open = [], builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if os.path.basename(str(file)) == "model_index.json":
+            opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    return opened
 
 
 def save_image(path, seed: int = 0, size: tuple[int, int] = (40, 24)) -> str:

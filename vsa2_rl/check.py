@@ -12,11 +12,11 @@ For Wan models it adds per-GPU memory and minutes a step on one GPU, estimated f
 by :mod:`vsa2_rl.plan` (calibrated against the measured runs of docs/results.md; the toy is not
 estimated). A config that does not
 load (an unknown key, a wrong type, a contradiction) is one problem: nothing after it can be
-checked. ``vsa2-rl train`` runs the same checks, rewards aside (:func:`problems_before_loading`),
+checked. ``vsa2-rl train`` runs the same checks, rewards aside (:func:`before_loading`),
 before it loads anything; those that need the processes (engines, number of ranks) run when its
 processes start. The checks themselves, shared with the trainer, ``eval`` and ``export``, are
 :mod:`vsa2_rl.preflight`'s; the model folder's ``model_index.json`` is read once, into its
-:class:`~vsa2_rl.preflight.ModelFacts`.
+:class:`~vsa2_rl.preflight.ModelFacts`, which ``vsa2-rl train`` hands on to the trainer.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class Report:
     plan: list[tuple[str, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     tokens: int = 0  # tokens per video, once the model's shapes are known
+    facts: ModelFacts | None = None  # the model folder's, once read (None: unreadable)
 
     @contextmanager
     def checking(self) -> Iterator[None]:
@@ -79,24 +80,24 @@ def check(path: str | None, overrides: list[str] | None) -> Report:
     return report
 
 
-def problems_before_loading(config: RunConfig) -> list[str]:
+def before_loading(config: RunConfig) -> Report:
     """What ``vsa2-rl train`` checks of a loaded config before it loads anything: the problems
-    :func:`check` finds, rewards aside (training builds them next, before the model)."""
+    :func:`check` finds, rewards aside (training builds them next, before the model), and the
+    model folder's facts, for the trainer to take over."""
     report = Report()
     _inspect(config, report, rewards=False)
-    return report.problems
+    return report
 
 
 def _inspect(config: RunConfig, report: Report, rewards: bool) -> None:
     _check_paths(config, report)
-    facts = None
     if not any(problem.startswith("model.path") for problem in report.problems):
         with report.checking():
-            facts = model_facts(config)
-    if facts is not None:
-        _plan_model(config, facts, report)
+            report.facts = model_facts(config)
+    if report.facts is not None:
+        _plan_model(config, report.facts, report)
         with report.checking():
-            check_second_guidance(config, facts)
+            check_second_guidance(config, report.facts)
     _plan_schedule(config, report)
     _plan_step(config, report)
     _plan_prompts(config, report)
@@ -368,12 +369,16 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
     from vsa2_rl.runtime import check_condition_images, image_scheme, prompt_file_key
 
     sets = {split: _prompt_set(config, split, report) for split in ("train", "eval")}
-    # what the model takes is read from its transformer/config.json: without one, unknown
-    readable = config.model.kind != "wan" or _is_dir(config.model.path, "transformer")
+    # what the model takes is read from its model_index.json and transformer/config.json:
+    # without them, unknown
+    facts = report.facts or ModelFacts(variant=None)
+    readable = config.model.kind != "wan" or (
+        report.facts is not None and _is_dir(config.model.path, "transformer")
+    )
     texts, checked, scheme, problems = [], set(), None, len(report.problems)
     if readable:  # read once for both prompt sets; unreadable, the images go unchecked
         with report.checking():
-            scheme = image_scheme(config)
+            scheme = image_scheme(config, facts)
         readable = len(report.problems) == problems
     for split, records in sets.items():
         if records is None:  # unreadable: a problem already

@@ -230,17 +230,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _train(args) -> int:
     """``vsa2-rl train``: every problem ``vsa2-rl check`` finds, rewards aside, is an
     ``error:`` line (exit 2) before anything loads or is written."""
-    from vsa2_rl.check import problems_before_loading
+    from vsa2_rl.check import before_loading
     from vsa2_rl.rl.trainer import train
 
     # the paths too are among the problems, all listed at once: nothing is written before
     config = load_config(args.config, args.overrides, check_files=False)
-    problems = problems_before_loading(config)
-    for problem in problems:
+    report = before_loading(config)
+    for problem in report.problems:
         print(f"error: {problem}", file=sys.stderr)
-    if problems:
+    if report.problems:
         return 2
-    train(config)
+    train(config, report.facts)  # the model folder's facts, read once
     return 0
 
 

@@ -1,16 +1,16 @@
 """Pre-flight: the checks that refuse a command's config before any weight loads, in one place.
 
 Every command runs them on the config of each model it is about to load: ``vsa2-rl train`` and
-``check`` through :func:`vsa2_rl.check.problems_before_loading` (all problems at once, one
+``check`` through :func:`vsa2_rl.check.before_loading` (all problems at once, one
 ``error:`` line each), :class:`vsa2_rl.rl.trainer.RLTrainer` again for a config built in code,
 ``eval`` and ``export`` per target (:func:`check_target`). What the model folder says about its
 model comes from its ``model_index.json``, read once per config into :class:`ModelFacts` and
-handed to each check that needs it.
+handed to each check that needs it, and on to the loader (``vsa2-rl train`` reads it once).
 
 The checks that need the processes (the engine, the number of ranks) run when the trainer's
 processes start (:func:`check_data_parallel`, ``vsa2_rl.rl.engines.check_options``); those of
 the model's own loading (its component folders, its adapters) stay with the loader
-(vsa2_rl.runtime, vsa2_rl.models), which reads the folder again as it loads it.
+(vsa2_rl.runtime, vsa2_rl.models), which takes the facts rather than read them again.
 """
 
 from __future__ import annotations

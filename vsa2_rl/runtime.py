@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from vsa2_rl.device import resolve_device as resolve_device
 from vsa2_rl.device import resolve_dtype as resolve_dtype
 from vsa2_rl.device import resolve_reward_device as resolve_reward_device
 from vsa2_rl.toy.prompts import toy_prompts
+
+if TYPE_CHECKING:
+    from vsa2_rl.preflight import ModelFacts
 
 # the file names of an exported adapter folder (vsa2_rl.export writes it, model.lora.init_from
 # reads it back)
@@ -76,9 +80,12 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
-def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
+def build_bundle(
+    config: RunConfig, device: torch.device, dtype: torch.dtype, facts: ModelFacts | None = None
+):
     """The VideoDiTBundle of ``config.model`` (docs/concepts.md), VSA2 per ``config.attention``;
-    a video size the model cannot make (``bundle.latent_shape``) is a config error."""
+    a video size the model cannot make (``bundle.latent_shape``) is a config error. ``facts``:
+    the model folder's, where the caller read them already (else the loader reads them)."""
     model: ModelConfig = config.model
     if model.kind == "toy":
         from vsa2_rl.toy.model import load_toy_bundle
@@ -90,7 +97,7 @@ def build_bundle(config: RunConfig, device: torch.device, dtype: torch.dtype):
         cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
         bundle = load_wan_bundle(
             model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache,
-            train_experts=tuple(model.train_experts),
+            train_experts=tuple(model.train_experts), variant=facts.variant if facts else None,
         )  # fmt: skip
     try:
         bundle.latent_shape(model.num_frames, model.height, model.width)
@@ -126,14 +133,15 @@ def prompt_file_key(config: RunConfig, split: str) -> str:
     return "prompts.eval_file" if split == "eval" and config.prompts.eval_file else "prompts.file"
 
 
-def image_scheme(config: RunConfig) -> str | None:
-    """How ``config.model`` takes a condition image (``vsa2_rl.models.conditioning``), read from
-    its configuration files before any weight loads: None for text-to-video models."""
-    if config.model.kind != "wan":
+def image_scheme(config: RunConfig, facts: ModelFacts) -> str | None:
+    """How ``config.model`` (whose folder says ``facts``, :func:`vsa2_rl.preflight.model_facts`)
+    takes a condition image (``vsa2_rl.models.conditioning``), read from its configuration files
+    before any weight loads: None for text-to-video models."""
+    if facts.variant is None:
         return None
     from vsa2_rl.models.wan_bundle import read_image_scheme
 
-    return read_image_scheme(config.model.path)
+    return read_image_scheme(config.model.path, facts.variant)
 
 
 def check_condition_images(scheme: str | None, images: list[str | None], key: str) -> None:

@@ -18,7 +18,12 @@ Modules, one per concern:
 - ``paths``: the file-system checks;
 - ``loading``: YAML and overrides into a config, the errors as one line, the config as YAML;
 - ``resume``: what a resumed run may change; ``help``: the ``--help`` text.
+
+``GRPOConfig``, :class:`RLConfig`'s name before the section ``grpo`` became ``rl``, still imports
+for this release, with a FutureWarning.
 """
+
+import warnings
 
 from vsa2_rl.config.algorithm import (
     ALGORITHMS,
@@ -99,3 +104,16 @@ __all__ = [
     "load_recorded_config",
     "to_yaml",
 ]
+
+
+def __getattr__(name: str):
+    """The renamed ``GRPOConfig`` (PEP 562): :class:`RLConfig`, with a FutureWarning."""
+    if name == "GRPOConfig":
+        warnings.warn(
+            "vsa2_rl.config.GRPOConfig is renamed RLConfig (the section grpo is rl); import "
+            "RLConfig, the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return RLConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

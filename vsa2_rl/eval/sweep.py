@@ -365,8 +365,8 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
     records = config.eval.select_prompts(load_prompt_records(config, "eval"))
     prompts, images = [r.text for r in records], [r.image for r in records]
     for target in models:  # every model's pre-flight, before the first one loads
-        check_target(config, target.config)
-        check_condition_images(image_scheme(target.config), images, prompt_file_key(config, "eval"))
+        scheme = image_scheme(target.config, check_target(config, target.config))
+        check_condition_images(scheme, images, prompt_file_key(config, "eval"))
     rewards = _reward_fns(config)
     device = resolve_device(config.device)
     rows, previews = [], {}

@@ -332,15 +332,16 @@ def _image_scheme(transformer_config, variant: WanVariant) -> str | None:
     return None
 
 
-def read_image_scheme(path: str) -> str | None:
-    """How the model at ``path`` takes a condition image, from its configuration files alone:
-    None (text-to-video), ``channels`` (image required) or ``first_frame`` (image optional)."""
+def read_image_scheme(path: str, variant: WanVariant) -> str | None:
+    """How the model at ``path`` (of ``variant``, :func:`read_wan_variant`) takes a condition
+    image, from its configuration files alone: None (text-to-video), ``channels`` (image
+    required) or ``first_frame`` (image optional)."""
     from diffusers import WanTransformer3DModel
 
     if not path or not os.path.isdir(os.path.join(path, "transformer")):
         raise missing_component(str(path), "transformer/", "has no transformer/ subfolder.")
     config = WanTransformer3DModel.load_config(path, subfolder="transformer")
-    return _image_scheme(SimpleNamespace(**config), read_wan_variant(path))
+    return _image_scheme(SimpleNamespace(**config), variant)
 
 
 def assemble_experts(
@@ -380,6 +381,7 @@ def load_wan_bundle(
     components: tuple[str, ...] = WAN_COMPONENTS,
     sparsity_state: SparsityState | None = None,
     train_experts: tuple[str, ...] = (),
+    variant: WanVariant | None = None,
 ) -> WanBundle:
     """Load a local diffusers Wan folder as a ``WanBundle`` with VSA2 self-attention.
 
@@ -394,6 +396,8 @@ def load_wan_bundle(
         sparsity_state: shared state to use (a new one at sparsity 0 if None).
         train_experts: the experts RL trains (``model.train_experts``; empty = all); only a
             two-expert folder has any to name.
+        variant: the folder's :class:`WanVariant` where the caller read it already (the
+            trainer's pre-flight); None reads its ``model_index.json``.
     """
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -407,7 +411,7 @@ def load_wan_bundle(
         raise missing_component(
             str(path), "the folder itself", "does not exist or is not a directory."
         )
-    variant = read_wan_variant(path)
+    variant = variant if variant is not None else read_wan_variant(path)
     for component in needed_folders(variant, components):
         if not os.path.isdir(os.path.join(path, component)):
             raise missing_component(path, f"{component}/", f"has no {component}/ subfolder.")

@@ -50,6 +50,14 @@ class StepRollouts:
     videos: torch.Tensor  # [n, T, C, H, W] float32, decoded
     stochastic: torch.Tensor  # bool [N]: the steps that drew noise (and may be trained)
     pending: list  # rewards.async_scoring: each chunk's future RewardOutput, in order
+    seconds: float  # the rollout phase's wall time (for the step's throughput)
+
+    def set_scores(self, advantages: torch.Tensor, valid: torch.Tensor, chunk_size: int) -> None:
+        """Hands each chunk its samples' ``advantages`` and ``valid`` flags (each [n]), which
+        every update rule reads."""
+        parts = chunk_slices(len(self.prompts), chunk_size)
+        for chunk, part in zip(self.chunks, parts, strict=True):
+            chunk.advantages, chunk.valid = advantages[part], valid[part]
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:

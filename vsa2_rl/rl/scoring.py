@@ -6,15 +6,25 @@ groups; :func:`step_advantages` gathers every rank's rewards of a group, normali
 ``rewards.aggregation=advantage``, or on the weighted total minus the KL penalty with
 ``reward``), and logs the reward statistics of the whole step. Samples a reward dropped
 (``rewards.on_error=drop_sample``, a non-finite value) get advantage 0. The result is the same
-for any number of ranks.
+for any number of ranks. The trainer's scoring phase returns them as :class:`StepScores`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from vsa2_rl.config import RLConfig
 from vsa2_rl.rl.grpo import gather_group_rewards
+
+
+class StepScores(NamedTuple):
+    """What one step's scoring produced for this rank's samples, in rollout order."""
+
+    advantages: torch.Tensor  # [n]
+    valid: torch.Tensor  # bool [n]: False where rewards.on_error dropped the sample
+    metrics: dict[str, float]  # the step's reward/* and train/* scoring metrics
 
 
 def rank_advantages(acc, values: torch.Tensor, group_ids: torch.Tensor, rl) -> tuple:
@@ -74,4 +84,4 @@ def step_advantages(
     return advantages, metrics
 
 
-__all__ = ["rank_advantages", "step_advantages"]
+__all__ = ["StepScores", "rank_advantages", "step_advantages"]

@@ -9,12 +9,13 @@ may override (as trl's trainers allow) and each built from a part a reader finds
 2. :meth:`RLTrainer.rollout`: this rank's share of ``prompts_per_step`` prompts x
    ``group_size`` samples from the sampling policy (vsa2_rl.rl.rollout), with per-step
    log-probs.
-3. :meth:`RLTrainer.score`: decode, score (vsa2_rl.rewards mixer), gather across ranks and
-   normalise per prompt group into advantages (vsa2_rl.rl.scoring).
-4. :meth:`RLTrainer.update`: the update rule ``rl.algorithm`` names (vsa2_rl.rl.update:
-   Flow-GRPO's PPO-clip update in vsa2_rl.rl.flow_grpo, DiffusionNFT's forward-process update
-   in vsa2_rl.rl.nft) of the policy (vsa2_rl.rl.policy: the engine-wrapped model, optimizer,
-   EMA, reference); a non-finite loss or gradient skips the step.
+3. :meth:`RLTrainer.score`: score (vsa2_rl.rewards mixer), gather across ranks and normalise
+   per prompt group into the step's advantages and reward metrics (vsa2_rl.rl.scoring).
+4. :meth:`RLTrainer.update`: on those advantages, the update rule ``rl.algorithm`` names
+   (vsa2_rl.rl.update: Flow-GRPO's PPO-clip update in vsa2_rl.rl.flow_grpo, DiffusionNFT's
+   forward-process update in vsa2_rl.rl.nft) of the policy (vsa2_rl.rl.policy: the
+   engine-wrapped model, optimizer, EMA, reference); a non-finite loss or gradient skips the
+   step. Scoring and the update return what they produce; the loop merges their metrics.
 5. bookkeeping: evaluation of the EMA weights, metrics.jsonl, trackers, sample videos, atomic
    checkpoints.
 
@@ -60,12 +61,11 @@ from vsa2_rl.rl.rollout import (
     RolloutDiverged,
     RolloutSampler,
     StepRollouts,
-    chunk_slices,
     sample_seed,
 )
 from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.schedule import SparsitySchedule
-from vsa2_rl.rl.scoring import step_advantages
+from vsa2_rl.rl.scoring import StepScores, step_advantages
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.rl.update import build_update_rule, check_rollouts
 from vsa2_rl.runtime import (
@@ -137,14 +137,15 @@ def _refuse_abandoned_run(config: RunConfig) -> None:
 
 class _Setup:
     """Everything the loop needs, built before any file of the run is written (``folder`` is
-    locked first, so that no other run writes there meanwhile)."""
+    locked first, so that no other run writes there meanwhile). ``facts``: the model folder's,
+    where the caller read them already (``vsa2-rl train``'s pre-flight)."""
 
-    def __init__(self, config: RunConfig, folder: RunFolder):
+    def __init__(self, config: RunConfig, folder: RunFolder, facts: ModelFacts | None):
         from accelerate import Accelerator
 
         check_output_dir(config.out_dir)
         self.config = config
-        facts = model_facts(config)  # the model folder's model_index.json, read once
+        facts = facts or model_facts(config)  # the model folder's model_index.json, read once
         self.accelerator = Accelerator(
             cpu=resolve_device(config.device).type == "cpu",
             kwargs_handlers=_ddp_options(config, facts),
@@ -158,7 +159,7 @@ class _Setup:
         self.prompts, self.images = [r.text for r in records], [r.image for r in records]
         records = config.eval.select_prompts(load_prompt_records(config, "eval"))
         self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
-        scheme = image_scheme(config)  # before any weight loads
+        scheme = image_scheme(config, facts)  # before any weight loads
         check_second_guidance(config, facts)
         check_condition_images(scheme, self.images, prompt_file_key(config, "train"))
         check_condition_images(scheme, self.eval_images, prompt_file_key(config, "eval"))
@@ -176,7 +177,7 @@ class _Setup:
         self.reward_device = resolve_reward_device(config, self.device)
         self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
         with engines.whole_model_loading(self.accelerator):
-            self.bundle = build_bundle(config, self.device, self.dtype)
+            self.bundle = build_bundle(config, self.device, self.dtype, facts)
         engines.check_trained_experts(self.accelerator, self.bundle.transformer, config)
         if self.sequence_parallel is not None:
             from vsa2_rl.models.wan import enable_sequence_parallel
@@ -252,7 +253,7 @@ def _evaluate(setup: _Setup, policy: Policy, sparsity: float, step: int, logger)
         )
     if setup.accelerator.is_main_process:
         _save_eval_videos(setup, previews[sparsity], step, logger)
-    total = sum(w * row[f"reward/{name}"] for name, w in setup.rewards.weights.items())
+    total = setup.rewards.weighted_total({n: row[f"reward/{n}"] for n in setup.rewards.names})
     metrics = {"eval/reward": total, "eval/density": row["density"]}
     for key, value in row.items():  # reward/<name> -> eval/reward/<name>, guards eval/guard/<name>
         if key.startswith("reward/" + GUARD_PREFIX):
@@ -287,16 +288,19 @@ class RLTrainer:
     are attributes: ``policy`` (vsa2_rl.rl.policy.Policy), ``sampler``
     (vsa2_rl.rl.rollout.RolloutSampler), ``update_rule`` (vsa2_rl.rl.update.UpdateRule),
     ``schedule`` (the sparsity curriculum), ``setup`` (prompts, rewards, accelerator).
+    ``facts`` (vsa2_rl.preflight.ModelFacts): the model folder's, where the caller read them
+    already; None reads them at :meth:`build`.
     """
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, facts: ModelFacts | None = None):
         self.config = config
+        self.facts = facts
 
     def build(self, folder: RunFolder) -> None:
         """Every check and all loading, before anything of the run is written (``folder`` is
         locked first, so that no other run writes there meanwhile)."""
         config = self.config
-        self.setup = setup = _Setup(config, folder)
+        self.setup = setup = _Setup(config, folder, self.facts)
         self.acc, self.device = setup.accelerator, setup.device
         self.is_main = self.acc.is_main_process
         self.video_size = (config.model.num_frames, config.model.height, config.model.width)
@@ -347,12 +351,14 @@ class RLTrainer:
                 state = self.bundle.sparsity_state  # rollout and update share the step's value
                 with state.at(sparsities.rollout), self.update_rule.sampling_policy() as bundle:
                     rollouts = self.rollout(step, metrics, bundle)
-                if not self.score(step, rollouts, metrics):  # a reward asked to skip the step
+                scores = self.score(step, rollouts)
+                if scores is None:  # a reward asked to skip the step
                     self.logger.log(step, {**metrics, "train/skipped_reward": 1})
                     self.checkpoint_if_due(step)  # the weights are unchanged, the step counts
                     continue
+                metrics.update(scores.metrics)
                 with state.at(sparsities.train):
-                    self.update(step, rollouts, metrics)
+                    metrics.update(self.update(step, rollouts, scores))
                 if self.evaluation_due(step):
                     metrics.update(self.evaluate(step, sparsities.eval))
                 self.acc.wait_for_everyone()
@@ -437,10 +443,10 @@ class RLTrainer:
         metrics["perf/rollout_evals"] = float(self.acc.reduce(evaluations, "sum").item())
         density = bundle.sparsity_state.pop_density()
         metrics["attn/density"] = density if density is not None else 1.0
-        metrics["perf/rollout_s"] = time.perf_counter() - t0
+        metrics["perf/rollout_s"] = seconds = time.perf_counter() - t0
         return StepRollouts(
             indices, batch.group_ids, prompts, global_index, sampled.chunks,
-            torch.cat(sampled.videos).float(), sampled.stochastic, pending,
+            torch.cat(sampled.videos).float(), sampled.stochastic, pending, seconds,
         )  # fmt: skip
 
     def _refuse_nonfinite_videos(self, step: int, videos: list, global_index: list) -> None:
@@ -484,9 +490,10 @@ class RLTrainer:
                 raise pending.exception()
         return RewardOutput.concat([pending.result() for pending in rollouts.pending])
 
-    def score(self, step: int, rollouts: StepRollouts, metrics: dict) -> bool:
-        """Rewards and group advantages (set on the chunks); False when a reward asked to skip
-        the step on any rank (every rank skips together; the weights stay untouched)."""
+    def score(self, step: int, rollouts: StepRollouts) -> StepScores | None:
+        """The step's rewards as this rank's group advantages and the scoring metrics; None
+        when a reward asked to skip the step on any rank (every rank skips together; the
+        weights stay untouched)."""
         config, acc, device = self.config, self.acc, self.device
         try:
             scored, skip_reason = self._scored(step, rollouts), ""
@@ -495,7 +502,7 @@ class RLTrainer:
         if acc.gather(torch.tensor([float(scored is None)], device=device)).sum() > 0:
             if self.is_main:
                 tqdm.write(f"step {step}: skipped ({skip_reason or 'a reward failed elsewhere'})")
-            return False
+            return None
         penalties = [chunk.kl_penalty for chunk in rollouts.chunks]
         penalty = None if penalties[0] is None else torch.cat(penalties)
         group_ids = torch.tensor(rollouts.group_ids, device=device)
@@ -503,23 +510,18 @@ class RLTrainer:
             acc, config.rl, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
             penalty,
         )  # fmt: skip
-        metrics.update(scoring_metrics)
-        parts = chunk_slices(len(rollouts.prompts), config.rl.train_batch_size)
-        for chunk, part in zip(rollouts.chunks, parts, strict=True):
-            chunk.advantages = advantages[part]
-            chunk.valid = scored.valid[part].to(device)
-        return True
+        return StepScores(advantages, scored.valid.to(device), scoring_metrics)
 
     # ---- policy update ---------------------------------------------------------------------
 
-    def update(self, step: int, rollouts: StepRollouts, metrics: dict) -> None:
-        """The update rule's optimizer steps at the sparsity the caller set, one step of the
-        learning-rate schedule, and the update's metrics."""
+    def update(self, step: int, rollouts: StepRollouts, scores: StepScores) -> dict:
+        """The update rule's optimizer steps on ``scores``' advantages at the sparsity the
+        caller set, one step of the learning-rate schedule; returns the update's metrics."""
         t0 = time.perf_counter()
         self.policy.model.train()
+        rollouts.set_scores(scores.advantages, scores.valid, self.config.rl.train_batch_size)
         check_rollouts(self.update_rule, rollouts)
-        grad_norms, skipped, update_metrics = self.update_rule.update(step, rollouts)
-        metrics.update(update_metrics)
+        grad_norms, skipped, metrics = self.update_rule.update(step, rollouts)
         self.policy.advance_lr_schedule()
         self.bundle.sparsity_state.pop_density()
         metrics["perf/train_s"] = time.perf_counter() - t0
@@ -529,11 +531,12 @@ class RLTrainer:
                 torch.tensor([peak], device=self.device)
             ).max().item()  # fmt: skip
             torch.cuda.reset_peak_memory_stats(self.device)
-        seconds = metrics["perf/rollout_s"] + metrics["perf/train_s"]
+        seconds = rollouts.seconds + metrics["perf/train_s"]
         metrics["perf/videos_per_s"] = len(rollouts.prompts) * self.setup.dp_world / seconds
         metrics["train/grad_norm"] = grad_norms[-1] if grad_norms else 0.0
         metrics["train/lr"] = self.policy.lr_schedule.get_last_lr()[0]
         metrics["train/skipped_nonfinite"] = skipped
+        return metrics
 
     # ---- evaluation, samples, checkpoints --------------------------------------------------
 
@@ -630,9 +633,10 @@ class RLTrainer:
         return summary
 
 
-def train(config: RunConfig) -> dict:
-    """Runs RL fine-tuning (``rl.algorithm``); returns a summary (start/end rewards, out_dir)."""
-    return RLTrainer(config).train()
+def train(config: RunConfig, facts: ModelFacts | None = None) -> dict:
+    """Runs RL fine-tuning (``rl.algorithm``); returns a summary (start/end rewards, out_dir).
+    ``facts``: the model folder's, where the caller read them already."""
+    return RLTrainer(config, facts).train()
 
 
 __all__ = ["RLTrainer", "train"]
