@@ -98,7 +98,14 @@ def test_check_reads_model_index_json_once(folders, monkeypatch, capsys):
 def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
     from wan_folders import TRANSFORMER
 
-    from vsa2_rl.plan import ModelShape, StepShape, describe, memory_gib, seconds_per_step
+    from vsa2_rl.plan import (
+        ModelShape,
+        StepShape,
+        describe,
+        describe_engines,
+        memory_gib,
+        seconds_per_step,
+    )
 
     report = check(RECIPE_1_3B, [f"model.path={folders['wan21_t2v']}", NO_WEIGHTS])
     model = ModelShape(
@@ -116,6 +123,13 @@ def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
     )  # fmt: skip
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
     assert (_plan(report)["memory"], _plan(report)["time"]) == (memory, time)
+    engines, checkpointing = describe_engines(model, step)
+    assert (_plan(report)["engines"], _plan(report)["checkpointing"]) == (engines, checkpointing)
+    # each engine's figure is that engine's peak on that many GPUs
+    fsdp2_on_8 = memory_gib(model, dataclasses.replace(step, engine="fsdp2", gpus=8))["peak"]
+    assert engines.endswith(f"/ {fsdp2_on_8:.1f}")
+    unchecked = memory_gib(model, dataclasses.replace(step, checkpointing=False))["peak"]
+    assert checkpointing == f"without gradient checkpointing: {unchecked:.1f} GiB on one GPU"
 
 
 @pytest.mark.parametrize(

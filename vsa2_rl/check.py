@@ -292,7 +292,14 @@ def _plan_estimates(
 ) -> None:
     """Per-GPU memory and time a step on one GPU (DDP; vsa2_rl.plan says what is counted)."""
     from vsa2_rl.models.experts import experts_of
-    from vsa2_rl.plan import ModelShape, describe, memory_gib, seconds_per_step, step_shape
+    from vsa2_rl.plan import (
+        ModelShape,
+        describe,
+        describe_engines,
+        memory_gib,
+        seconds_per_step,
+        step_shape,
+    )
 
     first = experts_of(transformer)[0].config
     model = ModelShape(
@@ -304,7 +311,13 @@ def _plan_estimates(
     )
     step = step_shape(config, report.tokens)
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
-    report.plan += [("memory", memory), ("time", time)]
+    engines, checkpointing = describe_engines(model, step)
+    report.plan += [
+        ("memory", memory),
+        ("engines", engines),
+        ("checkpointing", checkpointing),
+        ("time", time),
+    ]
 
 
 # ---- schedule, step, prompts, rewards ---------------------------------------------------------

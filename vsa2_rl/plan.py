@@ -35,6 +35,7 @@ GPUs are left out (a step is its transformer work divided evenly over the GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -288,6 +289,24 @@ def describe(memory: dict[str, float], seconds: dict[str, float], step: StepShap
         f"about {_duration(seconds['total'])} a step on {per} (rollout "
         f"{_duration(seconds['rollout'])}, update {_duration(seconds['update'])}); {how} "
         "the Wan-1.3B shape's uncompiled timings (other GPUs, communication not modelled)",
+    ]
+
+
+def describe_engines(model: ModelShape, step: StepShape, counts=(2, 4, 8)) -> list[str]:
+    """Peak GiB per GPU of ``step`` under each engine on ``counts`` GPUs, and on one GPU with
+    gradient checkpointing switched the other way: the plan's lines for choosing a set-up."""
+
+    def peak(**changes) -> str:
+        return f"{memory_gib(model, dataclasses.replace(step, **changes))['peak']:.1f}"
+
+    engines = "; ".join(
+        f"{engine} {' / '.join(peak(engine=engine, gpus=n) for n in counts)}" for engine in ENGINES
+    )
+    other = "without" if step.checkpointing else "with"
+    return [
+        f"peak GiB per GPU on {' / '.join(map(str, counts))} GPUs: {engines}",
+        f"{other} gradient checkpointing: {peak(checkpointing=not step.checkpointing)} GiB on one "
+        "GPU",
     ]
 
 
