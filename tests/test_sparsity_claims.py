@@ -188,7 +188,8 @@ def test_a_testbed_base_with_truthful_captions_and_its_gate_at_its_own_size(
     from vsa2_rl.toy.model import read_toy_config
 
     out = tmp_path / "learnable"
-    testbed.main(["--out", str(out), "--mirrored-captions", "0", "--steps-scale", "0.5"])
+    testbed.main(["--out", str(out), "--mirrored-captions", "0", "--steps-scale", "0.5",
+                  "--backend", "torch"])  # fmt: skip
     recipe = read_toy_config(out)["training"]["recipe"]
     assert recipe["mirrored_captions"] == 0.0
     assert [stage["steps"] for stage in recipe["stages"]] == [2, 2]  # the tiny 4 + 4, halved

@@ -158,12 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps-scale", type=float, default=1.0, help="times every stage's steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
     args = parser.parse_args(argv)
     recipe = testbed_recipe(
         args.attention,
         args.seed,
         args.sparsity,
         args.steps_scale,
+        vsa2=VSA2Config(backend=args.backend),
         mirrored_captions=args.mirrored_captions,
     )
     info = build_toy_model(args.out, recipe, device=args.device)
