@@ -547,8 +547,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs get exact float32 products; tf32 would cost ~3 significant digits
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # float32 inputs get exact float32 products (tf32 costs ~3 significant digits) unless
+    # torch's matmuls may use TF32 (model.allow_tf32)
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    return "ieee" if exact else "tf32"
 
 
 def build_kv_major_index(

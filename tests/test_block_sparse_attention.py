@@ -618,3 +618,18 @@ def test_bias_gradient_matches_float64_per_pair_and_its_fixup_mends_the_tile_sum
     assert pair_raw < 2e-3 and pair_fixed < 1e-3, errors
     assert sums_raw > 1e-4 and sums_fixed < sums_raw / 100, errors
     assert alpha_fixed < alpha_raw / 10, errors
+
+
+def test_float32_products_are_exact_unless_torch_allows_tf32_matmuls():
+    from vsa2_rl.kernels.block_sparse import _dot_precision
+
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    try:
+        flags.allow_tf32 = False
+        assert _dot_precision(torch.float32) == "ieee"
+        assert _dot_precision(torch.bfloat16) == "tf32"  # bf16 operands: exact in either mode
+        flags.allow_tf32 = True  # model.allow_tf32: the run chose TF32 for its float32 products
+        assert _dot_precision(torch.float32) == "tf32"
+    finally:
+        flags.allow_tf32 = before

@@ -195,7 +195,8 @@ def test_a_testbed_base_with_truthful_captions_and_its_gate_at_its_own_size(
     assert [stage["steps"] for stage in recipe["stages"]] == [2, 2]  # the tiny 4 + 4, halved
     capsys.readouterr()
     # no fine-tuning: the same videos before and after, a gain of 0 fails the gate
-    assert gate.main(["--model", str(out), "--steps", "0", "--threads", "1"]) == 1
+    gate_args = ["--model", str(out), "--steps", "0", "--threads", "1", "--backend", "torch"]
+    assert gate.main(gate_args) == 1
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["gain"] == 0.0
     # measured at the base's last stage: the tiny testbed's 32 px x 4 frames

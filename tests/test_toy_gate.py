@@ -48,3 +48,28 @@ def test_a_base_without_the_skill_fails_the_gate():
     assert result["direction_before"] == 0.0
     assert result["gain"] < MIN_GAIN
     assert result["passed"] is False
+
+
+def test_micro_batches_make_the_update_of_the_whole_batch(monkeypatch):
+    """The gradient summed over micro-batches (each scaled by its share) is the whole batch's:
+    with plain SGD (an update linear in the gradient) both give the same weights."""
+    from vsa2_rl.toy.gate import fine_tune_on_captioned
+
+    monkeypatch.setattr(torch.optim, "Adam", torch.optim.SGD)
+    updated = []
+    for micro_batch in (12, 5):  # 12 videos at once, or in parts of 5, 5 and 2
+        torch.manual_seed(0)
+        tokenizer, text_encoder = make_toy_text_encoder()
+        bundle = ToyBundle(
+            transformer=make_toy_transformer(toy_transformer_config()),
+            sparsity_state=SparsityState(),
+            text_encoder=text_encoder.requires_grad_(False),
+            tokenizer=tokenizer,
+        )
+        start = {k: v.clone() for k, v in bundle.transformer.state_dict().items()}
+        settings = GateSettings(steps=1, batch=12, micro_batch=micro_batch, lr=1.0)
+        fine_tune_on_captioned(bundle, settings)
+        updated.append({k: v - start[k] for k, v in bundle.transformer.state_dict().items()})
+    assert any(delta.abs().max() > 1e-4 for delta in updated[0].values())  # it did move
+    for name, delta in updated[0].items():
+        torch.testing.assert_close(updated[1][name], delta, rtol=1e-4, atol=1e-6)

@@ -87,6 +87,8 @@ def build_bundle(
     a video size the model cannot make (``bundle.latent_shape``) is a config error. ``facts``:
     the model folder's, where the caller read them already (else the loader reads them)."""
     model: ModelConfig = config.model
+    if model.allow_tf32 and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     if model.kind == "toy":
         from vsa2_rl.toy.model import load_toy_bundle
 

@@ -61,6 +61,12 @@ class ModelConfig:
         "Weights/compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.",
         default="auto",
     )
+    allow_tf32: bool = _doc(
+        "float32 on CUDA: matrix products in TF32 (10-bit mantissa, several times faster on "
+        "Ampere and Hopper; diffusers' --allow_tf32). Weights stay float32; torch's default "
+        "(off) is kept when false.",
+        default=False,
+    )
     num_frames: int = _doc("Frames per generated video (pixel space).", default=8)
     height: int = _doc("Video height in pixels.", default=32)
     width: int = _doc("Video width in pixels.", default=32)

@@ -12,6 +12,9 @@ on the results page).
 
     python -m vsa2_rl.toy.gate [--model assets/toy] [--device cuda] [--eval-sparsity 0.25]
 
+On CUDA its products run in TF32 and its VSA2 layers on the Triton kernels, as the build's do
+(``--backend torch``: the reference).
+
 It measures and fine-tunes at the video size the base was built for (its last pretraining
 stage's, from its ``config.json``): 16 px x 8 frames for the shipped toy, 64 px x 16 frames
 for a sparsity-testbed base (:mod:`vsa2_rl.toy.testbed`).
@@ -42,6 +45,7 @@ class GateSettings:
 
     steps: int = 40
     batch: int = 64  # perfectly captioned videos a step
+    micro_batch: int = 64  # videos a forward/backward holds (the testbed's 64 px: fewer)
     lr: float = 3e-5
     train_sparsity: float = 0.0  # dense fine-tuning
     eval_sparsity: float = 0.25  # the embedded default's evaluation sparsity
@@ -87,16 +91,18 @@ def fine_tune_on_captioned(bundle: ToyBundle, settings: GateSettings) -> None:
         prompts, latents = captioned_batch(settings.batch, settings, generator, bundle.device)
         noise = torch.randn(latents.shape, generator=generator).to(bundle.device)
         sigma = torch.sigmoid(torch.randn(len(prompts), generator=generator)).to(bundle.device)
-        loss = flow_matching_loss(
-            bundle.transformer,
-            latents,
-            bundle.encode_prompts(prompts),
-            sigma,
-            noise,
-            bundle.frame_positions,
-        )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for start in range(0, settings.batch, settings.micro_batch):
+            part = slice(start, start + settings.micro_batch)
+            loss = flow_matching_loss(
+                bundle.transformer,
+                latents[part],
+                bundle.encode_prompts(prompts[part]),
+                sigma[part],
+                noise[part],
+                bundle.frame_positions,
+            )
+            (loss * len(prompts[part]) / settings.batch).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         bundle.sparsity_state.pop_density()
@@ -143,15 +149,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=GateSettings.lr)
     parser.add_argument("--steps", type=int, default=GateSettings.steps)
     parser.add_argument("--seed", type=int, default=GateSettings.seed, help="data seed")
+    parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
+    parser.add_argument(
+        "--micro-batch", type=int, default=GateSettings.micro_batch,
+        help="videos a forward/backward holds (same update; 8 fits the testbed on 80 GB)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    base = load_toy_bundle(VSA2Config(backend="torch"), device=args.device, path=args.model)
+    if torch.device(args.device).type == "cuda":  # the build's TF32 products
+        torch.backends.cuda.matmul.allow_tf32 = True
+    base = load_toy_bundle(VSA2Config(backend=args.backend), device=args.device, path=args.model)
     size, frames = built_video_size(read_toy_config(args.model))
     settings = GateSettings(
         eval_sparsity=args.eval_sparsity,
         lr=args.lr,
         steps=args.steps,
         seed=args.seed,
+        micro_batch=args.micro_batch,
         size=size,
         num_frames=frames,
     )
