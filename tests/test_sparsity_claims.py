@@ -203,6 +203,47 @@ def test_a_testbed_base_with_truthful_captions_and_its_gate_at_its_own_size(
     assert (result["settings"]["size"], result["settings"]["num_frames"]) == (32, 4)
 
 
+def test_the_rl_base_learns_from_truthful_captions_and_covers_every_rl_sparsity():
+    from vsa2_rl.toy.data import pretraining_batch
+
+    recipe = testbed.rl_base_recipe(steps_scale=0.5)
+    generator = torch.Generator().manual_seed(0)
+    _, _, moves = pretraining_batch(1000, generator, recipe.mirrored_captions)
+    assert all(move is None for move in moves)  # no video moves against its caption
+    low, rebase, spread = recipe.stages
+    assert (low.size, low.batch_size, low.vsa2) == (32, 64, False)
+    assert (rebase.size, rebase.vsa2, spread.size, spread.vsa2) == (64, True, 64, True)
+    assert spread.sparsity_range == (0.0, 0.9)  # every rollout and evaluation sparsity
+    assert [stage.steps for stage in recipe.stages] == [625, 150, 100]  # half the steps
+
+
+def test_the_rl_recipe_refuses_the_claims_options(tmp_path, capsys):
+    for option in (["--attention", "dense"], ["--mirrored-captions", "0.5"], ["--sparsity", "0.8"]):
+        with pytest.raises(SystemExit):
+            testbed.main(["--out", str(tmp_path / "x"), "--recipe", "rl", *option])
+        assert f"{option[0]} is a claims-recipe option" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+@pytest.mark.slow
+def test_an_rl_base_builds_at_the_tiny_size(tmp_path, tiny_testbed, monkeypatch):
+    from vsa2_rl.toy.model import read_toy_config
+
+    monkeypatch.setattr(testbed, "RL_ARCHITECTURE", testbed.TESTBED_ARCHITECTURE)
+    for name in ("RL_LOW_STEPS", "RL_REBASE_STEPS", "RL_RANGE_STEPS", "RL_LOW_BATCH"):
+        monkeypatch.setattr(testbed, name, 2)
+    out = tmp_path / "rl_base"
+    testbed.main(["--out", str(out), "--recipe", "rl", "--backend", "torch"])
+    saved = read_toy_config(out)
+    assert saved["transformer"]["num_layers"] == 2  # the tiny architecture it was given
+    recipe = saved["training"]["recipe"]
+    assert recipe["mirrored_captions"] == 0.0
+    assert [(stage["size"], stage["vsa2"]) for stage in recipe["stages"]] == [
+        (16, False), (32, True), (32, True)
+    ]  # fmt: skip
+    assert len(saved["training"]["stages"]) == 3  # each stage ran and was measured
+
+
 @pytest.mark.slow
 def test_every_part_runs_and_the_report_has_each_claim(tmp_path, tiny_testbed):
     out = tmp_path / "claims"

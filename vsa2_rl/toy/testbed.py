@@ -22,12 +22,19 @@ claim:
 :func:`fine_tune_recipe` adds one flow-matching stage at 64 px to a built base (resumed from its
 folder): the runs of the router and hard-to-easy claims (``benchmarks/sparsity_claims.py``).
 
-Built alone, with truthful captions and fewer steps, a base has part of the direction skill left
-to learn, for RL at the testbed's scale (``python -m vsa2_rl.toy.gate --model DIR`` measures
-how much perfect data moves it)::
+:func:`rl_base_recipe` (``--recipe rl``) is the base for RL at the testbed's video size: a
+smaller model (:data:`RL_ARCHITECTURE`, 4 blocks of width 256, 4.9 M parameters; attention is
+most of its work, as in Wan at 720p), truthful captions, and the shipped toy's schedule moved to
+64 px. The claims' recipe with truthful captions does not learn the direction words (followed
+in 23-31% of held-out videos at 0.25x, 0.5x and 1x its steps, chance being 25% for four
+directions; perfect data moved the 1x base by -3 points): it sees 24,000 videos at 32 px, where
+the toy learns them partly from 80,000. So the RL base trains 32 px at batch 64 for the toy's
+1,250 steps, then is rebased to VSA2 at 64 px and trained across the sparsities RL and
+evaluation use (0 to 0.9).
+``python -m vsa2_rl.toy.gate --model DIR --micro-batch 8`` measures how much perfect data moves
+a base::
 
-    python -m vsa2_rl.toy.testbed --out DIR --device cuda --attention rebase \
-        --mirrored-captions 0 --steps-scale 0.25
+    python -m vsa2_rl.toy.testbed --out DIR --device cuda --recipe rl [--steps-scale 0.5]
 """
 
 from __future__ import annotations
@@ -55,6 +62,17 @@ BATCH = 16
 LOW_STEPS, HIGH_STEPS, REBASE_STEPS = 1500, 1000, 200
 VAL_EVERY, WARMUP_STEPS = 50, 100
 ATTENTION_SWITCHES = ("dense", "rebase", "sparse")
+RL_ARCHITECTURE = {
+    "patch_size": [1, 4, 4],
+    "num_attention_heads": 4,
+    "attention_head_dim": 64,
+    "ffn_dim": 1024,
+    "num_layers": 4,
+    "freq_dim": 256,
+}
+# The RL base's stages (times --steps-scale): 32 px dense at RL_LOW_BATCH, then at 64 px the
+# rebasing stage (ramp to 0.9, then 0.5-0.9) and the stage across every sparsity (0-0.9).
+RL_LOW_STEPS, RL_REBASE_STEPS, RL_RANGE_STEPS, RL_LOW_BATCH = 1250, 300, 200, 64
 EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
 # Share of pretraining videos moving opposite to their caption in the claims' bases: the
 # direction words carry no sign information, so "direction followed" stays near 0.5 at most.
@@ -93,6 +111,33 @@ def testbed_recipe(
         architecture=dict(TESTBED_ARCHITECTURE),
         target_sparsity=sparsity,
         rebase_steps=0 if attention == "sparse" else _scaled(REBASE_STEPS, steps_scale),
+        warmup_lr_steps=_scaled(WARMUP_STEPS, steps_scale),
+        vsa2=vsa2 or VSA2Config(),
+        eval_sparsities=EVAL_SPARSITIES,
+        report_seeds=2,
+        val_every=_scaled(VAL_EVERY, steps_scale),
+    )
+
+
+def rl_base_recipe(
+    seed: int = 0, steps_scale: float = 1.0, vsa2: VSA2Config | None = None
+) -> ToyBuildConfig:
+    """The base for RL at the testbed's size (module docstring): truthful captions, stopped
+    at ``steps_scale`` x the steps while the direction words are partly learnt."""
+    stages = [
+        ToyStage(LOW_SIZE, FRAMES, _scaled(RL_LOW_STEPS, steps_scale), RL_LOW_BATCH, vsa2=False),
+        ToyStage(HIGH_SIZE, FRAMES, _scaled(RL_REBASE_STEPS, steps_scale), BATCH, vsa2=True,
+                 sparsity_range=(0.5, 0.9), lr_scale=0.5),
+        ToyStage(HIGH_SIZE, FRAMES, _scaled(RL_RANGE_STEPS, steps_scale), BATCH, vsa2=True,
+                 sparsity_range=(0.0, 0.9), lr_scale=0.1),
+    ]  # fmt: skip
+    return ToyBuildConfig(
+        seed=seed,
+        stages=stages,
+        mirrored_captions=0.0,
+        architecture=dict(RL_ARCHITECTURE),
+        target_sparsity=0.9,
+        rebase_steps=_scaled(REBASE_STEPS, steps_scale),
         warmup_lr_steps=_scaled(WARMUP_STEPS, steps_scale),
         vsa2=vsa2 or VSA2Config(),
         eval_sparsities=EVAL_SPARSITIES,
@@ -147,12 +192,18 @@ def main(argv: list[str] | None = None) -> None:
     """Build one testbed base (module docstring) into ``--out``."""
     parser = argparse.ArgumentParser(description="Build one sparsity-testbed base.")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--attention", choices=ATTENTION_SWITCHES, default="rebase")
-    parser.add_argument("--sparsity", type=float, default=0.9, help="VSA2's target sparsity")
+    parser.add_argument(
+        "--recipe", choices=("claims", "rl"), default="claims",
+        help="claims: the claims' bases (--attention, --mirrored-captions); rl: the RL base",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention", choices=ATTENTION_SWITCHES, default=None, help="claims: default rebase"
+    )
+    parser.add_argument("--sparsity", type=float, default=None, help="claims: default 0.9")
     parser.add_argument(
         "--mirrored-captions",
         type=float,
-        default=CLAIMS_MIRRORED_CAPTIONS,
+        default=None,
         help="share of pretraining videos moving opposite to their caption (claims' bases: 0.5)",
     )
     parser.add_argument("--steps-scale", type=float, default=1.0, help="times every stage's steps")
@@ -160,14 +211,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
     args = parser.parse_args(argv)
-    recipe = testbed_recipe(
-        args.attention,
-        args.seed,
-        args.sparsity,
-        args.steps_scale,
-        vsa2=VSA2Config(backend=args.backend),
-        mirrored_captions=args.mirrored_captions,
-    )
+    vsa2 = VSA2Config(backend=args.backend)
+    if args.recipe == "rl":
+        for name in ("attention", "sparsity", "mirrored_captions"):
+            if getattr(args, name) is not None:
+                option = "--" + name.replace("_", "-")
+                parser.error(f"{option} is a claims-recipe option; the RL base has truthful "
+                             "captions and is rebased (drop it)")  # fmt: skip
+        recipe = rl_base_recipe(args.seed, args.steps_scale, vsa2)
+    else:
+        mirrored = args.mirrored_captions
+        recipe = testbed_recipe(
+            args.attention or "rebase",
+            args.seed,
+            0.9 if args.sparsity is None else args.sparsity,
+            args.steps_scale,
+            vsa2=vsa2,
+            mirrored_captions=CLAIMS_MIRRORED_CAPTIONS if mirrored is None else mirrored,
+        )
     info = build_toy_model(args.out, recipe, device=args.device)
     print(json.dumps({"out": str(args.out), "build_seconds": info["build_seconds"]}))
 
