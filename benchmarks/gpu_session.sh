@@ -3,7 +3,8 @@
 # Packages missing on that image travel as wheels in .whl/ (omegaconf, diffusers, peft and this
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
-#     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [ddp]
+#     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [testbed_rl_base]
+#     [frontier] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
@@ -63,14 +64,31 @@ for part in "${parts[@]}"; do
     e2e_compiled)  # the DiT with torch.compile of the blocks: 720p forward
       timeout 240 python3 benchmarks/bench_e2e.py --grids 720p --compile on --forward-only \
         --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8 ;;
-    testbed_bases)  # learnable testbed bases (truthful captions, fewer steps) and their gates
-      for spec in ${TESTBED_BUILDS:-s025=0.25 s05=0.5}; do
-        timeout 400 python3 -m vsa2_rl.toy.testbed --out "$OUT/testbed_${spec%=*}" --device cuda \
+    testbed_bases)  # claims-recipe bases with truthful captions (docs/results.md) and their gates
+      for spec in ${TESTBED_BUILDS:-s025=0.25 s05=0.5 s1=1}; do
+        timeout 480 python3 -m vsa2_rl.toy.testbed --out "$OUT/testbed_${spec%=*}" --device cuda \
           --attention rebase --mirrored-captions 0 --steps-scale "${spec#*=}" \
           > "$OUT/testbed_${spec%=*}.log" 2>&1 || echo "testbed build ${spec%=*} failed"
         timeout 300 python3 -m vsa2_rl.toy.gate --model "$OUT/testbed_${spec%=*}" --device cuda \
-          --eval-sparsity ${TESTBED_EVAL_SPARSITY:-0.5} 2>&1 | head -1
+          --eval-sparsity ${TESTBED_EVAL_SPARSITY:-0.5} --micro-batch 8 2>&1 | head -1
       done ;;
+    testbed_rl_base)  # RL bases for the testbed (--recipe rl) at RL_BASE_SCALES, gated at 0.5;
+      # each base's weights come back split under 15 MiB (cat the parts into toy.safetensors)
+      for scale in ${RL_BASE_SCALES:-1 0.5}; do
+        timeout 400 python3 -m vsa2_rl.toy.testbed --out "/tmp/rl_base_$scale" --device cuda \
+          --recipe rl --steps-scale "$scale" > "$OUT/rl_base_$scale.log" 2>&1 &
+      done; wait
+      for scale in ${RL_BASE_SCALES:-1 0.5}; do
+        base=/tmp/rl_base_$scale
+        timeout 200 python3 -m vsa2_rl.toy.gate --model "$base" --device cuda --eval-sparsity 0.5 \
+          --micro-batch 8 > "$base/gate.txt" 2>&1; echo "$scale: $(head -1 "$base/gate.txt")"
+        tar -C /tmp -cf - --exclude="*.mp4" "rl_base_$scale" | split -b 15M -d - "$OUT/rl_base_$scale.tar."
+      done ;;
+    frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
+      timeout 400 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \
+        --router-modes topp,topk --sparsities 0.75,0.875,0.9375,0.96875 --no-flex --no-fastvideo \
+        --out "$OUT/frontier_attention.md" > "$OUT/frontier_attention.log" 2>&1
+      python3 benchmarks/frontier.py --attention "$OUT/frontier_attention.md" --out "$OUT/frontier.md" ;;
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;

@@ -1,0 +1,158 @@
+"""The quality-speed frontier of VSA2's router settings: kv_block 16 with top-p against kv_block
+64 with top-k (VSA's router), at each density the router claim measured.
+
+Quality is the sparsity testbed's validation loss after rebasing at that density (the router
+claim's runs, ``benchmarks/sparsity_claims.py claim1``: mean and standard deviation over seeds);
+speed is the full VSA2 op at the Wan-14B 720p shape against cuDNN in the same run
+(``bench_attention.py --out``: forward and forward+backward). A setting is on the frontier when
+no other setting has both a loss at most its own and a speed-up at least its own (one of them
+strictly). The recipe rule, fixed before the op was timed at these densities: the fastest
+frontier setting (forward+backward) whose mean loss is within one seed standard deviation of
+VSA's own setting (kv_block 64, top-k, density 0.125, i.e. sparsity 0.875), which is the point
+VSA itself recommends.
+
+    python benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 --router-modes topp,topk \\
+        --sparsities 0.75,0.875,0.9375,0.96875 --no-flex --no-fastvideo --out attention.md
+    python benchmarks/frontier.py --attention attention.md --out frontier.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+# the router claim's two routers: its folder name part, the op's method name in bench_attention
+ROUTERS = {"kv16 top-p": ("kv16_top-p", "ours-full-topp-kv16"),
+           "kv64 top-k": ("kv64_top-k", "ours-full-kv64")}  # fmt: skip
+REFERENCE = ("kv64 top-k", 0.125)  # VSA's router at its recommended sparsity 0.875
+
+
+@dataclass
+class Setting:
+    """One router at one density: its testbed losses over seeds and its op's speed-ups."""
+
+    router: str
+    density: float
+    losses: list[float]
+    fwd_speedup: float | None
+    fwd_bwd_speedup: float | None
+
+    @property
+    def loss(self) -> float:
+        return statistics.mean(self.losses)
+
+    @property
+    def loss_sd(self) -> float:
+        return statistics.stdev(self.losses) if len(self.losses) > 1 else 0.0
+
+
+def claim_losses(claims: Path, router: str, density: float) -> list[float]:
+    """Validation losses at the router's density of every seed the router claim ran."""
+    folder_part = ROUTERS[router][0]
+    losses = []
+    for config in sorted((claims / "claim1").glob(f"{folder_part}_d{density}_s*/config.json")):
+        stages = json.loads(config.read_text())["training"]["stages"]
+        losses.append(stages[-1]["validation"][f"vsa2@{1 - density:g}"])
+    return losses
+
+
+def op_speedups(attention_md: Path) -> dict[tuple[str, float, str], float]:
+    """(method, sparsity, fwd or fwd+bwd) -> x cuDNN, from a bench_attention table (720p rows)."""
+    speedups = {}
+    for line in attention_md.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        methods = [method for _, method in ROUTERS.values()]
+        if len(cells) != 7 or cells[0] != "720p" or cells[1] not in methods or cells[5] == "-":
+            continue
+        speedups[(cells[1], float(cells[2]), cells[3])] = float(cells[5])
+    return speedups
+
+
+def claim_densities(claims: Path) -> list[float]:
+    names = {path.name.rsplit("_s", 1)[0] for path in (claims / "claim1").glob("*_d*_s*")}
+    return sorted({float(name.rsplit("_d", 1)[1]) for name in names}, reverse=True)
+
+
+def gather(claims: Path, attention_md: Path) -> list[Setting]:
+    speedups = op_speedups(attention_md)
+    settings = []
+    for density in claim_densities(claims):
+        for router, (_, method) in ROUTERS.items():
+            losses = claim_losses(claims, router, density)
+            if not losses:
+                continue
+            sparsity = round(1 - density, 6)
+            settings.append(Setting(router, density, losses,
+                                    speedups.get((method, sparsity, "fwd")),
+                                    speedups.get((method, sparsity, "fwd+bwd"))))  # fmt: skip
+    if not settings:
+        raise SystemExit(f"error: --claims {claims}: no claim1 runs under it")
+    return settings
+
+
+def on_frontier(setting: Setting, settings: list[Setting]) -> bool | None:
+    """Whether no other timed setting dominates ``setting`` (None: not timed)."""
+    if setting.fwd_bwd_speedup is None:
+        return None
+    for other in settings:
+        if other is setting or other.fwd_bwd_speedup is None:
+            continue
+        no_worse = other.loss <= setting.loss and other.fwd_bwd_speedup >= setting.fwd_bwd_speedup
+        better = other.loss < setting.loss or other.fwd_bwd_speedup > setting.fwd_bwd_speedup
+        if no_worse and better:
+            return False
+    return True
+
+
+def recipe_choice(settings: list[Setting]) -> Setting | None:
+    """The recipe rule (module docstring); None when VSA's own setting was not measured."""
+    reference = next((s for s in settings if (s.router, s.density) == REFERENCE), None)
+    if reference is None:
+        return None
+    bound = reference.loss + reference.loss_sd
+    candidates = [s for s in settings if on_frontier(s, settings) and s.loss <= bound]
+    return max(candidates, key=lambda s: s.fwd_bwd_speedup, default=None)
+
+
+def _speed(value: float | None) -> str:
+    return "not timed" if value is None else f"{value:.2f}x"
+
+
+def report(settings: list[Setting]) -> str:
+    columns = ("router", "density", "sparsity", "testbed loss, mean ± sd (seeds)", "op fwd",
+               "op fwd+bwd", "frontier")  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for s in settings:
+        frontier = {True: "yes", False: "", None: "-"}[on_frontier(s, settings)]
+        lines.append(f"| {s.router} | {s.density:g} | {1 - s.density:g} | {s.loss:.4f} ± "
+                     f"{s.loss_sd:.4f} ({len(s.losses)}) | {_speed(s.fwd_speedup)} | "
+                     f"{_speed(s.fwd_bwd_speedup)} | {frontier} |")  # fmt: skip
+    choice = recipe_choice(settings)
+    if choice is None:
+        verdict = "no setting qualifies (or VSA's own setting was not measured)"
+    else:
+        speed = _speed(choice.fwd_bwd_speedup)
+        verdict = (f"{choice.router} at sparsity {1 - choice.density:g} "
+                   f"({speed} fwd+bwd, loss {choice.loss:.4f})")  # fmt: skip
+    return "\n".join(lines) + f"\n\nRecipe rule's choice: {verdict}\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--claims", type=Path, default=Path("benchmarks/results/claims"))
+    parser.add_argument("--attention", type=Path, required=True, help="bench_attention --out")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args(argv)
+    if not args.attention.is_file():
+        raise SystemExit(f"error: --attention {args.attention}: no such file")
+    text = report(gather(args.claims, args.attention))
+    print(text, end="")
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
