@@ -473,6 +473,17 @@ def plot_curves(runs: list[Run], timing: dict | None, path: Path, caption: str) 
     plt.close(figure)
 
 
+def shown_path(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def timing_text(timing: dict) -> str:
+    seconds = ", ".join(f"{s}: {v:.3g} s" for s, v in timing["seconds_per_step"].items())
+    return f"seconds per step ({seconds}): {provenance(timing)}"
+
+
 def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -511,7 +522,7 @@ def wan_scale_lines(parts_paths, gains, controls, num_steps, at) -> list[str]:
              f"Assumption: the testbed's reward gained per RL step carries over to a Wan "
              f"iteration; only the seconds per iteration differ by sparsity. Reward per GPU-hour "
              f"= mean gain at {at:g} over the seeds / ({num_steps} steps x iteration s (LoRA) / "
-             f"3600). Iteration seconds from " + ", ".join(str(p) for p in parts_paths) +
+             f"3600). Iteration seconds from " + ", ".join(shown_path(p) for p in parts_paths) +
              " (a later file replaces a grid and sparsity an earlier one gave).", "",
              "| grid | rollout sparsity | iteration s (LoRA) | gain | gain per GPU-hour |",
              "|---|---|---|---|---|"]  # fmt: skip
@@ -546,7 +557,7 @@ def command_report(args) -> int:
              "", "## Curves", "",
              f"![held-out prompt_motion](report.png) (runs: {provenance(info)}"]  # fmt: skip
     if timing:
-        lines[-1] += f"; seconds per step: {provenance(timing)}, {timing['seconds_per_step']})"
+        lines[-1] += f"; {timing_text(timing)})"
     else:
         lines[-1] += "; no GPU-seconds panel: seconds_per_step.json is absent, run `time`)"
     caption = f"held-out prompt_motion; runs: {provenance(info)}"
@@ -585,7 +596,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"run": command_run, "time": command_time, "report": command_report}
-    return commands[args.command](args)
+    from vsa2_rl.config import ConfigError
+
+    try:
+        return commands[args.command](args)
+    except ConfigError as error:  # a --set override or a config the runs would refuse
+        raise SystemExit(f"error: {error}") from None
 
 
 if __name__ == "__main__":
