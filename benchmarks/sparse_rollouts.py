@@ -227,9 +227,10 @@ def command_run(args) -> int:
             f"--base: {args.base} is not a folder (build a base with "
             "python -m vsa2_rl.toy.testbed, see configs/testbed_nft.yaml)"
         )
+    jobs = rl_jobs(args)  # every run's config checked before anything starts
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "run_info.json").write_text(json.dumps(device_info(args.device), indent=2))
-    failed = run_jobs(rl_jobs(args), args.parallel)
+    failed = run_jobs(jobs, args.parallel)
     failed += run_jobs(sweep_jobs(args), args.parallel)
     if failed:
         print(f"{len(failed)} failed: {', '.join(failed)}", flush=True)
