@@ -1,0 +1,609 @@
+"""What sparse rollouts buy in RL: DiffusionNFT on the sparsity testbed (:mod:`vsa2_rl.toy.testbed`)
+with rollouts at several sparsities, judged on held-out prompts; the RL half of VSA2's
+hard-to-easy claim (train sparse, evaluate at a lower sparsity).
+
+Commands, each reading and writing ``--out``:
+
+- ``run``: RL of the base ``--base`` with ``configs/testbed_nft.yaml`` at each rollout sparsity
+  (``sparsity.train``) and seed, plus one control run per sparsity
+  (``configs/testbed_control.yaml``: the random reward, same settings), as ``train_rl.py``
+  processes, ``--parallel`` at once, each logging to ``runs/<name>.log``. A finished run (its
+  last evaluation logged) is skipped, an unfinished one resumed (``train.resume=auto``); a failed
+  run is reported and the others go on. Then the final sweep, ``vsa2-rl eval`` of every finished
+  run and of the base at sparsity 0 and ``--eval-sparsity``, into ``sweeps/<name>/eval.json``.
+- ``time``: one run per sparsity alone, ``--steps`` RL steps without evaluation; the median
+  seconds of a step (rollout + update) after the first into ``seconds_per_step.json``.
+- ``report``: ``report.md`` (per-run and per-sparsity changes from the base, the verdict, the
+  reward per GPU-hour at Wan's scale from ``benchmarks/results/rl_scale`` and the rollout
+  sparsity the recipes should use) and ``report.png`` (held-out reward against RL step and
+  GPU-seconds).
+
+::
+
+    python benchmarks/sparse_rollouts.py run --base BASE --out runs/sparse_rollouts --parallel 4
+    python benchmarks/sparse_rollouts.py time --base BASE --out runs/sparse_rollouts
+    python benchmarks/sparse_rollouts.py report --out runs/sparse_rollouts
+
+``--set KEY=VALUE`` overrides every run's config (``run`` and ``time``), e.g. smaller videos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"nft": REPO / "configs" / "testbed_nft.yaml",
+           "control": REPO / "configs" / "testbed_control.yaml"}  # fmt: skip
+RL_SCALE = REPO / "benchmarks" / "results" / "rl_scale"
+DEFAULT_PARTS = [RL_SCALE / "parts_480p33_720p81.md", RL_SCALE / "parts_720p81.md"]
+RECIPE_GRID = "720p:81"  # the recipes' video size, where the choice of rollout sparsity counts
+VERDICT_SPARSITY = 0.9  # the recipes' rollout sparsity, judged against dense rollouts
+BASE = "base"
+RUN_NAME = re.compile(r"^(nft|control)_s([0-9.]+)_seed(\d+)$")
+POLL_S = 0.5
+LOG_TAIL = 10
+VERDICT_RULE = (
+    "With the held-out `prompt_motion` gain from the base measured at the evaluation sparsity, "
+    "mean and sd over the seeds: **reproduced** if rollouts at 0.9 gain at least dense "
+    "rollouts' gain minus the larger of the two groups' seed sd, and beat their own control's "
+    "change by more than their seed sd; **not reproduced** if they fall short of dense's gain "
+    "by more than 2x that larger sd; **inconclusive** otherwise (fixed before the runs)."
+)
+
+
+class Stat(NamedTuple):
+    """Mean and sample sd over seeds (sd NaN for one seed)."""
+
+    mean: float
+    sd: float
+
+
+@dataclass(frozen=True)
+class Job:
+    """One subprocess: its name in progress lines, command line and log file."""
+
+    name: str
+    command: list[str]
+    log: Path
+
+
+@dataclass(frozen=True)
+class Run:
+    """One RL run folder under ``OUT/runs``."""
+
+    kind: str  # nft or control
+    sparsity: float
+    seed: int
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+# ---- running -----------------------------------------------------------------------------
+
+
+def run_name(kind: str, sparsity: float, seed: int) -> str:
+    return f"{kind}_s{sparsity:g}_seed{seed}"
+
+
+def train_overrides(args, sparsity: float, seed: int, out_dir: Path) -> list[str]:
+    """The dotlist of one run: the base, the device, its sparsity, seed and folder, then --set."""
+    return [f"model.path={args.base}", f"device={args.device}", f"sparsity.train={sparsity:g}",
+            f"seed={seed}", f"out_dir={out_dir}", "logging.progress=false",
+            *args.set]  # fmt: skip
+
+
+def planned_num_steps(kind: str, overrides: list[str]) -> int:
+    """train.num_steps of a run (its config and overrides, checked as the trainer would)."""
+    from vsa2_rl.config import load_config
+
+    return load_config(str(CONFIGS[kind]), overrides, check_files=False).train.num_steps
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """metrics.jsonl's rows by step (a resumed run's later row of a step wins); {} if absent."""
+    rows = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by a killed run
+                continue
+            rows[row["step"]] = {**rows.get(row["step"], {}), **row}
+    return rows
+
+
+def is_finished(run_dir: Path, num_steps: int) -> bool:
+    """The run logged its last evaluation."""
+    return "eval/reward" in read_metrics(run_dir / "metrics.jsonl").get(num_steps, {})
+
+
+def train_command(kind: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / "train_rl.py"), "--config", str(CONFIGS[kind]), *overrides]
+
+
+def run_jobs(jobs: list[Job], parallel: int) -> list[str]:
+    """Runs ``jobs``, at most ``parallel`` at once, each writing to its log; returns the names
+    of the failed ones, each reported with its return code and last log lines."""
+    pending, running, failed = list(jobs), {}, []
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            job.log.parent.mkdir(parents=True, exist_ok=True)
+            handle = job.log.open("a")
+            process = subprocess.Popen(
+                job.command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO
+            )
+            running[job.name] = (job, process, handle, time.monotonic())
+            print(f"started {job.name} (log {job.log})", flush=True)
+        time.sleep(POLL_S)
+        for name, (job, process, handle, start) in list(running.items()):
+            if process.poll() is None:
+                continue
+            handle.close()
+            del running[name]
+            seconds = time.monotonic() - start
+            if process.returncode == 0:
+                print(f"finished {name} in {seconds:.0f} s", flush=True)
+                continue
+            failed.append(name)
+            tail = job.log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+            print(f"FAILED {name}: return code {process.returncode} after {seconds:.0f} s; "
+                  f"last lines of {job.log}:", flush=True)  # fmt: skip
+            print("\n".join(f"    {line}" for line in tail), flush=True)
+    return failed
+
+
+def device_info(device: str) -> dict:
+    """The device's name and today's date, for every figure made from its runs."""
+    name = device
+    if device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+    return {"device": name, "date": datetime.date.today().isoformat()}
+
+
+def rl_jobs(args) -> list[Job]:
+    """The runs still to do (unfinished ones resume), after checking every run's config."""
+    plan = [("nft", s, seed) for s in args.sparsities for seed in args.seeds]
+    plan += [("control", s, args.control_seed) for s in args.sparsities]
+    jobs = []
+    for kind, sparsity, seed in plan:
+        name = run_name(kind, sparsity, seed)
+        run_dir = args.out / "runs" / name
+        overrides = train_overrides(args, sparsity, seed, run_dir)
+        if is_finished(run_dir, planned_num_steps(kind, overrides)):
+            print(f"skipped {name}: finished", flush=True)
+            continue
+        jobs.append(Job(name, train_command(kind, overrides), args.out / "runs" / f"{name}.log"))
+    return jobs
+
+
+def sweep_job(args, name: str, target: list[str]) -> Job:
+    """``vsa2-rl eval`` of one model at sparsity 0 and --eval-sparsity, with the evaluation
+    settings of the runs (configs/testbed_nft.yaml and --set)."""
+    sweep_dir = args.out / "sweeps" / name
+    command = [sys.executable, "-m", "vsa2_rl.cli", "eval", "--config", str(CONFIGS["nft"]),
+               f"model.path={args.base}", f"device={args.device}",
+               f"eval.sparsities=[0.0,{args.eval_sparsity:g}]", f"out_dir={sweep_dir}",
+               "logging.progress=false", *args.set, *target]  # fmt: skip
+    return Job(f"sweep {name}", command, args.out / "sweeps" / f"{name}.log")
+
+
+def sweep_jobs(args) -> list[Job]:
+    """The sweeps not yet written: the base's and each finished run's."""
+    targets = {BASE: []}
+    for run in find_runs(args.out):
+        overrides = train_overrides(args, run.sparsity, run.seed, run.path)
+        if is_finished(run.path, planned_num_steps(run.kind, overrides)):
+            targets[run.name] = [f"run_dir={run.path}"]
+    return [
+        sweep_job(args, name, target)
+        for name, target in targets.items()
+        if not (args.out / "sweeps" / name / "eval.json").is_file()
+    ]
+
+
+def command_run(args) -> int:
+    if not args.base.is_dir():
+        raise SystemExit(
+            f"--base: {args.base} is not a folder (build a base with "
+            "python -m vsa2_rl.toy.testbed, see configs/testbed_nft.yaml)"
+        )
+    jobs = rl_jobs(args)  # every run's config checked before anything starts
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "run_info.json").write_text(json.dumps(device_info(args.device), indent=2))
+    failed = run_jobs(jobs, args.parallel)
+    failed += run_jobs(sweep_jobs(args), args.parallel)
+    if failed:
+        print(f"{len(failed)} failed: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
+
+
+def median_step_seconds(metrics: dict[int, dict]) -> float:
+    """Median of perf/rollout_s + perf/train_s over the steps after the first (a warm-up)."""
+    steps = sorted(step for step, row in metrics.items() if step > 1 and "perf/train_s" in row)
+    return statistics.median(
+        metrics[s]["perf/rollout_s"] + metrics[s]["perf/train_s"] for s in steps
+    )
+
+
+def command_time(args) -> int:
+    if args.steps < 2:
+        raise SystemExit(f"--steps: {args.steps} leaves no step after the warm-up; give >= 2")
+    if not args.base.is_dir():
+        raise SystemExit(f"--base: {args.base} is not a folder")
+    seconds, failed = {}, []
+    for sparsity in args.sparsities:
+        name = f"timing_s{sparsity:g}"
+        run_dir = args.out / "timing" / name
+        shutil.rmtree(run_dir, ignore_errors=True)  # a timing is measured afresh, never resumed
+        timed = [f"train.num_steps={args.steps}", "eval.every=0", "train.checkpoint_every=0"]
+        overrides = [*train_overrides(args, sparsity, 0, run_dir), *timed]
+        job = Job(name, train_command("nft", overrides), args.out / "timing" / f"{name}.log")
+        if run_jobs([job], parallel=1):
+            failed.append(name)
+            continue
+        seconds[f"{sparsity:g}"] = median_step_seconds(read_metrics(run_dir / "metrics.jsonl"))
+    record = {**device_info(args.device), "steps": args.steps, "seconds_per_step": seconds}
+    (args.out / "seconds_per_step.json").write_text(json.dumps(record, indent=2))
+    print(f"wrote {args.out / 'seconds_per_step.json'}: {seconds}", flush=True)
+    return 1 if failed else 0
+
+
+# ---- the report --------------------------------------------------------------------------
+
+
+def find_runs(out: Path) -> list[Run]:
+    """The RL run folders under ``out/runs``, by kind, sparsity and seed."""
+    runs = []
+    for path in sorted((out / "runs").glob("*")):
+        match = RUN_NAME.match(path.name)
+        if match and path.is_dir():
+            runs.append(Run(match[1], float(match[2]), int(match[3]), path))
+    return sorted(runs, key=lambda run: (run.kind != "nft", run.sparsity, run.seed))
+
+
+def mean_sd(values: list[float]) -> Stat:
+    return Stat(statistics.mean(values), statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def rl_verdict(dense: Stat, sparse: Stat, sparse_control: float) -> str:
+    """:data:`VERDICT_RULE` on the gains at the evaluation sparsity: ``dense`` and ``sparse``
+    (rollouts at 0.9) over their seeds, ``sparse_control`` the change of 0.9's control."""
+    margin = max(dense.sd, sparse.sd)
+    if math.isnan(margin) or math.isnan(sparse_control):
+        return "inconclusive (fewer than 2 seeds or no control)"
+    if sparse.mean >= dense.mean - margin and sparse.mean - sparse_control > sparse.sd:
+        return "reproduced"
+    if dense.mean - sparse.mean > 2 * margin:
+        return "not reproduced"
+    return "inconclusive"
+
+
+def sweep_figures(path: Path) -> dict[float, dict]:
+    """An eval.json's held-out figures by evaluation sparsity: motion, direction, fidelity."""
+    rows = json.loads(path.read_text())
+    return {row["sparsity"]: {"motion": row["reward/prompt_motion"],
+                              "direction": row["reward/guard/prompt_direction"],
+                              "fidelity": row["reward/guard/shape_fidelity"]}
+            for row in rows}  # fmt: skip
+
+
+def run_changes(run_sweep: dict, base_sweep: dict, sparsities: list[float]) -> dict:
+    """A run's change from the base at each evaluation sparsity: ``motion`` (reward units),
+    ``direction`` (points: share x 100) and its own end ``fidelity``."""
+    return {s: {"motion": run_sweep[s]["motion"] - base_sweep[s]["motion"],
+                "direction": 100 * (run_sweep[s]["direction"] - base_sweep[s]["direction"]),
+                "fidelity": run_sweep[s]["fidelity"]}
+            for s in sparsities}  # fmt: skip
+
+
+def evaluated_changes(out: Path, runs: list[Run], sparsities: list[float]) -> dict[str, dict]:
+    """Each run with a sweep: its :func:`run_changes`; the base's sweep must exist."""
+    base_path = out / "sweeps" / BASE / "eval.json"
+    if not base_path.is_file():
+        raise SystemExit(f"--out: {base_path} is missing (the base's sweep; `run` writes it)")
+    base = sweep_figures(base_path)
+    changes = {}
+    for run in runs:
+        path = out / "sweeps" / run.name / "eval.json"
+        if path.is_file():
+            changes[run.name] = run_changes(sweep_figures(path), base, sparsities)
+    return changes
+
+
+def group_stats(runs: list[Run], changes: dict, kind: str, key: str, at: float) -> dict:
+    """Per rollout sparsity: :class:`Stat` of ``key``'s change at ``at`` over ``kind``'s runs."""
+    values: dict[float, list[float]] = {}
+    for run in runs:
+        if run.kind == kind and run.name in changes:
+            values.setdefault(run.sparsity, []).append(changes[run.name][at][key])
+    return {sparsity: mean_sd(found) for sparsity, found in sorted(values.items())}
+
+
+def parse_parts(paths: list[Path]) -> dict[tuple[str, float], float]:
+    """``iteration s (LoRA)`` of each (grid, sparsity) in bench_rl_scale's parts tables
+    (``dense`` is 0); a later file replaces what an earlier one gave."""
+    seconds = {}
+    for path in paths:
+        columns = None
+        for line in path.read_text().splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if not line.startswith("|") or set(cells[0]) <= {"-"}:
+                continue
+            if columns is None:
+                columns = {name: index for index, name in enumerate(cells)}
+                continue
+            sparsity = cells[columns["sparsity"]]
+            key = (cells[columns["grid"]], 0.0 if sparsity == "dense" else float(sparsity))
+            seconds[key] = float(cells[columns["iteration s (LoRA)"]])
+    return seconds
+
+
+def gain_per_gpu_hour(gain: float, num_steps: int, iteration_s: float) -> float:
+    """Reward gained per GPU-hour when ``num_steps`` iterations of ``iteration_s`` gain ``gain``."""
+    return gain / (num_steps * iteration_s / 3600)
+
+
+def wan_scale_rows(parts: dict, gains: dict[float, Stat], num_steps: int) -> list[tuple]:
+    """(grid, sparsity, iteration s, gain, gain per GPU-hour) for each grid of the parts tables
+    and rollout sparsity present in both."""
+    return [(grid, sparsity, seconds, gains[sparsity].mean,
+             gain_per_gpu_hour(gains[sparsity].mean, num_steps, seconds))
+            for (grid, sparsity), seconds in parts.items() if sparsity in gains]  # fmt: skip
+
+
+def beats_control(gain: Stat, control: Stat | None) -> bool:
+    """The gain exceeds its control's change by more than its seed sd (NaN sd: never)."""
+    return control is not None and gain.mean - control.mean > gain.sd
+
+
+def recipe_sparsity(rows: list[tuple], gains: dict, controls: dict) -> str:
+    """The rollout sparsity with the most reward per GPU-hour at :data:`RECIPE_GRID` among those
+    beating their control, or "none"."""
+    eligible = [row for row in rows if row[0] == RECIPE_GRID
+                and beats_control(gains[row[1]], controls.get(row[1]))]  # fmt: skip
+    return f"{max(eligible, key=lambda row: row[4])[1]:g}" if eligible else "none"
+
+
+def signed(stat: Stat, digits: int) -> str:
+    if math.isnan(stat.sd):
+        return f"{stat.mean:+.{digits}f} (n=1)"
+    return f"{stat.mean:+.{digits}f} ± {stat.sd:.{digits}f}"
+
+
+def run_table(runs: list[Run], changes: dict, sparsities: list[float]) -> list[str]:
+    dense, at = sparsities
+    lines = [f"| run | rollout sparsity | seed | motion change, dense | at {at:g} | "
+             f"direction change (points), dense | at {at:g} | shape fidelity, dense | at {at:g} |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in runs:
+        head = f"| {run.name} | {run.sparsity:g} | {run.seed} |"
+        if run.name not in changes:
+            lines.append(head + " not evaluated (unfinished or failed) | | | | | |")
+            continue
+        c = changes[run.name]
+        lines.append(f"{head} {c[dense]['motion']:+.3f} | {c[at]['motion']:+.3f} | "
+                     f"{c[dense]['direction']:+.1f} | {c[at]['direction']:+.1f} | "
+                     f"{c[dense]['fidelity']:.3f} | {c[at]['fidelity']:.3f} |")  # fmt: skip
+    return lines
+
+
+def sparsity_table(runs: list[Run], changes: dict, sparsities: list[float]) -> list[str]:
+    dense, at = sparsities
+    stats = {(key, s, kind): group_stats(runs, changes, kind, key, s)
+             for key in ("motion", "direction") for s in sparsities
+             for kind in ("nft", "control")}  # fmt: skip
+    lines = [f"| rollout sparsity | seeds | motion change, dense | at {at:g} | direction change "
+             f"(points), dense | at {at:g} | control's motion change, dense | at {at:g} |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for sparsity in sorted({run.sparsity for run in runs}):
+        seeds = sum(run.kind == "nft" and run.name in changes and run.sparsity == sparsity
+                    for run in runs)  # fmt: skip
+        cells = []
+        for key, kind, digits in (("motion", "nft", 3), ("direction", "nft", 1),
+                                  ("motion", "control", 3)):  # fmt: skip
+            for s in (dense, at):
+                stat = stats[(key, s, kind)].get(sparsity)
+                cells.append(signed(stat, digits) if stat else "-")
+        lines.append(f"| {sparsity:g} | {seeds} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def eval_curves(runs: list[Run], kind: str) -> dict[float, list[tuple[int, float]]]:
+    """Per rollout sparsity, the in-training dense evaluations of held-out prompt_motion
+    (a control's as a guard), mean over seeds at each step."""
+    key = "eval/reward/prompt_motion" if kind == "nft" else "eval/guard/prompt_motion"
+    by_step: dict[float, dict[int, list[float]]] = {}
+    for run in runs:
+        if run.kind != kind:
+            continue
+        for step, row in read_metrics(run.path / "metrics.jsonl").items():
+            if key in row:
+                by_step.setdefault(run.sparsity, {}).setdefault(step, []).append(row[key])
+    return {s: [(step, statistics.mean(v)) for step, v in sorted(steps.items())]
+            for s, steps in sorted(by_step.items())}  # fmt: skip
+
+
+def plot_curves(runs: list[Run], timing: dict | None, path: Path, caption: str) -> None:
+    """Held-out prompt_motion against RL step and, with ``timing``, against GPU-seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if timing else 1
+    figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
+    for kind, style in (("nft", "-"), ("control", "--")):
+        for sparsity, points in eval_curves(runs, kind).items():
+            steps, values = zip(*points, strict=True)
+            label = f"{'control, ' if kind == 'control' else ''}rollouts at {sparsity:g}"
+            axes[0][0].plot(steps, values, style, marker="o", label=label)
+            seconds = timing and timing.get(f"{sparsity:g}")
+            if seconds:
+                axes[0][1].plot(
+                    [s * seconds for s in steps], values, style, marker="o", label=label
+                )
+    axes[0][0].set_xlabel("RL step")
+    if timing:
+        axes[0][1].set_xlabel("GPU-seconds (step x median seconds per step)")
+    for axis in axes[0]:
+        axis.set_ylabel("held-out prompt_motion (dense ODE)")
+        axis.legend(fontsize=7)
+    figure.suptitle(caption, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def timing_text(timing: dict) -> str:
+    seconds = ", ".join(f"{s}: {v:.3g} s" for s, v in timing["seconds_per_step"].items())
+    return f"seconds per step ({seconds}): {provenance(timing)}"
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def provenance(record: dict | None) -> str:
+    return f"{record['device']}, {record['date']}" if record else "device and date not recorded"
+
+
+def recorded_num_steps(runs: list[Run]) -> int:
+    """train.num_steps the runs were given (from the first run's config.yaml)."""
+    for run in runs:
+        saved = run.path / "config.yaml"
+        if saved.is_file():
+            return yaml.safe_load(saved.read_text())["train"]["num_steps"]
+    raise SystemExit("--out: no run folder holds a config.yaml (did `run` start them?)")
+
+
+def verdict_lines(gains: dict[float, Stat], controls: dict[float, Stat]) -> list[str]:
+    lines = ["## Verdict: the RL half of the hard-to-easy claim", "", VERDICT_RULE, ""]
+    sparse, dense = gains.get(VERDICT_SPARSITY), gains.get(0.0)
+    control = controls.get(VERDICT_SPARSITY)
+    if sparse is None or dense is None or control is None:
+        return [*lines, "**inconclusive**: rollouts at 0.9, dense rollouts or 0.9's control "
+                "have no evaluated run."]  # fmt: skip
+    verdict = rl_verdict(dense, sparse, control.mean)
+    return [
+        *lines,
+        f"Gain at the evaluation sparsity: rollouts at 0.9 {signed(sparse, 3)}, dense "
+        f"{signed(dense, 3)}, 0.9's control {control.mean:+.3f}: **{verdict}**.",
+    ]
+
+
+def wan_scale_lines(parts_paths, gains, controls, num_steps, at) -> list[str]:
+    rows = wan_scale_rows(parse_parts(parts_paths), gains, num_steps)
+    lines = ["## At Wan's scale, on paper", "",
+             f"Assumption: the testbed's reward gained per RL step carries over to a Wan "
+             f"iteration; only the seconds per iteration differ by sparsity. Reward per GPU-hour "
+             f"= mean gain at {at:g} over the seeds / ({num_steps} steps x iteration s (LoRA) / "
+             f"3600). Iteration seconds from " + ", ".join(shown_path(p) for p in parts_paths) +
+             " (a later file replaces a grid and sparsity an earlier one gave).", "",
+             "| grid | rollout sparsity | iteration s (LoRA) | gain | gain per GPU-hour |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {g} | {s:g} | {sec:g} | {gain:+.3f} | {rate:+.4f} |"
+              for g, s, sec, gain, rate in rows]  # fmt: skip
+    choice = recipe_sparsity(rows, gains, controls)
+    return [*lines, "", f"**Rollout sparsity for the recipes**: {choice} (the most reward per "
+            f"GPU-hour at {RECIPE_GRID} among the sparsities whose gain beats their control's "
+            "change by more than their seed sd)."]  # fmt: skip
+
+
+def command_report(args) -> int:
+    runs = find_runs(args.out)
+    if not runs:
+        raise SystemExit(f"--out: no runs under {args.out / 'runs'} (run `run` first)")
+    at, sparsities = args.eval_sparsity, [0.0, args.eval_sparsity]
+    changes = evaluated_changes(args.out, runs, sparsities)
+    gains = group_stats(runs, changes, "nft", "motion", at)
+    controls = group_stats(runs, changes, "control", "motion", at)
+    info, timing = (
+        read_json(args.out / "run_info.json"),
+        read_json(args.out / "seconds_per_step.json"),
+    )
+    lines = ["# Sparse rollouts on the sparsity testbed", "",
+             f"Runs: {provenance(info)}. Held-out prompts; changes from the base's sweep "
+             "(`vsa2-rl eval`, same prompts and noises); `prompt_motion` in reward units, "
+             "direction followed (`prompt_direction`) in points; mean ± sample sd over seeds.",
+             "", *run_table(runs, changes, sparsities), "",
+             *sparsity_table(runs, changes, sparsities), "",
+             *verdict_lines(gains, controls), "",
+             *wan_scale_lines(args.rl_scale, gains, controls, recorded_num_steps(runs), at),
+             "", "## Curves", "",
+             f"![held-out prompt_motion](report.png) (runs: {provenance(info)}"]  # fmt: skip
+    if timing:
+        lines[-1] += f"; {timing_text(timing)})"
+    else:
+        lines[-1] += "; no GPU-seconds panel: seconds_per_step.json is absent, run `time`)"
+    caption = f"held-out prompt_motion; runs: {provenance(info)}"
+    if timing:
+        caption += f"; seconds per step: {provenance(timing)}"
+    plot_curves(runs, timing and timing["seconds_per_step"], args.out / "report.png", caption)
+    (args.out / "report.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out / 'report.md'} and report.png", flush=True)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    main_parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = main_parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "time", "report"):
+        command = commands.add_parser(name)
+        command.add_argument("--out", type=Path, required=True, help="the benchmark's folder")
+        if name != "report":
+            command.add_argument("--base", type=Path, required=True, help="built testbed base")
+            command.add_argument("--sparsities", type=float, nargs="+", default=[0, 0.5, 0.75, 0.9])
+            command.add_argument("--device", default="cuda")
+            command.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                                 help="config overrides of every run")  # fmt: skip
+        if name != "time":
+            command.add_argument("--eval-sparsity", type=float, default=0.5)
+    run, time_, report = (commands.choices[name] for name in ("run", "time", "report"))
+    run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    run.add_argument("--control-seed", type=int, default=0)
+    run.add_argument("--parallel", type=int, default=4, help="runs at once on the device")
+    time_.add_argument("--steps", type=int, default=3)
+    report.add_argument("--rl-scale", type=Path, nargs="+", default=DEFAULT_PARTS,
+                        help="bench_rl_scale parts tables (markdown)")  # fmt: skip
+    return main_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    commands = {"run": command_run, "time": command_time, "report": command_report}
+    from vsa2_rl.config import ConfigError
+
+    try:
+        return commands[args.command](args)
+    except ConfigError as error:  # a --set override or a config the runs would refuse
+        raise SystemExit(f"error: {error}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

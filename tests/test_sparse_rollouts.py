@@ -1,0 +1,230 @@
+"""benchmarks/sparse_rollouts.py: the testbed recipe and its control differ only in the reward,
+the verdict rule judges each branch at its boundaries, the Wan-scale arithmetic and the report's
+figures equal hand-computed ones, and on the CPU at a tiny size ``run`` trains, resumes nothing
+it finished, and ``time`` and ``report`` read what it wrote."""
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import sparse_rollouts
+from sparse_rollouts import Stat
+
+from vsa2_rl.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_control_recipe_differs_from_the_testbed_recipe_only_in_rewards_and_folder():
+    runs = {kind: dataclasses.asdict(load_config(str(REPO / "configs" / f"testbed_{kind}.yaml")))
+            for kind in ("nft", "control")}  # fmt: skip
+    nft, control = runs["nft"], runs["control"]
+    assert nft["model"]["height"] == 64 and nft["sparsity"]["train"] == 0.9
+    assert [f["name"] for f in control["rewards"]["functions"]] == ["random"]
+    guards = {kind: [g["name"] for g in run["eval"]["guard_rewards"]] for kind, run in runs.items()}
+    assert guards["control"] == ["prompt_motion", *guards["nft"]]
+    for run in (nft, control):
+        del run["rewards"]["functions"], run["eval"]["guard_rewards"], run["out_dir"]
+    assert nft == control
+
+
+def test_the_verdict_rule_at_each_branch_and_boundary():
+    verdict = sparse_rollouts.rl_verdict
+    dense = Stat(0.5, 0.125)  # margin max(0.125, sd) below; control 0.25
+    # at least dense - margin, control beaten by more than the sd: reproduced, boundary included
+    assert verdict(dense, Stat(0.375, 0.0625), 0.25) == "reproduced"
+    assert verdict(dense, Stat(0.625, 0.0625), 0.25) == "reproduced"
+    # the control beaten by exactly the sd is not "more than": inconclusive
+    assert verdict(dense, Stat(0.375, 0.125), 0.25) == "inconclusive"
+    # short of dense by more than 2 margins: not reproduced; by exactly 2: inconclusive
+    assert verdict(dense, Stat(0.25 - 1 / 64, 0.0625), 0.0) == "not reproduced"
+    assert verdict(dense, Stat(0.25, 0.0625), 0.0) == "inconclusive"
+    # between 1 and 2 margins short: inconclusive; the larger sd sets the margin
+    assert verdict(dense, Stat(0.3125, 0.0625), 0.0) == "inconclusive"
+    assert verdict(dense, Stat(0.25, 0.25), -1.0) == "reproduced"
+    assert verdict(dense, Stat(0.5, math.nan), 0.0).startswith("inconclusive")
+
+
+def _write_parts(path: Path) -> None:
+    path.write_text(
+        "RL iteration caption; NVIDIA H100, 2026-12-06\n\n"
+        "| grid | tokens | sparsity | forward s | iteration s (LoRA) | x dense |\n"
+        "|---|---|---|---|---|---|\n"
+        "| 480p:33 | 14040 | dense | 0.2 | 400 | 1.00 |\n"
+        "| 720p:81 | 75600 | dense | 2.6 | 7200 | 1.00 |\n"
+        "| 720p:81 | 75600 | 0.5 | 2.4 | 6000 | 1.20 |\n"
+        "\nA note after the table.\n"
+    )
+
+
+def test_the_wan_scale_arithmetic_on_a_parts_table(tmp_path):
+    _write_parts(tmp_path / "a.md")
+    (tmp_path / "b.md").write_text(
+        "| grid | sparsity | iteration s (LoRA) |\n|---|---|---|\n| 720p:81 | 0.9 | 3600 |\n"
+        "| 720p:81 | dense | 6000 |\n"  # replaces a.md's dense 7200
+    )
+    parts = sparse_rollouts.parse_parts([tmp_path / "a.md", tmp_path / "b.md"])
+    assert parts == {("480p:33", 0.0): 400.0, ("720p:81", 0.0): 6000.0,
+                     ("720p:81", 0.5): 6000.0, ("720p:81", 0.9): 3600.0}  # fmt: skip
+    gains = {0.0: Stat(0.2, 0.01), 0.9: Stat(0.1, 0.01)}  # no 0.5 runs: its row is left out
+    rows = sparse_rollouts.wan_scale_rows(parts, gains, num_steps=40)
+    rates = {(grid, s): (seconds, gain, rate) for grid, s, seconds, gain, rate in rows}
+    assert set(rates) == {("480p:33", 0.0), ("720p:81", 0.0), ("720p:81", 0.9)}
+    # 40 iterations: 480p:33 dense 4.444 h, 720p:81 dense 66.67 h, 720p:81 at 0.9 40 h
+    assert rates[("480p:33", 0.0)] == pytest.approx((400.0, 0.2, 0.045))
+    assert rates[("720p:81", 0.0)] == pytest.approx((6000.0, 0.2, 0.003))
+    assert rates[("720p:81", 0.9)] == pytest.approx((3600.0, 0.1, 0.0025))
+    controls = {0.0: Stat(0.0, math.nan), 0.9: Stat(0.0, math.nan)}
+    assert sparse_rollouts.recipe_sparsity(rows, gains, controls) == "0"
+    # dense's gain no longer beats its control by more than its sd: 0.9 is chosen
+    assert sparse_rollouts.recipe_sparsity(rows, gains, {**controls, 0.0: Stat(0.195, 0)}) == "0.9"
+    assert sparse_rollouts.recipe_sparsity(rows, gains, {}) == "none"
+
+
+def _eval_rows(label: str, figures: dict[float, tuple[float, float, float]]) -> list[dict]:
+    """eval.json rows in `vsa2-rl eval`'s format: (motion, direction, fidelity) per sparsity."""
+    return [{"run": label, "sparsity": s, "density": 1.0 - s, "latency_s": 0.5,
+             "reward/prompt_motion": motion, "reward/prompt_motion_std": 0.1,
+             "reward/guard/prompt_direction": direction,
+             "reward/guard/prompt_direction_std": 0.4,
+             "reward/guard/shape_fidelity": fidelity, "reward/guard/shape_fidelity_std": 0.05,
+             "reward/guard/image_quality": 0.5, "reward/guard/image_quality_std": 0.1}
+            for s, (motion, direction, fidelity) in figures.items()]  # fmt: skip
+
+
+def _write_run(out: Path, name: str, end: dict, key: str, curve: list[float]) -> None:
+    """A run folder (config.yaml, metrics.jsonl with evaluations at steps 0, 2, 4) and its
+    sweep's eval.json with ``end``'s figures."""
+    folder = out / "runs" / name
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("train:\n  num_steps: 4\n")
+    rows = [{"step": 2 * i, key: value, "eval/reward": value} for i, value in enumerate(curve)]
+    rows.insert(1, {"step": 1, "perf/rollout_s": 1.0, "perf/train_s": 1.0})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    sweep = out / "sweeps" / name
+    sweep.mkdir(parents=True)
+    (sweep / "eval.json").write_text(json.dumps(_eval_rows(name, end)))
+
+
+def _synthetic_out(out: Path) -> None:
+    """Base: motion 0.5 / 0.4, direction 0.5 / 0.25 at 0 / 0.5. Two seeds at 0 and 0.9 and a
+    control at each; dense seeds gain 0.2 and 0.3 at 0.5, the 0.9 seeds 0.25 and 0.35."""
+    (out / "sweeps" / "base").mkdir(parents=True)
+    base = _eval_rows("base", {0.0: (0.5, 0.5, 0.9), 0.5: (0.4, 0.25, 0.8)})
+    (out / "sweeps" / "base" / "eval.json").write_text(json.dumps(base))
+    motion = "eval/reward/prompt_motion"
+    _write_run(out, "nft_s0_seed0", {0.0: (0.6, 0.75, 0.95), 0.5: (0.6, 0.5, 0.85)}, motion,
+               [0.5, 0.55, 0.6])  # fmt: skip
+    _write_run(out, "nft_s0_seed1", {0.0: (0.7, 1.0, 0.93), 0.5: (0.7, 0.5, 0.83)}, motion,
+               [0.5, 0.65, 0.7])  # fmt: skip
+    _write_run(out, "nft_s0.9_seed0", {0.0: (0.5, 0.5, 0.9), 0.5: (0.65, 0.5, 0.8)}, motion,
+               [0.5, 0.5, 0.5])  # fmt: skip
+    _write_run(out, "nft_s0.9_seed1", {0.0: (0.5, 0.5, 0.9), 0.5: (0.75, 0.75, 0.8)}, motion,
+               [0.5, 0.5, 0.5])  # fmt: skip
+    guard = "eval/guard/prompt_motion"
+    _write_run(out, "control_s0_seed0", {0.0: (0.5, 0.5, 0.9), 0.5: (0.45, 0.25, 0.8)}, guard,
+               [0.5, 0.5, 0.5])  # fmt: skip
+    _write_run(out, "control_s0.9_seed0", {0.0: (0.5, 0.5, 0.9), 0.5: (0.3, 0.25, 0.8)}, guard,
+               [0.5, 0.5, 0.5])  # fmt: skip
+    (out / "seconds_per_step.json").write_text(json.dumps(
+        {"device": "NVIDIA H100", "date": "2026-12-07", "steps": 3,
+         "seconds_per_step": {"0": 10.0, "0.9": 5.0}}))  # fmt: skip
+
+
+def test_the_report_tables_equal_the_hand_computed_changes(tmp_path):
+    _synthetic_out(tmp_path)
+    parts = tmp_path / "parts.md"
+    _write_parts(parts)
+    args = argparse.Namespace(out=tmp_path, eval_sparsity=0.5, rl_scale=[parts])
+    assert sparse_rollouts.command_report(args) == 0
+    report = (tmp_path / "report.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith(("| nft", "| control"))]
+    assert rows == [
+        "| nft_s0_seed0 | 0 | 0 | +0.100 | +0.200 | +25.0 | +25.0 | 0.950 | 0.850 |",
+        "| nft_s0_seed1 | 0 | 1 | +0.200 | +0.300 | +50.0 | +25.0 | 0.930 | 0.830 |",
+        "| nft_s0.9_seed0 | 0.9 | 0 | +0.000 | +0.250 | +0.0 | +25.0 | 0.900 | 0.800 |",
+        "| nft_s0.9_seed1 | 0.9 | 1 | +0.000 | +0.350 | +0.0 | +50.0 | 0.900 | 0.800 |",
+        "| control_s0_seed0 | 0 | 0 | +0.000 | +0.050 | +0.0 | +0.0 | 0.900 | 0.800 |",
+        "| control_s0.9_seed0 | 0.9 | 0 | +0.000 | -0.100 | +0.0 | +0.0 | 0.900 | 0.800 |",
+    ]
+    # sd of (0.1, 0.2) and of (0.2, 0.3): 0.0707; of (25, 50): 17.7; of (0.25, 0.35): 0.0707
+    assert "| 0 | 2 | +0.150 ± 0.071 | +0.250 ± 0.071 | +37.5 ± 17.7 | +25.0 ± 0.0 | " \
+        "+0.000 (n=1) | +0.050 (n=1) |" in report  # fmt: skip
+    assert "| 0.9 | 2 | +0.000 ± 0.000 | +0.300 ± 0.071 | +0.0 ± 0.0 | +37.5 ± 17.7 | " \
+        "+0.000 (n=1) | -0.100 (n=1) |" in report  # fmt: skip
+    # 0.3 >= 0.25 - 0.0707 and 0.3 - (-0.1) > 0.0707
+    assert "**reproduced**" in report and sparse_rollouts.VERDICT_RULE in report
+    # 720p:81: dense 0.25 / (4 x 7200 / 3600) = 0.0312; no 0.9 row in this table
+    assert "| 720p:81 | 0 | 7200 | +0.250 | +0.0312 |" in report
+    assert "**Rollout sparsity for the recipes**: 0 " in report
+    assert "NVIDIA H100, 2026-12-07" in report
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_report_refuses_an_out_without_runs_naming_the_argument(tmp_path):
+    args = argparse.Namespace(out=tmp_path, eval_sparsity=0.5, rl_scale=[])
+    with pytest.raises(SystemExit, match="--out: no runs"):
+        sparse_rollouts.command_report(args)
+
+
+@pytest.fixture
+def tiny_base(tmp_path_factory, monkeypatch):
+    """A testbed base at 32 px x 4 frames, 2 blocks of width 32, a few pretraining steps."""
+    from vsa2_rl.toy import testbed
+
+    architecture = {"patch_size": [1, 4, 4], "num_attention_heads": 2, "attention_head_dim": 16,
+                    "ffn_dim": 64, "num_layers": 2, "freq_dim": 32}  # fmt: skip
+    settings = {"TESTBED_ARCHITECTURE": architecture, "FRAMES": 4, "LOW_SIZE": 16,
+                "HIGH_SIZE": 32, "BATCH": 2, "LOW_STEPS": 2, "HIGH_STEPS": 2,
+                "REBASE_STEPS": 1, "VAL_EVERY": 2, "WARMUP_STEPS": 1}  # fmt: skip
+    for name, value in settings.items():
+        monkeypatch.setattr(testbed, name, value)
+    base = tmp_path_factory.mktemp("base")
+    testbed.main(["--out", str(base), "--mirrored-captions", "0", "--backend", "torch"])
+    return base
+
+
+TINY = ["model.height=32", "model.width=32", "model.num_frames=4", "attention.backend=torch",
+        "rl.group_size=2", "rl.prompts_per_step=2", "rl.train_batch_size=4",
+        "sampler.num_steps=2", "sampler.eval_num_steps=2", "train.num_steps=2", "eval.every=2",
+        "train.checkpoint_every=2", "eval.num_prompts=2", "eval.samples_per_prompt=1",
+        "rewards.num_workers=1"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_run_time_and_report_end_to_end_on_the_cpu(tmp_path, tiny_base, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    common = ["--base", str(tiny_base), "--out", str(out), "--sparsities", "0", "0.5",
+              "--device", "cpu", "--set", *TINY]  # fmt: skip
+    run = ["run", "--seeds", "0", "--parallel", "2", *common]
+    assert sparse_rollouts.main(run) == 0
+    names = ["nft_s0_seed0", "nft_s0.5_seed0", "control_s0_seed0", "control_s0.5_seed0"]
+    for name in [*names, "base"]:
+        assert (out / "sweeps" / name / "eval.json").is_file(), name
+    metrics = {name: (out / "runs" / name / "metrics.jsonl").read_text() for name in names}
+    logs = {name: (out / "runs" / f"{name}.log").read_text() for name in names}
+    for text in metrics.values():
+        assert [json.loads(line)["step"] for line in text.splitlines()] == [0, 1, 2]
+    capsys.readouterr()
+    assert sparse_rollouts.main(run) == 0  # everything finished: nothing runs again
+    printed = capsys.readouterr().out
+    assert printed.count("skipped") == 4 and "started" not in printed
+    for name in names:
+        assert (out / "runs" / name / "metrics.jsonl").read_text() == metrics[name]
+        assert (out / "runs" / f"{name}.log").read_text() == logs[name]
+    assert sparse_rollouts.main(["time", *common, "--steps", "2"]) == 0
+    timing = json.loads((out / "seconds_per_step.json").read_text())
+    assert timing["device"] == "cpu" and set(timing["seconds_per_step"]) == {"0", "0.5"}
+    assert sparse_rollouts.main(["report", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    for name in names:
+        assert f"| {name} |" in report
+    assert "not evaluated" not in report and (out / "report.png").is_file()
