@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [testbed_rl_base]
-#     [frontier] [ddp]
+#     [sparse_rollouts] [frontier] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
@@ -84,6 +84,15 @@ for part in "${parts[@]}"; do
           --micro-batch 8 > "$base/gate.txt" 2>&1; echo "$scale: $(head -1 "$base/gate.txt")"
         tar -C /tmp -cf - --exclude="*.mp4" "rl_base_$scale" | split -b 15M -d - "$OUT/rl_base_$scale.tar."
       done ;;
+    sparse_rollouts)  # RL at rollout sparsities 0-0.9 on an RL base (RL_BASE, from testbed_rl_base);
+      # call again until every run is done (finished runs are skipped, cut ones resume)
+      sweep=/tmp/sparse_rollouts; base=${RL_BASE:-/tmp/rl_base_1}
+      timeout ${SWEEP_S:-500} python3 benchmarks/sparse_rollouts.py run --base "$base" --out $sweep \
+        --parallel ${SWEEP_PARALLEL:-8} > "$OUT/sparse_rollouts_run.log" 2>&1; tail -5 "$OUT/sparse_rollouts_run.log"
+      [ -f $sweep/seconds_per_step.json ] || timeout 150 python3 benchmarks/sparse_rollouts.py time \
+        --base "$base" --out $sweep --steps 3 > "$OUT/sparse_rollouts_time.log" 2>&1
+      python3 benchmarks/sparse_rollouts.py report --out $sweep 2>&1 | tail -3
+      tar -C /tmp -czf "$OUT/sparse_rollouts.tgz" --exclude=checkpoints --exclude="*.mp4" sparse_rollouts ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
       timeout 400 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \
         --router-modes topp,topk --sparsities 0.75,0.875,0.9375,0.96875 --no-flex --no-fastvideo \
