@@ -8,7 +8,7 @@
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
-#     [layout]
+#     [layout] [profile_rl]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -155,6 +155,22 @@ for part in "${parts[@]}"; do
     profile)  # per-kernel device times of the full op (router, pooling, fusion, fine stage)
       timeout 120 python3 benchmarks/tune_kernels.py --profile --rows 22 > "$OUT/profile.txt" 2>&1
       tail -3 "$OUT/profile.txt" ;;
+    profile_rl)  # (after "wan") where one RL iteration of the 1.3B recipe's time goes, by phase
+      # and kernel class (profile_rl_iteration.py, its last of 2 steps profiled): 480p x 33, 8
+      # videos a step (1 prompt x 8), the recipe's sampler, guidance, KL, LoRA and attention.
+      # Rewards: image_quality (the recipe's need weights under /data and OpenCV); the folder's
+      # text encoder is a one-layer stand-in. PROFILE_RUNS: dense and/or vsa2 (one a call fits)
+      [ -d /tmp/wan1.3b ] || python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1
+      for name in ${PROFILE_RUNS:-dense vsa2}; do
+        dense=""; [ "$name" = dense ] && dense="sparsity.train=0.0 sparsity.eval=0.0"
+        rm -rf /tmp/profile_rl_$name  # a fresh run folder on a warm machine
+        PYTHONSAFEPATH=1 timeout ${PROFILE_S:-560} python3 benchmarks/profile_rl_iteration.py \
+          --config configs/wan2_1_1.3b_vsa2_grpo.yaml model.path=/tmp/wan1.3b \
+          rl.prompts_per_step=1 rl.group_size=8 "rewards.functions=[{name: image_quality}]" \
+          "logging.report_to=[]" logging.progress=false out_dir=/tmp/profile_rl_$name $dense \
+          --out "$OUT/profile_rl_$name.md" > "$OUT/profile_rl_$name.log" 2>&1
+        echo "profile_rl $name rc=$?"; grep "^| \*\*step\|^| share\|^Profile" "$OUT/profile_rl_$name.md"
+      done ;;
     wan)  # a Wan-1.3B-shaped diffusers folder with random weights for the runs below
       python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1 || echo "model folder failed" ;;
     gpu1)  # the engines' reference: the short Wan-shaped run on one GPU

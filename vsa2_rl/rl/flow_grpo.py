@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.profiler import record_function
 
 from vsa2_rl.config import ConfigError, RLConfig, RunConfig, SamplerConfig
 from vsa2_rl.models.experts import expert_at, trains_level
@@ -145,7 +146,10 @@ class FlowGRPOUpdate:
             policy.optimizer.zero_grad(set_to_none=True)
             for index, (chunk, j, counted) in enumerate(work):
                 last = index == len(work) - 1
-                with engines.accumulation_context(acc, policy.model, last):
+                with (
+                    engines.accumulation_context(acc, policy.model, last),
+                    record_function("vsa2_rl/update/forward_backward"),
+                ):
                     loss, kl, stats = self._pass_losses(chunk, j)
                     size = chunk.latents.shape[1]  # the chunk's means, as sums over its samples
                     total = (loss + rl.kl_beta * kl) * size * (weight if counted else 0.0)

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from vsa2_rl.config import ConfigError, NFTConfig, RLConfig, RunConfig
 from vsa2_rl.models.experts import frozen_copy, trained_sigma_range
@@ -308,7 +309,10 @@ class NFTUpdate:
         for index, (chunk, draws, level) in enumerate(work):
             last = index == len(work) - 1
             kept = chunk.valid.float()  # a dropped reward's sample is not trained on
-            with engines.accumulation_context(policy.acc, policy.model, last):
+            with (
+                engines.accumulation_context(policy.acc, policy.model, last),
+                record_function("vsa2_rl/update/forward_backward"),
+            ):
                 losses = self._pass_losses(chunk, draws, level)
                 total = ((losses[0] + kl_beta * losses[1]) * kept).sum() * weight
                 engines.backward(policy.acc, total, last)

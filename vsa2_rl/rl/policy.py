@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+from torch.profiler import record_function
 
 from vsa2_rl.config import ConfigError, RunConfig
 from vsa2_rl.models.experts import frozen_copy
@@ -97,13 +98,15 @@ class Policy:
     def optimizer_step(self, losses: list) -> tuple[bool, float]:
         """Applies the accumulated gradients unless a loss in ``losses`` or a gradient is not
         finite on some rank (the weights then stay untouched); updates the EMA after a step.
-        Returns ``(stepped, grad_norm)``."""
-        stepped, grad_norm = engines.finish_update(
-            self.acc, self.optimizer, self.params, self.config.train.max_grad_norm, losses
-        )
-        if stepped and self.ema is not None:
-            self.ema.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        Returns ``(stepped, grad_norm)``; runs in the profiler range
+        ``vsa2_rl/update/optimizer``."""
+        with record_function("vsa2_rl/update/optimizer"):
+            stepped, grad_norm = engines.finish_update(
+                self.acc, self.optimizer, self.params, self.config.train.max_grad_norm, losses
+            )
+            if stepped and self.ema is not None:
+                self.ema.update()
+            self.optimizer.zero_grad(set_to_none=True)
         return stepped, grad_norm
 
     def advance_lr_schedule(self) -> None:

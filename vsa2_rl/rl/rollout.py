@@ -5,7 +5,9 @@ prompts (vsa2_rl.sampling), in chunks of ``rl.train_batch_size`` that the update
 its first probability ratio is 1); the SDE window is fixed or drawn per step, and with one noise
 per group the steps before the window run once per group, which branches at the window
 (Flow-GRPO-Fast). Every random draw is a pure function of (seed, step, global sample index), so
-any number of ranks and a resumed run draw the same.
+any number of ranks and a resumed run draw the same. Conditioning, sampling and decoding run in
+the profiler ranges ``vsa2_rl/rollout/{text_encode,sample,decode}`` (text_encode includes an
+image-to-video prompt's condition image), which benchmarks/profile_rl_iteration.py reads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from vsa2_rl.config import SamplerConfig
 from vsa2_rl.models.conditioning import final_latents
@@ -95,9 +98,12 @@ def _group_prefix(condition_of, velocity_fn, noise, group_ids, sigmas, batch_siz
     parts = []
     for chunk in chunk_slices(len(leaders), batch_size):
         rows = leaders[chunk]
-        trajectory = sample(
-            velocity_fn(condition_of(rows)), noise[rows], sigmas, kind="ode", noise_level=0.0
-        )
+        with record_function("vsa2_rl/rollout/text_encode"):
+            condition = condition_of(rows)
+        with record_function("vsa2_rl/rollout/sample"):
+            trajectory = sample(
+                velocity_fn(condition), noise[rows], sigmas, kind="ode", noise_level=0.0
+            )
         parts.append(trajectory.latents)
     shared = torch.cat(parts, dim=1)
     of_group = {group: slot for slot, group in enumerate(first)}
@@ -170,17 +176,21 @@ class RolloutSampler:
         chunks, videos = [], []
         for part in chunk_slices(len(global_index), self.batch_size):
             with torch.no_grad():
-                condition = condition_of(list(range(part.start, part.stop)))
-                trajectory = sample(
-                    self.velocity_fn(bundle, condition),
-                    noise[part] if prefix is None else prefix[-1, part],
-                    self.sigmas[start:],
-                    kind=samp.kind,
-                    noise_level=samp.noise_level,
-                    sde_window=(window[0] - start, window[1] - start) if window else None,
-                    generator=generators[part],
-                )
-                videos.append(bundle.decode(final_latents(condition, trajectory.latents[-1])))
+                with record_function("vsa2_rl/rollout/text_encode"):
+                    condition = condition_of(list(range(part.start, part.stop)))
+                with record_function("vsa2_rl/rollout/sample"):
+                    trajectory = sample(
+                        self.velocity_fn(bundle, condition),
+                        noise[part] if prefix is None else prefix[-1, part],
+                        self.sigmas[start:],
+                        kind=samp.kind,
+                        noise_level=samp.noise_level,
+                        sde_window=(window[0] - start, window[1] - start) if window else None,
+                        generator=generators[part],
+                    )
+                with record_function("vsa2_rl/rollout/decode"):
+                    clean = final_latents(condition, trajectory.latents[-1])
+                    videos.append(bundle.decode(clean))
             if on_chunk is not None:
                 on_chunk(videos[-1], part)
             latents, log_probs = trajectory.latents, trajectory.log_probs

@@ -19,6 +19,13 @@ may override (as trl's trainers allow) and each built from a part a reader finds
 5. bookkeeping: evaluation of the EMA weights, metrics.jsonl, trackers, sample videos, atomic
    checkpoints.
 
+Each phase's work runs in a ``torch.profiler.record_function`` range named ``vsa2_rl/<phase>``
+(``rollout/text_encode``, ``rollout/sample``, ``rollout/decode``, ``rollout/kl_penalty``,
+``score/rewards``, ``score/rewards_thread``, ``score/advantages``, ``update/forward_backward``,
+``update/optimizer``, ``eval``, ``samples``, ``checkpoint``), nearly free without a profiler;
+benchmarks/profile_rl_iteration.py splits a step's time by them. :meth:`RLTrainer.step_scope`
+wraps each whole step (the profiler's place to start and stop).
+
 Distributed runs use accelerate (DDP, DeepSpeed ZeRO or FSDP2 from ``configs/accelerate/``); every
 random draw is a pure function of (seed, step, global sample index), so a resumed run repeats an
 uninterrupted one exactly.
@@ -26,12 +33,14 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent import futures
 
 import torch
 import yaml
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from vsa2_rl.config import (
@@ -133,6 +142,13 @@ def _refuse_abandoned_run(config: RunConfig) -> None:
             f"out_dir: {config.out_dir} holds a run ({' and '.join(held)}); use "
             "train.resume=auto to continue it, or a new out_dir for a fresh run"
         )
+
+
+def _score_in_range(rewards: RewardMixer, videos, prompts: list, metadata: list) -> RewardOutput:
+    """``rewards`` of a chunk on the scoring thread (``rewards.async_scoring``), in a profiler
+    range of its own: it overlaps the main thread's sampling."""
+    with record_function("vsa2_rl/score/rewards_thread"):
+        return rewards(videos, prompts, metadata)
 
 
 class _Setup:
@@ -346,30 +362,36 @@ class RLTrainer:
             steps = range(start_step + 1, config.train.num_steps + 1)
             bar = tqdm(steps, desc="RL", disable=not (self.is_main and config.logging.progress))
             for step in bar:
-                sparsities = self.schedule(step)
-                metrics: dict = {f"sparsity/{k}": v for k, v in sparsities._asdict().items()}
-                state = self.bundle.sparsity_state  # rollout and update share the step's value
-                with state.at(sparsities.rollout), self.update_rule.sampling_policy() as bundle:
-                    rollouts = self.rollout(step, metrics, bundle)
-                scores = self.score(step, rollouts)
-                if scores is None:  # a reward asked to skip the step
-                    self.logger.log(step, {**metrics, "train/skipped_reward": 1})
-                    self.checkpoint_if_due(step)  # the weights are unchanged, the step counts
-                    continue
-                metrics.update(scores.metrics)
-                with state.at(sparsities.train):
-                    metrics.update(self.update(step, rollouts, scores))
-                if self.evaluation_due(step):
-                    metrics.update(self.evaluate(step, sparsities.eval))
-                self.acc.wait_for_everyone()
-                self.logger.log(step, metrics)
-                bar.set_postfix(
-                    reward=f"{metrics['reward/mean']:.3f}",
-                    density=f"{metrics['attn/density']:.2f}",
-                )
-                self.save_samples(step, rollouts)
-                self.checkpoint_if_due(step)
+                with self.step_scope(step):
+                    sparsities = self.schedule(step)
+                    metrics: dict = {f"sparsity/{k}": v for k, v in sparsities._asdict().items()}
+                    state = self.bundle.sparsity_state  # rollout and update share the step's value
+                    with state.at(sparsities.rollout), self.update_rule.sampling_policy() as bundle:
+                        rollouts = self.rollout(step, metrics, bundle)
+                    scores = self.score(step, rollouts)
+                    if scores is None:  # a reward asked to skip the step
+                        self.logger.log(step, {**metrics, "train/skipped_reward": 1})
+                        self.checkpoint_if_due(step)  # the weights are unchanged, the step counts
+                        continue
+                    metrics.update(scores.metrics)
+                    with state.at(sparsities.train):
+                        metrics.update(self.update(step, rollouts, scores))
+                    if self.evaluation_due(step):
+                        metrics.update(self.evaluate(step, sparsities.eval))
+                    self.acc.wait_for_everyone()
+                    self.logger.log(step, metrics)
+                    bar.set_postfix(
+                        reward=f"{metrics['reward/mean']:.3f}",
+                        density=f"{metrics['attn/density']:.2f}",
+                    )
+                    self.save_samples(step, rollouts)
+                    self.checkpoint_if_due(step)
             return self.summary()
+
+    def step_scope(self, step: int) -> contextlib.AbstractContextManager:
+        """The context each step of the loop runs in (nothing here; a profiler's subclass
+        starts and stops its recording here, benchmarks/profile_rl_iteration.py)."""
+        return contextlib.nullcontext()
 
     # ---- set-up and resume -----------------------------------------------------------------
 
@@ -427,7 +449,7 @@ class RLTrainer:
         def score_chunk(videos: torch.Tensor, part: slice) -> None:
             videos = videos.float().to(self.setup.reward_device)
             pending.append(self.scoring.submit(
-                self.setup.rewards, videos, prompts[part], metadata[part]
+                _score_in_range, self.setup.rewards, videos, prompts[part], metadata[part]
             ))  # fmt: skip
 
         self.policy.model.eval()
@@ -436,8 +458,9 @@ class RLTrainer:
             lambda rows: self.condition([indices[i] for i in rows]), self.latent_shape,
             on_chunk=score_chunk if self.scoring is not None else None,
         )  # fmt: skip
-        for chunk in sampled.chunks:  # at the rollout's sparsity, by the rule that wants it
-            chunk.kl_penalty = self.update_rule.kl_penalty(chunk, sampled.stochastic)
+        with record_function("vsa2_rl/rollout/kl_penalty"):
+            for chunk in sampled.chunks:  # at the rollout's sparsity, by the rule that wants it
+                chunk.kl_penalty = self.update_rule.kl_penalty(chunk, sampled.stochastic)
         self._refuse_nonfinite_videos(step, sampled.videos, global_index)
         evaluations = torch.tensor([float(sampled.evaluations)], device=self.device)
         metrics["perf/rollout_evals"] = float(self.acc.reduce(evaluations, "sum").item())
@@ -496,7 +519,8 @@ class RLTrainer:
         weights stay untouched)."""
         config, acc, device = self.config, self.acc, self.device
         try:
-            scored, skip_reason = self._scored(step, rollouts), ""
+            with record_function("vsa2_rl/score/rewards"):
+                scored, skip_reason = self._scored(step, rollouts), ""
         except RewardSkip as error:
             scored, skip_reason = None, str(error)
         if acc.gather(torch.tensor([float(scored is None)], device=device)).sum() > 0:
@@ -506,10 +530,11 @@ class RLTrainer:
         penalties = [chunk.kl_penalty for chunk in rollouts.chunks]
         penalty = None if penalties[0] is None else torch.cat(penalties)
         group_ids = torch.tensor(rollouts.group_ids, device=device)
-        advantages, scoring_metrics = step_advantages(
-            acc, config.rl, config.rewards.aggregation, self.setup.rewards, scored, group_ids,
-            penalty,
-        )  # fmt: skip
+        with record_function("vsa2_rl/score/advantages"):
+            advantages, scoring_metrics = step_advantages(
+                acc, config.rl, config.rewards.aggregation, self.setup.rewards, scored,
+                group_ids, penalty,
+            )  # fmt: skip
         return StepScores(advantages, scored.valid.to(device), scoring_metrics)
 
     # ---- policy update ---------------------------------------------------------------------
@@ -547,7 +572,8 @@ class RLTrainer:
 
     def evaluate(self, step: int, sparsity: float) -> dict:
         """The evaluation policy's rewards on the fixed prompts at ``sparsity``, ``eval/*``."""
-        return _evaluate(self.setup, self.policy, sparsity, step, self.logger)
+        with record_function("vsa2_rl/eval"):
+            return _evaluate(self.setup, self.policy, sparsity, step, self.logger)
 
     def save_samples(self, step: int, rollouts: StepRollouts) -> None:
         """One group's rollouts as ``samples/step_<step>`` every ``train.sample_every`` steps."""
@@ -556,25 +582,32 @@ class RLTrainer:
             return
         from vsa2_rl.eval.media import condition_images_of, save_video_grid
 
-        videos = rollouts.videos[:group].cpu()
-        images = [self.setup.images[i] for i in rollouts.prompt_indices[:group]]
-        save_video_grid(
-            videos,
-            os.path.join(self.config.out_dir, "samples", f"step_{step}"),
-            titles=rollouts.prompts[:group],
-            condition_images=condition_images_of(images, videos.shape[-2:]),
-        )
+        with record_function("vsa2_rl/samples"):
+            videos = rollouts.videos[:group].cpu()
+            images = [self.setup.images[i] for i in rollouts.prompt_indices[:group]]
+            save_video_grid(
+                videos,
+                os.path.join(self.config.out_dir, "samples", f"step_{step}"),
+                titles=rollouts.prompts[:group],
+                condition_images=condition_images_of(images, videos.shape[-2:]),
+            )
 
     def checkpoint_if_due(self, step: int) -> None:
         """Full state every ``train.checkpoint_every`` steps and after the last step."""
+        config = self.config
+        every = config.train.checkpoint_every
+        if not ((every and step % every == 0) or step == config.train.num_steps):
+            return
+        with record_function("vsa2_rl/checkpoint"):
+            self._save_checkpoint(step)
+
+    def _save_checkpoint(self, step: int) -> None:
+        """The full state of ``step`` into checkpoints/ (every rank joins)."""
         from accelerate.utils import broadcast_object_list
 
         from vsa2_rl.rl.checkpoint import save_checkpoint, stage_checkpoint
 
         config, acc = self.config, self.acc
-        every = config.train.checkpoint_every
-        if not ((every and step % every == 0) or step == config.train.num_steps):
-            return
         acc.wait_for_everyone()
         entries = {
             **self.policy.state_entries(),  # ZeRO-3 and FSDP2 gather the weights
