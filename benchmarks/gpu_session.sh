@@ -88,7 +88,7 @@ for part in "${parts[@]}"; do
       # call again until every run is done (finished runs are skipped, cut ones resume)
       sweep=/tmp/sparse_rollouts; base=${RL_BASE:-/tmp/rl_base_1}
       timeout ${SWEEP_S:-500} python3 benchmarks/sparse_rollouts.py run --base "$base" --out $sweep \
-        --parallel ${SWEEP_PARALLEL:-16} > "$OUT/sparse_rollouts_run.log" 2>&1; tail -5 "$OUT/sparse_rollouts_run.log"
+        --parallel ${SWEEP_PARALLEL:-19} --warmup-steps ${SWEEP_WARMUP:-10} > "$OUT/sparse_rollouts_run.log" 2>&1; tail -5 "$OUT/sparse_rollouts_run.log"
       [ -f $sweep/seconds_per_step.json ] || timeout 150 python3 benchmarks/sparse_rollouts.py time \
         --base "$base" --out $sweep --steps 3 > "$OUT/sparse_rollouts_time.log" 2>&1
       python3 benchmarks/sparse_rollouts.py report --out $sweep 2>&1 | tail -3

@@ -7,10 +7,13 @@ Commands, each reading and writing ``--out``:
 - ``run``: RL of the base ``--base`` with ``configs/testbed_nft.yaml`` at each rollout sparsity
   (``sparsity.train``) and seed, plus one control run per sparsity
   (``configs/testbed_control.yaml``: the random reward, same settings), as ``train_rl.py``
-  processes, ``--parallel`` at once, each logging to ``runs/<name>.log``. A finished run (its
-  last evaluation logged) is skipped, an unfinished one resumed (``train.resume=auto``); a failed
-  run is reported and the others go on. Then the final sweep, ``vsa2-rl eval`` of every finished
-  run and of the base at sparsity 0 and ``--eval-sparsity``, into ``sweeps/<name>/eval.json``.
+  processes, ``--parallel`` at once, each logging to ``runs/<name>.log``; with
+  ``--warmup-steps N``, also each seed at ``--warmup-sparsity`` with the density annealed from
+  dense over the first N steps (``sparsity.warmup_steps``), against the fixed runs. A finished
+  run (its last evaluation logged) is skipped, an unfinished one resumed
+  (``train.resume=auto``); a failed run is reported and the others go on. Then the final
+  sweep, ``vsa2-rl eval`` of every finished run and of the base at sparsity 0 and
+  ``--eval-sparsity``, into ``sweeps/<name>/eval.json``.
 - ``time``: one run per sparsity alone, ``--steps`` RL steps without evaluation; the median
   seconds of a step (rollout + update) after the first into ``seconds_per_step.json``.
 - ``report``: ``report.md`` (per-run and per-sparsity changes from the base, the verdict, the
@@ -47,13 +50,14 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"nft": REPO / "configs" / "testbed_nft.yaml",
-           "control": REPO / "configs" / "testbed_control.yaml"}  # fmt: skip
+           "control": REPO / "configs" / "testbed_control.yaml",
+           "warmup": REPO / "configs" / "testbed_nft.yaml"}  # fmt: skip
 RL_SCALE = REPO / "benchmarks" / "results" / "rl_scale"
 DEFAULT_PARTS = [RL_SCALE / "parts_480p33_720p81.md", RL_SCALE / "parts_720p81.md"]
 RECIPE_GRID = "720p:81"  # the recipes' video size, where the choice of rollout sparsity counts
 VERDICT_SPARSITY = 0.9  # the recipes' rollout sparsity, judged against dense rollouts
 BASE = "base"
-RUN_NAME = re.compile(r"^(nft|control)_s([0-9.]+)_seed(\d+)$")
+RUN_NAME = re.compile(r"^(nft|control|warmup)_s([0-9.]+)_seed(\d+)$")
 POLL_S = 0.5
 LOG_TAIL = 10
 VERDICT_RULE = (
@@ -85,7 +89,7 @@ class Job:
 class Run:
     """One RL run folder under ``OUT/runs``."""
 
-    kind: str  # nft or control
+    kind: str  # nft, control or warmup (nft with sparsity warm-up)
     sparsity: float
     seed: int
     path: Path
@@ -102,10 +106,12 @@ def run_name(kind: str, sparsity: float, seed: int) -> str:
     return f"{kind}_s{sparsity:g}_seed{seed}"
 
 
-def train_overrides(args, sparsity: float, seed: int, out_dir: Path) -> list[str]:
-    """The dotlist of one run: the base, the device, its sparsity, seed and folder, then --set."""
+def train_overrides(args, kind: str, sparsity: float, seed: int, out_dir: Path) -> list[str]:
+    """The dotlist of one run: the base, the device, its sparsity (and warm-up), seed and folder,
+    then --set."""
+    warmup = [f"sparsity.warmup_steps={args.warmup_steps}"] if kind == "warmup" else []
     return [f"model.path={args.base}", f"device={args.device}", f"sparsity.train={sparsity:g}",
-            f"seed={seed}", f"out_dir={out_dir}", "logging.progress=false",
+            *warmup, f"seed={seed}", f"out_dir={out_dir}", "logging.progress=false",
             *args.set]  # fmt: skip
 
 
@@ -184,11 +190,13 @@ def rl_jobs(args) -> list[Job]:
     """The runs still to do (unfinished ones resume), after checking every run's config."""
     plan = [("nft", s, seed) for s in args.sparsities for seed in args.seeds]
     plan += [("control", s, args.control_seed) for s in args.sparsities]
+    if args.warmup_steps:
+        plan += [("warmup", args.warmup_sparsity, seed) for seed in args.seeds]
     jobs = []
     for kind, sparsity, seed in plan:
         name = run_name(kind, sparsity, seed)
         run_dir = args.out / "runs" / name
-        overrides = train_overrides(args, sparsity, seed, run_dir)
+        overrides = train_overrides(args, kind, sparsity, seed, run_dir)
         if is_finished(run_dir, planned_num_steps(kind, overrides)):
             print(f"skipped {name}: finished", flush=True)
             continue
@@ -211,7 +219,7 @@ def sweep_jobs(args) -> list[Job]:
     """The sweeps not yet written: the base's and each finished run's."""
     targets = {BASE: []}
     for run in find_runs(args.out):
-        overrides = train_overrides(args, run.sparsity, run.seed, run.path)
+        overrides = train_overrides(args, run.kind, run.sparsity, run.seed, run.path)
         if is_finished(run.path, planned_num_steps(run.kind, overrides)):
             targets[run.name] = [f"run_dir={run.path}"]
     return [
@@ -256,7 +264,7 @@ def command_time(args) -> int:
         run_dir = args.out / "timing" / name
         shutil.rmtree(run_dir, ignore_errors=True)  # a timing is measured afresh, never resumed
         timed = [f"train.num_steps={args.steps}", "eval.every=0", "train.checkpoint_every=0"]
-        overrides = [*train_overrides(args, sparsity, 0, run_dir), *timed]
+        overrides = [*train_overrides(args, "nft", sparsity, 0, run_dir), *timed]
         job = Job(name, train_command("nft", overrides), args.out / "timing" / f"{name}.log")
         if run_jobs([job], parallel=1):
             failed.append(name)
@@ -428,10 +436,33 @@ def sparsity_table(runs: list[Run], changes: dict, sparsities: list[float]) -> l
     return lines
 
 
+def warmup_table(runs: list[Run], changes: dict, sparsities: list[float]) -> list[str]:
+    """Rollouts at the warm-up runs' sparsity with the warm-up against without it (fixed),
+    mean ± sd over seeds; no lines when ``run`` had no --warmup-steps."""
+    warmed = {run.sparsity for run in runs if run.kind == "warmup" and run.name in changes}
+    if not warmed:
+        return []
+    dense, at = sparsities
+    lines = ["## Sparsity warm-up against fixed sparsity", "",
+             f"| rollouts | seeds | motion change, dense | at {at:g} | direction change "
+             f"(points), dense | at {at:g} |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for sparsity in sorted(warmed):
+        for kind, label in (("nft", "fixed"), ("warmup", "warm-up from dense")):
+            cells = []
+            for key, digits in (("motion", 3), ("direction", 1)):
+                for s in (dense, at):
+                    stat = group_stats(runs, changes, kind, key, s).get(sparsity)
+                    cells.append(signed(stat, digits) if stat else "-")
+            seeds = sum(r.kind == kind and r.sparsity == sparsity and r.name in changes
+                        for r in runs)  # fmt: skip
+            lines.append(f"| {sparsity:g}, {label} | {seeds} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def eval_curves(runs: list[Run], kind: str) -> dict[float, list[tuple[int, float]]]:
     """Per rollout sparsity, the in-training dense evaluations of held-out prompt_motion
     (a control's as a guard), mean over seeds at each step."""
-    key = "eval/reward/prompt_motion" if kind == "nft" else "eval/guard/prompt_motion"
+    key = "eval/guard/prompt_motion" if kind == "control" else "eval/reward/prompt_motion"
     by_step: dict[float, dict[int, list[float]]] = {}
     for run in runs:
         if run.kind != kind:
@@ -452,10 +483,11 @@ def plot_curves(runs: list[Run], timing: dict | None, path: Path, caption: str) 
 
     panels = 2 if timing else 1
     figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
-    for kind, style in (("nft", "-"), ("control", "--")):
+    prefixes = {"nft": "", "control": "control, ", "warmup": "warm-up, "}
+    for kind, style in (("nft", "-"), ("control", "--"), ("warmup", ":")):
         for sparsity, points in eval_curves(runs, kind).items():
             steps, values = zip(*points, strict=True)
-            label = f"{'control, ' if kind == 'control' else ''}rollouts at {sparsity:g}"
+            label = f"{prefixes[kind]}rollouts at {sparsity:g}"
             axes[0][0].plot(steps, values, style, marker="o", label=label)
             seconds = timing and timing.get(f"{sparsity:g}")
             if seconds:
@@ -553,6 +585,7 @@ def command_report(args) -> int:
              "direction followed (`prompt_direction`) in points; mean ± sample sd over seeds.",
              "", *run_table(runs, changes, sparsities), "",
              *sparsity_table(runs, changes, sparsities), "",
+             *warmup_table(runs, changes, sparsities),
              *verdict_lines(gains, controls), "",
              *wan_scale_lines(args.rl_scale, gains, controls, recorded_num_steps(runs), at),
              "", "## Curves", "",
@@ -588,6 +621,14 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     run.add_argument("--control-seed", type=int, default=0)
     run.add_argument("--parallel", type=int, default=4, help="runs at once on the device")
+    run.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="also run each seed with the density warmed up over N steps (0: no)",
+    )
+    run.add_argument("--warmup-sparsity", type=float, default=VERDICT_SPARSITY,
+                     help="rollout sparsity of the warm-up runs")  # fmt: skip
     time_.add_argument("--steps", type=int, default=3)
     report.add_argument("--rl-scale", type=Path, nargs="+", default=DEFAULT_PARTS,
                         help="bench_rl_scale parts tables (markdown)")  # fmt: skip

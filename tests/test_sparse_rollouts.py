@@ -228,3 +228,40 @@ def test_run_time_and_report_end_to_end_on_the_cpu(tmp_path, tiny_base, monkeypa
     for name in names:
         assert f"| {name} |" in report
     assert "not evaluated" not in report and (out / "report.png").is_file()
+
+
+def test_warm_up_runs_are_planned_per_seed_with_the_warm_up_key(tmp_path):
+    args = argparse.Namespace(base=tmp_path, device="cpu", set=[], out=tmp_path / "out",
+                              sparsities=[0.0, 0.9], seeds=[0, 1], control_seed=0,
+                              warmup_steps=0, warmup_sparsity=0.9)  # fmt: skip
+    names = [job.name for job in sparse_rollouts.rl_jobs(args)]
+    assert not [name for name in names if name.startswith("warmup")]  # not asked for
+    args.warmup_steps = 5
+    jobs = {job.name: job for job in sparse_rollouts.rl_jobs(args)}
+    assert {"warmup_s0.9_seed0", "warmup_s0.9_seed1"} <= set(jobs)
+    assert len(jobs) == 4 + 2 + 2  # 2 sparsities x 2 seeds, a control each, 2 warm-up runs
+    command = jobs["warmup_s0.9_seed1"].command
+    assert "sparsity.warmup_steps=5" in command and "sparsity.train=0.9" in command
+    assert "seed=1" in command and str(sparse_rollouts.CONFIGS["nft"]) in command
+    assert not [arg for arg in jobs["nft_s0.9_seed1"].command if "warmup" in arg]
+
+
+def test_the_report_compares_warm_up_with_fixed_sparsity(tmp_path):
+    _synthetic_out(tmp_path)
+    motion = "eval/reward/prompt_motion"  # warm-up seeds gain 0.1 and 0.2 at 0.5 (base 0.4)
+    _write_run(tmp_path, "warmup_s0.9_seed0", {0.0: (0.5, 0.5, 0.9), 0.5: (0.5, 0.25, 0.8)},
+               motion, [0.5, 0.5, 0.5])  # fmt: skip
+    _write_run(tmp_path, "warmup_s0.9_seed1", {0.0: (0.6, 0.75, 0.9), 0.5: (0.6, 0.5, 0.8)},
+               motion, [0.5, 0.5, 0.5])  # fmt: skip
+    parts = tmp_path / "parts.md"
+    _write_parts(parts)
+    args = argparse.Namespace(out=tmp_path, eval_sparsity=0.5, rl_scale=[parts])
+    assert sparse_rollouts.command_report(args) == 0
+    report = (tmp_path / "report.md").read_text()
+    # fixed at 0.9: +0.000 ± 0.000 dense, +0.300 ± 0.071 at 0.5 (the test above); warm-up:
+    # +0.050 ± 0.071 dense (0 and 0.1), +0.150 ± 0.071 at 0.5, direction +12.5 / +12.5 points
+    assert "| 0.9, fixed | 2 | +0.000 ± 0.000 | +0.300 ± 0.071 | +0.0 ± 0.0 | +37.5 ± 17.7 |" \
+        in report  # fmt: skip
+    assert "| 0.9, warm-up from dense | 2 | +0.050 ± 0.071 | +0.150 ± 0.071 | +12.5 ± 17.7 | " \
+        "+12.5 ± 17.7 |" in report  # fmt: skip
+    assert "**reproduced**" in report  # the verdict is the fixed runs' alone
