@@ -363,30 +363,34 @@ class RLTrainer:
             bar = tqdm(steps, desc="RL", disable=not (self.is_main and config.logging.progress))
             for step in bar:
                 with self.step_scope(step):
-                    sparsities = self.schedule(step)
-                    metrics: dict = {f"sparsity/{k}": v for k, v in sparsities._asdict().items()}
-                    state = self.bundle.sparsity_state  # rollout and update share the step's value
-                    with state.at(sparsities.rollout), self.update_rule.sampling_policy() as bundle:
-                        rollouts = self.rollout(step, metrics, bundle)
-                    scores = self.score(step, rollouts)
-                    if scores is None:  # a reward asked to skip the step
-                        self.logger.log(step, {**metrics, "train/skipped_reward": 1})
-                        self.checkpoint_if_due(step)  # the weights are unchanged, the step counts
-                        continue
-                    metrics.update(scores.metrics)
-                    with state.at(sparsities.train):
-                        metrics.update(self.update(step, rollouts, scores))
-                    if self.evaluation_due(step):
-                        metrics.update(self.evaluate(step, sparsities.eval))
-                    self.acc.wait_for_everyone()
-                    self.logger.log(step, metrics)
-                    bar.set_postfix(
-                        reward=f"{metrics['reward/mean']:.3f}",
-                        density=f"{metrics['attn/density']:.2f}",
-                    )
-                    self.save_samples(step, rollouts)
-                    self.checkpoint_if_due(step)
+                    self.train_step(step, bar)
             return self.summary()
+
+    def train_step(self, step: int, bar) -> None:
+        """One RL step: rollouts at the step's sparsity, their scores, the update, the
+        evaluation when due, the metrics line, sample videos and the checkpoint when due."""
+        sparsities = self.schedule(step)
+        metrics: dict = {f"sparsity/{k}": v for k, v in sparsities._asdict().items()}
+        state = self.bundle.sparsity_state  # rollout and update share the step's value
+        with state.at(sparsities.rollout), self.update_rule.sampling_policy() as bundle:
+            rollouts = self.rollout(step, metrics, bundle)
+        scores = self.score(step, rollouts)
+        if scores is None:  # a reward asked to skip the step
+            self.logger.log(step, {**metrics, "train/skipped_reward": 1})
+            self.checkpoint_if_due(step)  # the weights are unchanged, the step counts
+            return
+        metrics.update(scores.metrics)
+        with state.at(sparsities.train):
+            metrics.update(self.update(step, rollouts, scores))
+        if self.evaluation_due(step):
+            metrics.update(self.evaluate(step, sparsities.eval))
+        self.acc.wait_for_everyone()
+        self.logger.log(step, metrics)
+        bar.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}", density=f"{metrics['attn/density']:.2f}"
+        )
+        self.save_samples(step, rollouts)
+        self.checkpoint_if_due(step)
 
     def step_scope(self, step: int) -> contextlib.AbstractContextManager:
         """The context each step of the loop runs in (nothing here; a profiler's subclass
