@@ -484,16 +484,16 @@ def plot_curves(runs: list[Run], timing: dict | None, path: Path, caption: str) 
     panels = 2 if timing else 1
     figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
     prefixes = {"nft": "", "control": "control, ", "warmup": "warm-up, "}
+    colors = {s: f"C{i}" for i, s in enumerate(sorted({run.sparsity for run in runs}))}
     for kind, style in (("nft", "-"), ("control", "--"), ("warmup", ":")):
         for sparsity, points in eval_curves(runs, kind).items():
             steps, values = zip(*points, strict=True)
-            label = f"{prefixes[kind]}rollouts at {sparsity:g}"
-            axes[0][0].plot(steps, values, style, marker="o", label=label)
+            look = {"marker": "o", "color": colors[sparsity],
+                    "label": f"{prefixes[kind]}rollouts at {sparsity:g}"}  # fmt: skip
+            axes[0][0].plot(steps, values, style, **look)
             seconds = timing and timing.get(f"{sparsity:g}")
             if seconds:
-                axes[0][1].plot(
-                    [s * seconds for s in steps], values, style, marker="o", label=label
-                )
+                axes[0][1].plot([s * seconds for s in steps], values, style, **look)
     axes[0][0].set_xlabel("RL step")
     if timing:
         axes[0][1].set_xlabel("GPU-seconds (step x median seconds per step)")
