@@ -1,9 +1,10 @@
-"""GPU benchmark: what one RL iteration of the Wan-1.3B shape costs as videos grow, dense against
-VSA2 at several sparsities, built from measured parts.
+"""GPU benchmark: what one RL iteration of the Wan-1.3B (or ``--model 14b``: Wan-14B) shape costs
+as videos grow, dense against VSA2 at several sparsities, built from measured parts.
 
 For each video size (``--grids``, e.g. ``720p:81`` = 81 frames at 720 x 1280) and each attention
 setting (sparsity 0 is the stock dense model, cuDNN / FlashAttention SDPA; others run VSA2 with
-the 1.3B recipe's kv_block 16 top-p 0.9) it times, on one model with random bf16 weights:
+the recipe's router: kv_block 16 top-p 0.9 for 1.3B, kv_block 64 top-p 0.9 for 14B) it times,
+on one model with random bf16 weights:
 
 - ``forward``: one no-grad denoising forward of one video (a rollout step; also the KL
   reference's forward);
@@ -20,9 +21,12 @@ host work between passes. ``--check`` also times ``bench_rl_step``'s whole itera
 sampling, PPO loss, AdamW) at the first grid, dense and VSA2, next to the sum of its parts.
 
 Each part is the median of ``--reps`` after one warm-up; rows are appended to ``--out`` as they
-finish, so a cut-off run keeps what it measured.
+finish, so a cut-off run keeps what it measured. A setting that runs out of GPU memory gets an
+``out of memory`` row (what one GPU cannot hold is a result too); the peak memory of each
+setting is listed under the table.
 
     python benchmarks/bench_rl_scale.py --grids 480p:33 720p:81 --sparsities 0 0.5 0.75 0.9
+    python benchmarks/bench_rl_scale.py --model 14b --grids 720p:81 --sparsities 0 0.9 --reps 1
     python benchmarks/bench_rl_scale.py --plot scale.png --tables benchmarks/results/rl_scale/*.md
 
 ``--plot`` draws seconds per iteration (LoRA) against tokens per video from written tables, one
@@ -37,10 +41,12 @@ import statistics
 import time
 
 import torch
-from bench_e2e import WAN_1_3B
+from bench_e2e import WAN_1_3B, WAN_14B
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SIZES = {"480p": (480, 832), "720p": (720, 1280)}
+# --model: (name in the title, transformer shape, the recipe's kv_block)
+MODELS = {"1.3b": ("Wan-1.3B", WAN_1_3B, 16), "14b": ("Wan-14B", WAN_14B, 64)}
 HEADER = (
     "| grid | tokens | sparsity | forward s | LoRA train s | full train s | "
     "iteration s (LoRA) | x dense | iteration s (full) | x dense |\n"
@@ -56,10 +62,10 @@ def latent_shape(grid: str) -> tuple[int, int, int]:
     return (int(frames) - 1) // 4 + 1, height // 8, width // 8
 
 
-def build(state, lora: bool):
-    """The Wan-1.3B-shaped model with VSA2 layers sharing ``state`` (sparsity 0 = dense),
-    gradient checkpointing, and either LoRA rank 32 (+ VSA2's router and gates) or every weight
-    trained."""
+def build(state, lora: bool, model_name: str):
+    """The ``model_name``-shaped model (:data:`MODELS`) with VSA2 layers sharing ``state``
+    (sparsity 0 = dense) at its recipe's kv_block, gradient checkpointing, and either LoRA rank
+    32 (+ VSA2's router and gates) or every weight trained."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
@@ -71,10 +77,13 @@ def build(state, lora: bool):
     torch.set_default_dtype(torch.bfloat16)  # made in bf16 on the GPU: no fp32 copy
     try:
         with torch.device("cuda"):
-            model = WanTransformer3DModel(**WAN_1_3B)
+            model = WanTransformer3DModel(**MODELS[model_name][1])
     finally:
         torch.set_default_dtype(default)
-    enable_vsa2(model, VSA2Config(kv_block=16, mode="topp", top_p=0.9, backend="triton"), state)
+    kv_block = MODELS[model_name][2]
+    enable_vsa2(
+        model, VSA2Config(kv_block=kv_block, mode="topp", top_p=0.9, backend="triton"), state
+    )
     model.enable_gradient_checkpointing()
     if lora:
         model.requires_grad_(False)
@@ -146,6 +155,7 @@ def iteration_seconds(forward: float, train: float, optimizer: float, args) -> f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="1.3b")
     parser.add_argument("--grids", nargs="+", default=["480p:33", "720p:81"])
     parser.add_argument("--sparsities", nargs="+", type=float, default=[0.0, 0.5, 0.75, 0.9])
     parser.add_argument("--full", action="store_true", help="also time full fine-tuning")
@@ -168,12 +178,13 @@ def main() -> None:
 
     state = SparsityState(sparsity=0.0)
     modes = [("lora", True)] + ([("full", False)] if args.full else [])
-    models = {mode: build(state, lora) for mode, lora in modes}
+    models = {mode: build(state, lora, args.model) for mode, lora in modes}
     optimizer = {mode: optimizer_seconds(model, args.reps) for mode, model in models.items()}
+    name, _, kv_block = MODELS[args.model]
     title = (
-        f"RL iteration of the Wan-1.3B shape from its parts: {args.videos} videos x "
+        f"RL iteration of the {name} shape from its parts: {args.videos} videos x "
         f"{args.steps} steps, {args.trained} trained, cfg x{args.cfg}, KL reference pass; "
-        f"VSA2 kv16 top-p 0.9; AdamW step LoRA {optimizer['lora']:.3f} s"
+        f"VSA2 kv{kv_block} top-p 0.9; AdamW step LoRA {optimizer['lora']:.3f} s"
         + (f", full {optimizer['full']:.3f} s" if args.full else "")
         + f"; median of {args.reps}; {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
     )
@@ -181,16 +192,38 @@ def main() -> None:
         handle.write(title + HEADER)
     print(title + HEADER, end="", flush=True)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        for grid in args.grids:
-            dense: dict[str, float] = {}
-            for sparsity in args.sparsities:
-                state.sparsity = sparsity
-                row = measure_row(models, optimizer, grid, args)
-                dense = dense or row
-                write_row(grid, sparsity, row, dense, args.out)
-            torch.cuda.empty_cache()
+        peaks = measure_grids(models, optimizer, state, args)
         if args.check:
             check_iteration(models["lora"], state, args)
+    with open(args.out, "a", encoding="utf-8") as handle:
+        handle.write(f"\nPeak GPU memory, GiB (the models of every training mode held): {peaks}\n")
+
+
+def measure_grids(models, optimizer, state, args) -> str:
+    """Every grid and sparsity's row written to ``args.out`` (an ``out of memory`` row where
+    the GPU cannot hold it); returns each measured setting's peak GPU memory."""
+    peaks = []
+    for grid in args.grids:
+        dense: dict[str, float] = {}
+        for sparsity in args.sparsities:
+            state.sparsity = sparsity
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                row = measure_row(models, optimizer, grid, args)
+            except torch.OutOfMemoryError:
+                row = None  # the failed pass's tensors are freed once this block ends
+            if row is None:
+                torch.cuda.empty_cache()
+                write_out_of_memory(grid, sparsity, args.out)
+                continue
+            peaks.append(
+                f"{grid} {_label(sparsity)} {torch.cuda.max_memory_allocated() / 2**30:.1f}"
+            )
+            if sparsity == 0:
+                dense = row
+            write_row(grid, sparsity, row, dense, args.out)
+        torch.cuda.empty_cache()
+    return ", ".join(peaks)
 
 
 def measure_row(models, optimizer, grid: str, args) -> dict[str, float]:
@@ -204,15 +237,32 @@ def measure_row(models, optimizer, grid: str, args) -> dict[str, float]:
     return row
 
 
-def write_row(grid: str, sparsity: float, row: dict, dense: dict, out: str) -> None:
+def _label(sparsity: float) -> str:
+    return "dense" if sparsity == 0 else f"{sparsity}"
+
+
+def _tokens(grid: str) -> int:
     frames, height, width = latent_shape(grid)
-    tokens = frames * height * width // 4
-    cells = [grid, str(tokens), "dense" if sparsity == 0 else f"{sparsity}"]
+    return frames * height * width // 4
+
+
+def write_out_of_memory(grid: str, sparsity: float, out: str) -> None:
+    """The row of a setting one GPU cannot hold."""
+    line = f"| {grid} | {_tokens(grid)} | {_label(sparsity)} |" + " out of memory |" * 7 + "\n"
+    print(line, end="", flush=True)
+    with open(out, "a", encoding="utf-8") as handle:
+        handle.write(line)
+
+
+def write_row(grid: str, sparsity: float, row: dict, dense: dict, out: str) -> None:
+    cells = [grid, str(_tokens(grid)), _label(sparsity)]
     cells.append(f"{row['forward']:.3f}")
     cells += [f"{row[key]:.3f}" if key in row else "-" for key in ("lora_train", "full_train")]
     for mode in ("lora", "full"):
         cells += (
-            [f"{row[mode]:.0f}", f"{dense[mode] / row[mode]:.2f}"] if mode in row else ["-", "-"]
+            [f"{row[mode]:.0f}", f"{dense[mode] / row[mode]:.2f}" if mode in dense else "-"]
+            if mode in row
+            else ["-", "-"]
         )
     line = "| " + " | ".join(cells) + " |\n"
     print(line, end="", flush=True)
@@ -263,7 +313,7 @@ def read_rows(paths: list[str]) -> dict[str, dict[int, tuple[str, float]]]:
         with open(path, encoding="utf-8") as handle:
             for line in handle:
                 cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-                if len(cells) == 10 and cells[1].isdigit():
+                if len(cells) == 10 and cells[1].isdigit() and cells[6] != "out of memory":
                     series.setdefault(cells[2], {})[int(cells[1])] = (cells[0], float(cells[6]))
     return series
 

@@ -4,11 +4,11 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [testbed_rl_base]
-#     [sparse_rollouts] [frontier] [ddp]
+#     [sparse_rollouts] [frontier] [rl_scale_14b] [profile_rl] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
-#     [layout] [profile_rl]
+#     [layout]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -101,6 +101,9 @@ for part in "${parts[@]}"; do
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;
+    rl_scale_14b)  # the 14B shape's iteration from parts at 720p x 81, LoRA, dense and 0.9 (kv64)
+      (cd benchmarks && timeout 560 python3 bench_rl_scale.py --model 14b --grids 720p:81 \
+        --sparsities 0 0.9 --reps 1 --out "$OUT/rl_scale_14b.md" 2>&1 | grep "^|\|Peak" | tail -4) ;;
     rl_growth)  # the same, LoRA, dense and 0.9 at 33-121 frames (the growth plot's points)
       (cd benchmarks && timeout 300 python3 bench_rl_scale.py --grids 480p:81 720p:33 480p:121 \
         720p:121 --sparsities 0 0.9 --reps 2 --out "$OUT/rl_growth.md" 2>&1 | grep "^|" | tail -9) ;;

@@ -1,0 +1,28 @@
+"""benchmarks/bench_rl_scale.py's table on the CPU: token counts from Wan's VAE strides, the
+row of a setting one GPU cannot hold, and the plot's reader skipping it."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_rl_scale
+
+
+def test_latents_and_tokens_follow_wans_strides():
+    # 81 frames -> 21 latent frames (4x in time), 720 x 1280 -> 90 x 160 (8x), 2 x 2 patches
+    assert bench_rl_scale.latent_shape("720p:81") == (21, 90, 160)
+    assert bench_rl_scale._tokens("720p:81") == 21 * 45 * 80 == 75600
+    assert bench_rl_scale._tokens("480p:33") == 9 * 30 * 52 == 14040
+
+
+def test_an_out_of_memory_setting_is_a_row_and_ratios_need_a_measured_dense(tmp_path):
+    table = tmp_path / "scale.md"
+    table.write_text(bench_rl_scale.HEADER)
+    bench_rl_scale.write_out_of_memory("720p:81", 0.0, str(table))
+    row = {"forward": 1.5, "lora_train": 4.0, "lora": 900.0}
+    bench_rl_scale.write_row("720p:81", 0.9, row, {}, str(table))  # dense did not fit
+    lines = table.read_text().splitlines()
+    assert lines[2] == "| 720p:81 | 75600 | dense |" + " out of memory |" * 7
+    assert lines[3] == "| 720p:81 | 75600 | 0.9 | 1.500 | 4.000 | - | 900 | - | - | - |"
+    assert bench_rl_scale.read_rows([str(table)]) == {"0.9": {75600: ("720p:81", 900.0)}}
