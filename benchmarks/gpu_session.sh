@@ -84,9 +84,11 @@ for part in "${parts[@]}"; do
           --micro-batch 8 > "$base/gate.txt" 2>&1; echo "$scale: $(head -1 "$base/gate.txt")"
         tar -C /tmp -cf - --exclude="*.mp4" "rl_base_$scale" | split -b 15M -d - "$OUT/rl_base_$scale.tar."
       done ;;
-    sparse_rollouts)  # RL at rollout sparsities 0-0.9 on an RL base (RL_BASE, from testbed_rl_base);
+    sparse_rollouts)  # RL at rollout sparsities 0-0.9 on an RL base (RL_BASE, else the one of
+      # testbed_rl_base's that pick_rl_base.py chooses);
       # call again until every run is done (finished runs are skipped, cut ones resume)
-      sweep=/tmp/sparse_rollouts; base=${RL_BASE:-/tmp/rl_base_1}
+      sweep=/tmp/sparse_rollouts; base=${RL_BASE:-$(python3 benchmarks/pick_rl_base.py /tmp/rl_base_*)}
+      [ -n "$base" ] || { echo "no RL base passes its gates: no sweep"; continue; }
       timeout ${SWEEP_S:-500} python3 benchmarks/sparse_rollouts.py run --base "$base" --out $sweep \
         --parallel ${SWEEP_PARALLEL:-19} --warmup-steps ${SWEEP_WARMUP:-10} > "$OUT/sparse_rollouts_run.log" 2>&1; tail -5 "$OUT/sparse_rollouts_run.log"
       [ -f $sweep/seconds_per_step.json ] || timeout 150 python3 benchmarks/sparse_rollouts.py time \

@@ -73,3 +73,41 @@ def test_micro_batches_make_the_update_of_the_whole_batch(monkeypatch):
     assert any(delta.abs().max() > 1e-4 for delta in updated[0].values())  # it did move
     for name, delta in updated[0].items():
         torch.testing.assert_close(updated[1][name], delta, rtol=1e-4, atol=1e-6)
+
+
+def _gated(direction: float, fidelity: float, gain: float) -> dict:
+    return {"direction_before": direction, "fidelity_before": fidelity, "gain": gain}
+
+
+def test_an_rl_base_has_the_skill_partly_learnt_intact_shapes_and_room_to_learn():
+    from vsa2_rl.toy.gate import rl_base_problems
+
+    assert rl_base_problems(_gated(0.35, 0.9, 0.08)) == []  # every bound is inclusive
+    assert rl_base_problems(_gated(0.65, 0.95, 0.2)) == []
+    # the testbed's claims-recipe base with truthful captions (docs/results.md): fails twice
+    problems = rl_base_problems(_gated(0.240, 0.943, -0.031))
+    assert problems == ["direction followed 0.240, outside [0.35, 0.65]",
+                        "perfect data moved it -3.1 points < 8"]  # fmt: skip
+    assert rl_base_problems(_gated(0.5, 0.899, 0.1)) == ["shape fidelity 0.899 < 0.9"]
+    assert len(rl_base_problems(_gated(0.66, 0.5, 0.0))) == 3
+
+
+def test_the_rl_base_picked_is_the_qualified_one_nearest_the_middle(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import pick_rl_base
+
+    figures = {"far": _gated(0.36, 0.95, 0.1), "near": _gated(0.55, 0.92, 0.09),
+               "unlearnable": _gated(0.5, 0.95, 0.0)}  # fmt: skip
+    for name, result in figures.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "gate.txt").write_text("summary line\n" + json.dumps(result) + "\n")
+    chosen, problems = pick_rl_base.pick([tmp_path / name for name in figures])
+    assert chosen == tmp_path / "near"  # |0.55 - 0.5| < |0.36 - 0.5|
+    assert problems[tmp_path / "unlearnable"] == ["perfect data moved it +0.0 points < 8"]
+    assert pick_rl_base.main([str(tmp_path / "unlearnable")]) == 1
+    with pytest.raises(SystemExit, match="no gate output"):
+        pick_rl_base.pick([tmp_path / "absent"])

@@ -12,6 +12,10 @@ on the results page).
 
     python -m vsa2_rl.toy.gate [--model assets/toy] [--device cuda] [--eval-sparsity 0.25]
 
+A base for RL also needs the skill partly learnt and its shapes intact (:func:`rl_base_problems`:
+direction followed in 35-65% of held-out videos, shape fidelity >= 0.9); the command prints
+both verdicts and the figures as JSON on its last line.
+
 On CUDA its products run in TF32 and its VSA2 layers on the Triton kernels, as the build's do
 (``--backend torch``: the reference).
 
@@ -37,6 +41,10 @@ from vsa2_rl.toy.prompts import toy_prompts
 from vsa2_rl.toy.report import draw_samples, score_samples
 
 MIN_GAIN = 0.08  # share of held-out videos (8 points) the perfect data must add
+# A base for RL: the direction words partly learnt (followed in this share of held-out videos
+# at the evaluation sparsity) with its shapes intact (shape fidelity at least MIN_FIDELITY).
+PARTLY_LEARNT = (0.35, 0.65)
+MIN_FIDELITY = 0.9
 
 
 @dataclass
@@ -129,6 +137,23 @@ def learnability_gate(base: ToyBundle, settings: GateSettings | None = None) -> 
     }
 
 
+def rl_base_problems(result: dict) -> list[str]:
+    """What keeps a gated base (:func:`learnability_gate`'s ``result``) from being an RL base:
+    the direction words not partly learnt, shapes below :data:`MIN_FIDELITY`, or perfect data
+    moving it less than :data:`MIN_GAIN`; empty when it is one."""
+    problems = []
+    low, high = PARTLY_LEARNT
+    if not low <= result["direction_before"] <= high:
+        problems.append(f"direction followed {result['direction_before']:.3f}, outside "
+                        f"[{low}, {high}]")  # fmt: skip
+    if result["fidelity_before"] < MIN_FIDELITY:
+        problems.append(f"shape fidelity {result['fidelity_before']:.3f} < {MIN_FIDELITY}")
+    if result["gain"] < MIN_GAIN:
+        problems.append(f"perfect data moved it {100 * result['gain']:+.1f} points < "
+                        f"{100 * MIN_GAIN:.0f}")  # fmt: skip
+    return problems
+
+
 def built_video_size(toy_config: dict) -> tuple[int, int]:
     """(size in px, frames) of the last pretraining stage a toy checkpoint's ``config.json``
     records."""
@@ -176,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         f" (gain {result['gain']:+.3f}), shape fidelity {result['fidelity_before']:.3f} -> "
         f"{result['fidelity_after']:.3f}: the gate {verdict}"
     )
+    problems = rl_base_problems(result)
+    print("an RL base" if not problems else "not an RL base: " + "; ".join(problems))
     print(json.dumps(result))
     return 0 if result["passed"] else 1
 
