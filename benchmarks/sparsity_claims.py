@@ -8,8 +8,10 @@ time or ``--jobs`` at once in worker processes (each writing its progress to
 again:
 
 - ``base``: the testbed pretrained three ways, ``dense``, ``rebase`` (VSA2 from the resolution
-  change on) and ``sparse`` (VSA2 from the start): claim 3's validation-loss curves and each
-  base's held-out sample measures at its training attention, and the bases of claims 1 and 2;
+  change on) and ``sparse`` (VSA2 from the start), for each of ``--seeds`` (``base_<way>`` for
+  seed 0, ``base_<way>_s<seed>`` for the others): claim 3's validation-loss curves and each
+  base's held-out sample measures at its training attention, judged over seeds, and (seed 0's)
+  the bases of claims 1 and 2;
 - ``claim1``: the dense base rebased to VSA2 at each density (``--densities``) with the
   fine-grained router (kv_block 16, top-p) and with VSA's (kv_block 64, top-k), fine-tuned for
   the same steps (peak lr 1e-4, :func:`~vsa2_rl.toy.testbed.fine_tune_recipe`); flow-matching
@@ -107,8 +109,14 @@ def _router(args, kv_block: int = 16, mode: str = "topp") -> VSA2Config:
     return VSA2Config(kv_block=kv_block, mode=mode, backend=args.backend)
 
 
-def _base_recipe(attention: str, args):
-    return testbed.testbed_recipe(attention, steps_scale=args.steps_scale, vsa2=_router(args))
+def _base_recipe(attention: str, args, seed: int = 0):
+    return testbed.testbed_recipe(attention, seed, steps_scale=args.steps_scale, vsa2=_router(args))
+
+
+def base_folder(out: Path, name: str, seed: int = 0) -> Path:
+    """A base's folder: ``base_<name>`` for seed 0 (claims 1 and 2 continue those) and
+    ``base_<name>_s<seed>`` for the others."""
+    return out / (f"base_{name}" if seed == 0 else f"base_{name}_s{seed}")
 
 
 def _steps(steps: int, args) -> int:
@@ -116,12 +124,18 @@ def _steps(steps: int, args) -> int:
 
 
 def base_runs(args) -> list[Run]:
-    """The three bases; ``dense`` and ``rebase`` resume from one build of their 32 px stage."""
-    low = args.out / "base_low"
-    runs = [Run(low, testbed.low_resolution_recipe(steps_scale=args.steps_scale))]
-    for attention in ("dense", "rebase"):
-        runs.append(Run(args.out / f"base_{attention}", _base_recipe(attention, args), low))
-    return [*runs, Run(args.out / "base_sparse", _base_recipe("sparse", args))]
+    """The three bases of each seed; ``dense`` and ``rebase`` resume from one build of their
+    32 px stage."""
+    runs = []
+    for seed in args.seeds:
+        low = base_folder(args.out, "low", seed)
+        runs.append(Run(low, testbed.low_resolution_recipe(seed, steps_scale=args.steps_scale)))
+        for attention in ("dense", "rebase"):
+            recipe = _base_recipe(attention, args, seed)
+            runs.append(Run(base_folder(args.out, attention, seed), recipe, low))
+        sparse = _base_recipe("sparse", args, seed)
+        runs.append(Run(base_folder(args.out, "sparse", seed), sparse))
+    return runs
 
 
 def claim1_folder(out: Path, router: str, density: float, seed: int) -> Path:
@@ -139,7 +153,7 @@ def claim1_runs(args) -> list[Run]:
                     vsa2=_router(args, kv_block, mode),
                 )  # fmt: skip
                 folder = claim1_folder(args.out, router, density, seed)
-                runs.append(Run(folder, config, args.out / "base_dense"))
+                runs.append(Run(folder, config, base_folder(args.out, "dense")))
     return runs
 
 
@@ -157,7 +171,7 @@ def claim2_runs(args) -> list[Run]:
                 eval_sparsities=testbed.EVAL_SPARSITIES, report_seeds=2,
             )  # fmt: skip
             folder = claim2_folder(args.out, trained, seed)
-            runs.append(Run(folder, config, args.out / "base_rebase"))
+            runs.append(Run(folder, config, base_folder(args.out, "rebase")))
     return runs
 
 
@@ -535,31 +549,75 @@ def _at_own_attention(attention: str) -> str:
     return "dense" if attention == "dense" else "vsa2@0.9"
 
 
+# a base's figures for claim 3: (key, heading, which way is better), at its training attention
+CLAIM3_MEASURES = (
+    ("own_loss", "loss at its attention", "lower"),
+    ("dense_loss", "loss dense", "lower"),
+    *CLAIM2_MEASURES[1:],
+)
+
+
+def _base_figures(info: dict, attention: str) -> dict[str, float]:
+    """A built base's :data:`CLAIM3_MEASURES` (samples at its training attention)."""
+    final, own = info["stages"][-1], _at_own_attention(attention)
+    validation = final["validation"]
+    figures = {name: final["samples"][own][name] for name, _, _ in CLAIM2_MEASURES[1:]}
+    dense = validation.get("dense", validation.get("vsa2@0.0"))
+    return {"own_loss": validation[own], "dense_loss": dense, **figures}
+
+
+def _claim3_measures(args) -> dict[str, dict[int, dict[str, float]]]:
+    """Per variant, per seed whose base has been built: its :data:`CLAIM3_MEASURES`."""
+    measures: dict[str, dict[int, dict[str, float]]] = {}
+    for attention in testbed.ATTENTION_SWITCHES:
+        infos = {seed: _info(base_folder(args.out, attention, seed)) for seed in args.seeds}
+        measures[attention] = {
+            seed: _base_figures(info, attention) for seed, info in infos.items() if info
+        }
+    return measures
+
+
+def _claim3_verdicts(measures: dict) -> list[str]:
+    """Rebasing against full attention throughout (it should match it) and against VSA2 from
+    the start (it should beat it), paired by seed, for each measure but the dense loss."""
+    lines = ["", "The claim: rebased at the resolution change, VSA2 matches full attention "
+             "throughout (rebase minus dense, per seed: reproduced unless full attention is better "
+             "by more than the standard deviation over seeds) and beats VSA2 from the start "
+             "(rebase minus sparse: reproduced when better by more than it):", ""]  # fmt: skip
+    rebase = measures["rebase"]
+    for other, label, claim in (("dense", "full attention", "matches"),
+                                ("sparse", "VSA2 from the start", "beats")):  # fmt: skip
+        seeds = [seed for seed in rebase if seed in measures[other]]
+        for name, heading, better in CLAIM3_MEASURES:
+            if name == "dense_loss" or not seeds:
+                continue
+            paired = [rebase[seed][name] - measures[other][seed][name] for seed in seeds]
+            lines.append(f"- against {label}, {heading}: {_difference_cell(paired)}: "
+                         f"{verdict(paired, better, claim)}")  # fmt: skip
+    return lines
+
+
 def claim3_report(args) -> list[str]:
-    sample_measures = CLAIM2_MEASURES[1:]
     lines = ["## Claim 3: sparse rebasing at the resolution change", "",
              "Validation loss at 64 px at the end of pretraining (32 px, then 64 px), each "
              "variant at its training attention and dense (sparsity 0); held-out samples (ODE) "
-             "at its training attention.", "",
-             "| variant | loss at its attention | loss dense | "
-             + " | ".join(heading for _, heading, _ in sample_measures) + " |",
-             "|---" * (3 + len(sample_measures)) + "|"]  # fmt: skip
-    curves = {}
-    for attention in testbed.ATTENTION_SWITCHES:
-        info = _info(args.out / f"base_{attention}")
-        if info is None:
-            lines.append(f"| {attention} | not run |" + " |" * (1 + len(sample_measures)))
-            continue
-        final, own = info["stages"][-1], _at_own_attention(attention)
-        dense = final["validation"].get("dense", final["validation"].get("vsa2@0.0"))
-        samples = [f"{final['samples'][own][name]:.3f}" for name, _, _ in sample_measures]
-        lines.append(f"| {attention} | {final['validation'][own]:.4f} | {dense:.4f} | "
-                     + " | ".join(samples) + " |")  # fmt: skip
-        curves[attention] = info["stages"]
+             "at its training attention; mean ± standard deviation over seeds.", "",
+             "| variant | " + " | ".join(heading for _, heading, _ in CLAIM3_MEASURES) + " |",
+             "|---" * (1 + len(CLAIM3_MEASURES)) + "|"]  # fmt: skip
+    measures = _claim3_measures(args)
+    for attention, runs in measures.items():
+        cells = [_cell([run[name] for run in runs.values()], 4 if "loss" in name else 3)
+                 for name, _, _ in CLAIM3_MEASURES]  # fmt: skip
+        lines.append(f"| {attention} | " + " | ".join(cells) + " |")
+    lines += _claim3_verdicts(measures)
+    first = args.seeds[0]
+    curves = {attention: info["stages"] for attention in testbed.ATTENTION_SWITCHES
+              if (info := _info(base_folder(args.out, attention, first)))}  # fmt: skip
     if curves:
         _plot_claim3(args, curves)
-    sheets = [(f"{attention}, at its attention", args.out / f"base_{attention}" / SAMPLES_DIR /
-               f"{_at_own_attention(attention)}.png")
+    sheets = [(f"{attention}, seed {first}, at its attention",
+               base_folder(args.out, attention, first) / SAMPLES_DIR
+               / f"{_at_own_attention(attention)}.png")
               for attention in testbed.ATTENTION_SWITCHES]  # fmt: skip
     return lines + _sample_sheet(sheets, args.out / "claim3_samples.png")
 

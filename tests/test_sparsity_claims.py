@@ -117,26 +117,60 @@ def test_claim1_judges_half_density_and_equal_density_separately(tmp_path):
     assert (tmp_path / "claim1.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _write_base(out, attention: str, seed: int, loss: float, fidelity: float) -> None:
+    """A built base's config.json: ``loss`` and ``fidelity`` at its training attention."""
+    own = sparsity_claims._at_own_attention(attention)
+    samples = {"shape_fidelity": fidelity, "direction_match": 0.25, "speed_error": 0.5}
+    validation = {own: loss, "vsa2@0.0": 0.033} if own != "dense" else {own: loss}
+    # a sparse base's dense samples are worse: the table must not show them
+    stage = {"validation": validation, "stage": {"steps": 4},
+             "samples": {own: samples, "vsa2@0.0": {**samples, "shape_fidelity": 0.5}},
+             "curve": [{"step": 2, own: loss}]}  # fmt: skip
+    folder = sparsity_claims.base_folder(out, attention, seed)
+    folder.mkdir()
+    info = {"training": {"build_device": "cpu", "stages": [stage]}}
+    (folder / "config.json").write_text(json.dumps(info))
+
+
 def test_claim3_puts_each_bases_loss_beside_its_samples_at_its_training_attention(tmp_path):
-    figures = {"dense": ("dense", 0.020, 0.97), "rebase": ("vsa2@0.9", 0.019, 0.86)}
-    for attention, (own, loss, fidelity) in figures.items():
-        samples = {"shape_fidelity": fidelity, "direction_match": 0.25, "speed_error": 0.5}
-        validation = {own: loss, "vsa2@0.0": 0.033} if own != "dense" else {own: loss}
-        # a sparse base's dense samples are worse: the table must not show them
-        stage = {"validation": validation, "stage": {"steps": 4},
-                 "samples": {own: samples, "vsa2@0.0": {**samples, "shape_fidelity": 0.5}},
-                 "curve": [{"step": 2, own: loss}]}  # fmt: skip
-        folder = tmp_path / f"base_{attention}"
-        folder.mkdir()
-        info = {"training": {"build_device": "cpu", "stages": [stage]}}
-        (folder / "config.json").write_text(json.dumps(info))
-    lines = sparsity_claims.claim3_report(argparse.Namespace(out=tmp_path))
+    _write_base(tmp_path, "dense", 0, 0.020, 0.97)
+    _write_base(tmp_path, "rebase", 0, 0.019, 0.86)
+    lines = sparsity_claims.claim3_report(argparse.Namespace(out=tmp_path, seeds=[0]))
     rows = [line for line in lines if line.startswith(("| dense", "| rebase", "| sparse"))]
+    one = "± 0.0000 (n=1)"
     assert rows == [
-        "| dense | 0.0200 | 0.0200 | 0.970 | 0.250 | 0.500 |",
-        "| rebase | 0.0190 | 0.0330 | 0.860 | 0.250 | 0.500 |",
-        "| sparse | not run | | | | |",
+        f"| dense | 0.0200 {one} | 0.0200 {one} | 0.970 ± 0.000 (n=1) | 0.250 ± 0.000 (n=1) | "
+        "0.500 ± 0.000 (n=1) |",
+        f"| rebase | 0.0190 {one} | 0.0330 {one} | 0.860 ± 0.000 (n=1) | 0.250 ± 0.000 (n=1) | "
+        "0.500 ± 0.000 (n=1) |",
+        "| sparse | not run | not run | not run | not run | not run |",
     ]
+    assert "- against full attention, shape fidelity: -1.10e-01 ± 0.00e+00 (n=1): " \
+        "inconclusive (fewer than 2 seeds)" in lines  # fmt: skip
+    assert not [line for line in lines if "VSA2 from the start" in line and line[0] == "-"]
+
+
+def test_claim3_pairs_each_seeds_bases_and_judges_them_by_the_spread(tmp_path):
+    for seed, (dense, rebase, sparse) in enumerate([(0.97, 0.86, 0.92), (0.98, 0.85, 0.79)]):
+        _write_base(tmp_path, "dense", seed, 0.0200 + seed / 1000, dense)
+        _write_base(tmp_path, "rebase", seed, 0.0190 + seed / 1000 - seed / 5000, rebase)
+        _write_base(tmp_path, "sparse", seed, 0.0224, sparse)
+    lines = sparsity_claims.claim3_report(argparse.Namespace(out=tmp_path, seeds=[0, 1]))
+    assert "| dense | 0.0205 ± 0.0007 (n=2) | 0.0205 ± 0.0007 (n=2) | 0.975 ± 0.007 (n=2) |" \
+        in " ".join(lines)  # fmt: skip
+    verdicts = {line.split(":")[0]: line.rsplit(": ", 1)[1] for line in lines if line[:2] == "- "}
+    # loss, rebase minus dense: -0.0010 and -0.0012 (mean -0.0011, sd 0.00014): lower is
+    # better by more than the spread
+    assert verdicts["- against full attention, loss at its attention"] == (
+        "reproduced (better by more than the spread)"
+    )
+    # fidelity, rebase minus dense: -0.11 and -0.13: dense better by more than the spread
+    assert verdicts["- against full attention, shape fidelity"] == "not reproduced"
+    # fidelity, rebase minus sparse: -0.06 and +0.06: within the spread
+    assert verdicts["- against VSA2 from the start, shape fidelity"] == "inconclusive"
+    # loss, rebase minus sparse: -0.0034 and -0.0026 (sd 0.0006): rebase better beyond it
+    assert verdicts["- against VSA2 from the start, loss at its attention"] == "reproduced"
+    assert (tmp_path / "claim3.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_claim_without_finished_runs_gets_no_plot(tmp_path):
