@@ -75,13 +75,14 @@ for part in "${parts[@]}"; do
     testbed_rl_base)  # RL bases for the testbed (--recipe rl) at RL_BASE_SCALES, gated at 0.5;
       # each base's weights come back split under 15 MiB (cat the parts into toy.safetensors)
       for scale in ${RL_BASE_SCALES:-1 0.5}; do
-        timeout 400 python3 -m vsa2_rl.toy.testbed --out "/tmp/rl_base_$scale" --device cuda \
+        timeout 450 python3 -m vsa2_rl.toy.testbed --out "/tmp/rl_base_$scale" --device cuda \
           --recipe rl --steps-scale "$scale" > "$OUT/rl_base_$scale.log" 2>&1 &
       done; wait
       for scale in ${RL_BASE_SCALES:-1 0.5}; do
-        base=/tmp/rl_base_$scale
+        base=/tmp/rl_base_$scale  # a build cut short has no closing JSON line: not gated
+        grep -q '"build_seconds"' "$OUT/rl_base_$scale.log" || { echo "$scale: build unfinished"; continue; }
         timeout 200 python3 -m vsa2_rl.toy.gate --model "$base" --device cuda --eval-sparsity 0.5 \
-          --micro-batch 8 > "$base/gate.txt" 2>&1; echo "$scale: $(head -1 "$base/gate.txt")"
+          --micro-batch 8 > "$base/gate.txt" 2>&1; echo "$scale: $(head -2 "$base/gate.txt" | tr '\n' ' ')"
         tar -C /tmp -cf - --exclude="*.mp4" "rl_base_$scale" | split -b 15M -d - "$OUT/rl_base_$scale.tar."
       done ;;
     sparse_rollouts)  # RL at rollout sparsities 0-0.9 on an RL base (RL_BASE, else the one of

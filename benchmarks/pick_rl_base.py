@@ -16,17 +16,22 @@ from pathlib import Path
 from vsa2_rl.toy.gate import PARTLY_LEARNT, rl_base_problems
 
 
-def gate_result(base: Path) -> dict:
+def gate_result(base: Path) -> dict | None:
+    """The gate's figures (the JSON last line of ``base/gate.txt``); None when it has none (a
+    build cut short is not gated)."""
     path = base / "gate.txt"
-    if not path.is_file():
-        raise SystemExit(f"error: {path}: no gate output (run python -m vsa2_rl.toy.gate first)")
-    return json.loads(path.read_text().strip().splitlines()[-1])
+    lines = path.read_text().strip().splitlines() if path.is_file() else []
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:  # the gate failed: its last line is an error
+        return None
 
 
 def pick(bases: list[Path]) -> tuple[Path | None, dict[Path, list[str]]]:
     """The chosen base (None when no base qualifies) and every base's problems."""
     results = {base: gate_result(base) for base in bases}
-    problems = {base: rl_base_problems(result) for base, result in results.items()}
+    problems = {base: rl_base_problems(result) if result else ["no gate figures (gate.txt)"]
+                for base, result in results.items()}  # fmt: skip
     middle = sum(PARTLY_LEARNT) / 2
     qualified = [base for base in bases if not problems[base]]
     chosen = min(

@@ -109,5 +109,11 @@ def test_the_rl_base_picked_is_the_qualified_one_nearest_the_middle(tmp_path):
     assert chosen == tmp_path / "near"  # |0.55 - 0.5| < |0.36 - 0.5|
     assert problems[tmp_path / "unlearnable"] == ["perfect data moved it +0.0 points < 8"]
     assert pick_rl_base.main([str(tmp_path / "unlearnable")]) == 1
-    with pytest.raises(SystemExit, match="no gate output"):
-        pick_rl_base.pick([tmp_path / "absent"])
+    (tmp_path / "cut_short").mkdir()  # a build stopped by its timeout: never gated
+    (tmp_path / "gate_failed").mkdir()
+    (tmp_path / "gate_failed" / "gate.txt").write_text("Traceback ...\nOutOfMemoryError\n")
+    chosen, problems = pick_rl_base.pick([tmp_path / "cut_short", tmp_path / "gate_failed",
+                                          tmp_path / "near"])  # fmt: skip
+    assert chosen == tmp_path / "near"
+    assert problems[tmp_path / "cut_short"] == ["no gate figures (gate.txt)"]
+    assert problems[tmp_path / "gate_failed"] == ["no gate figures (gate.txt)"]
