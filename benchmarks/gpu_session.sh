@@ -66,35 +66,46 @@ for part in "${parts[@]}"; do
         --reps 2 --warmup 1 --only "VSA2 0.95 kv64" --out "$OUT/e2e_compiled.md" 2>&1 | tail -8 ;;
     testbed_bases)  # claims-recipe bases with truthful captions (docs/results.md) and their gates
       for spec in ${TESTBED_BUILDS:-s025=0.25 s05=0.5 s1=1}; do
-        timeout 480 python3 -m vsa2_rl.toy.testbed --out "$OUT/testbed_${spec%=*}" --device cuda \
+        timeout 480 python3 -P -m vsa2_rl.toy.testbed --out "$OUT/testbed_${spec%=*}" --device cuda \
           --attention rebase --mirrored-captions 0 --steps-scale "${spec#*=}" \
           > "$OUT/testbed_${spec%=*}.log" 2>&1 || echo "testbed build ${spec%=*} failed"
-        timeout 300 python3 -m vsa2_rl.toy.gate --model "$OUT/testbed_${spec%=*}" --device cuda \
+        timeout 300 python3 -P -m vsa2_rl.toy.gate --model "$OUT/testbed_${spec%=*}" --device cuda \
           --eval-sparsity ${TESTBED_EVAL_SPARSITY:-0.5} --micro-batch 8 2>&1 | head -1
       done ;;
-    testbed_rl_base)  # RL bases for the testbed (--recipe rl) at RL_BASE_SCALES, gated at 0.5;
-      # each base's weights come back split under 15 MiB (cat the parts into toy.safetensors)
-      for scale in ${RL_BASE_SCALES:-1 0.5}; do
-        timeout 450 python3 -m vsa2_rl.toy.testbed --out "/tmp/rl_base_$scale" --device cuda \
-          --recipe rl --steps-scale "$scale" > "$OUT/rl_base_$scale.log" 2>&1 &
+    testbed_rl_base)  # RL bases for the testbed (--recipe rl) at RL_BASE_SCALES, gated at 0.5
+      # in parallel; call again to continue a build cut short (a base built or gated by an
+      # earlier call on this machine is kept). Each
+      # base's weights come back split under 15 MiB (cat the parts into one tar)
+      for scale in ${RL_BASE_SCALES:-1 0.5}; do  # timeout's SIGTERM saves a build's state
+        grep -qs '"build_seconds"' "/tmp/rl_base_$scale.log" || timeout 430 python3 -P -m \
+          vsa2_rl.toy.testbed --out "/tmp/rl_base_$scale" --device cuda --recipe rl --resume \
+          --steps-scale "$scale" >> "/tmp/rl_base_$scale.log" 2>&1 &
       done; wait
       for scale in ${RL_BASE_SCALES:-1 0.5}; do
         base=/tmp/rl_base_$scale  # a build cut short has no closing JSON line: not gated
-        grep -q '"build_seconds"' "$OUT/rl_base_$scale.log" || { echo "$scale: build unfinished"; continue; }
-        timeout 200 python3 -m vsa2_rl.toy.gate --model "$base" --device cuda --eval-sparsity 0.5 \
-          --micro-batch 8 > "$base/gate.txt" 2>&1; echo "$scale: $(head -2 "$base/gate.txt" | tr '\n' ' ')"
+        grep -q '"build_seconds"' "$base.log" || { echo "$scale: build unfinished"; continue; }
+        grep -qs '"direction_before"' "$base/gate.txt" || timeout 130 python3 -P -m vsa2_rl.toy.gate \
+          --model "$base" --device cuda --eval-sparsity 0.5 --micro-batch 8 > "$base/gate.txt" 2>&1 &
+      done; wait
+      for scale in ${RL_BASE_SCALES:-1 0.5}; do
+        base=/tmp/rl_base_$scale; cp "$base.log" "$OUT/"; [ -d "$base" ] || continue
+        echo "$scale: $(head -2 "$base/gate.txt" 2>/dev/null | tr '\n' ' ')"
         tar -C /tmp -cf - --exclude="*.mp4" "rl_base_$scale" | split -b 15M -d - "$OUT/rl_base_$scale.tar."
       done ;;
     sparse_rollouts)  # RL at rollout sparsities 0-0.9 on an RL base (RL_BASE, else the one of
-      # testbed_rl_base's that pick_rl_base.py chooses);
-      # call again until every run is done (finished runs are skipped, cut ones resume)
-      sweep=/tmp/sparse_rollouts; base=${RL_BASE:-$(python3 benchmarks/pick_rl_base.py /tmp/rl_base_*)}
+      # testbed_rl_base's that pick_rl_base.py chooses); call again until every run is done
+      # (finished runs are skipped, cut ones resume); solo step timing once they all are
+      sweep=/tmp/sparse_rollouts; base=${RL_BASE:-$(PYTHONSAFEPATH=1 python3 benchmarks/pick_rl_base.py /tmp/rl_base_*/)}
       [ -n "$base" ] || { echo "no RL base passes its gates: no sweep"; continue; }
-      timeout ${SWEEP_S:-500} python3 benchmarks/sparse_rollouts.py run --base "$base" --out $sweep \
-        --parallel ${SWEEP_PARALLEL:-19} --warmup-steps ${SWEEP_WARMUP:-10} > "$OUT/sparse_rollouts_run.log" 2>&1; tail -5 "$OUT/sparse_rollouts_run.log"
-      [ -f $sweep/seconds_per_step.json ] || timeout 150 python3 benchmarks/sparse_rollouts.py time \
-        --base "$base" --out $sweep --steps 3 > "$OUT/sparse_rollouts_time.log" 2>&1
-      python3 benchmarks/sparse_rollouts.py report --out $sweep 2>&1 | tail -3
+      # PYTHONSAFEPATH: the runs' train_rl.py and `-m vsa2_rl.cli` must not import the repo's
+      # vsa2_rl/ (the kernels live in the installed package)
+      PYTHONSAFEPATH=1 timeout ${SWEEP_S:-470} python3 benchmarks/sparse_rollouts.py run --base "$base" --out $sweep \
+        --parallel ${SWEEP_PARALLEL:-19} --warmup-steps ${SWEEP_WARMUP:-10} \
+        >> "$sweep.log" 2>&1 && { [ -f $sweep/seconds_per_step.json ] || PYTHONSAFEPATH=1 timeout 90 python3 \
+        benchmarks/sparse_rollouts.py time --base "$base" --out $sweep --steps 3 \
+        > "$OUT/sparse_rollouts_time.log" 2>&1; }
+      cp "$sweep.log" "$OUT/sparse_rollouts_run.log"; tail -4 "$sweep.log"
+      PYTHONSAFEPATH=1 python3 benchmarks/sparse_rollouts.py report --out $sweep 2>&1 | tail -3
       tar -C /tmp -czf "$OUT/sparse_rollouts.tgz" --exclude=checkpoints --exclude="*.mp4" sparse_rollouts ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
       timeout 400 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \

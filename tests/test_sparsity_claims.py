@@ -244,11 +244,23 @@ def test_the_rl_base_learns_from_truthful_captions_and_covers_every_rl_sparsity(
     generator = torch.Generator().manual_seed(0)
     _, _, moves = pretraining_batch(1000, generator, recipe.mirrored_captions)
     assert all(move is None for move in moves)  # no video moves against its caption
-    low, rebase, spread = recipe.stages
-    assert (low.size, low.batch_size, low.vsa2) == (32, 64, False)
+    *low, rebase, spread = recipe.stages
+    assert len(low) == testbed.RL_LOW_CHUNKS
+    assert all((stage.size, stage.batch_size, stage.vsa2) == (32, 64, False) for stage in low)
     assert (rebase.size, rebase.vsa2, spread.size, spread.vsa2) == (64, True, 64, True)
     assert spread.sparsity_range == (0.0, 0.9)  # every rollout and evaluation sparsity
-    assert [stage.steps for stage in recipe.stages] == [625, 150, 100]  # half the steps
+    assert [stage.steps for stage in (*low, rebase, spread)] == [625] * len(low) + [150, 100]
+    assert len(testbed.rl_base_recipe(low_chunks=2).stages) == 4
+
+
+def test_low_chunks_belongs_to_the_rl_recipe_and_counts_at_least_one(tmp_path, capsys):
+    for option in (["--low-chunks", "2"], ["--recipe", "rl", "--low-chunks", "0"]):
+        with pytest.raises(SystemExit):
+            testbed.main(["--out", str(tmp_path / "x"), *option])
+    errors = capsys.readouterr().err
+    assert "--low-chunks is an RL-recipe option" in errors
+    assert "--low-chunks: must be >= 1, got 0" in errors
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_rl_recipe_refuses_the_claims_options(tmp_path, capsys):
@@ -267,15 +279,15 @@ def test_an_rl_base_builds_at_the_tiny_size(tmp_path, tiny_testbed, monkeypatch)
     for name in ("RL_LOW_STEPS", "RL_REBASE_STEPS", "RL_RANGE_STEPS", "RL_LOW_BATCH"):
         monkeypatch.setattr(testbed, name, 2)
     out = tmp_path / "rl_base"
-    testbed.main(["--out", str(out), "--recipe", "rl", "--backend", "torch"])
+    testbed.main(["--out", str(out), "--recipe", "rl", "--low-chunks", "2", "--backend", "torch"])
     saved = read_toy_config(out)
     assert saved["transformer"]["num_layers"] == 2  # the tiny architecture it was given
     recipe = saved["training"]["recipe"]
     assert recipe["mirrored_captions"] == 0.0
     assert [(stage["size"], stage["vsa2"]) for stage in recipe["stages"]] == [
-        (16, False), (32, True), (32, True)
+        (16, False), (16, False), (32, True), (32, True)
     ]  # fmt: skip
-    assert len(saved["training"]["stages"]) == 3  # each stage ran and was measured
+    assert len(saved["training"]["stages"]) == 4  # each stage ran and was measured
 
 
 @pytest.mark.slow
@@ -523,3 +535,49 @@ def test_a_sigterm_stops_a_run_in_this_process_with_its_state_saved(tmp_path):
     assert "run0 stage 0 stopped before step" in output
     assert (tmp_path / "run0" / PARTIAL_FILE).exists()
     assert not (tmp_path / "run1").exists()
+
+
+@pytest.fixture
+def tiny_rl_recipe(monkeypatch):
+    """The RL base's recipe at 16 / 32 px x 4 frames, 2 blocks of width 32, two steps a stage."""
+    architecture = {"patch_size": [1, 4, 4], "num_attention_heads": 2, "attention_head_dim": 16,
+                    "ffn_dim": 64, "num_layers": 2, "freq_dim": 32}  # fmt: skip
+    settings = {"RL_ARCHITECTURE": architecture, "FRAMES": 4, "LOW_SIZE": 16, "HIGH_SIZE": 32,
+                "BATCH": 2, "RL_LOW_BATCH": 2, "RL_LOW_STEPS": 2, "RL_REBASE_STEPS": 2,
+                "RL_RANGE_STEPS": 2, "REBASE_STEPS": 1, "VAL_EVERY": 2,
+                "WARMUP_STEPS": 1}  # fmt: skip
+    for name, value in settings.items():
+        monkeypatch.setattr(testbed, name, value)
+
+
+@pytest.mark.slow
+def test_a_stopped_testbed_build_resumed_equals_the_uninterrupted_one(
+    tmp_path, tiny_rl_recipe, monkeypatch, capsys
+):
+    from safetensors.torch import load_file
+
+    command = ["--recipe", "rl", "--low-chunks", "1", "--backend", "torch"]
+    testbed.main(["--out", str(tmp_path / "whole"), *command])
+    build = testbed.build_toy_model
+    checks = iter(range(100))
+
+    def stopped_in_the_second_stage(*args, **kwargs):  # as a SIGTERM before its second step
+        return build(*args, **{**kwargs, "stop_requested": lambda: next(checks) == 3})
+
+    monkeypatch.setattr(testbed, "build_toy_model", stopped_in_the_second_stage)
+    cut = ["--out", str(tmp_path / "cut"), *command]
+    with pytest.raises(SystemExit) as stopped:
+        testbed.main(cut)
+    assert stopped.value.code == 143
+    assert "stage 1 stopped before step 1" in capsys.readouterr().err
+    monkeypatch.setattr(testbed, "build_toy_model", build)
+    with pytest.raises(SystemExit):  # an existing build is not overwritten without --resume
+        testbed.main(cut)
+    assert "pass --resume to continue it" in capsys.readouterr().err
+    testbed.main([*cut, "--resume"])
+    whole = load_file(str(tmp_path / "whole" / "toy.safetensors"))
+    resumed = load_file(str(tmp_path / "cut" / "toy.safetensors"))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+    testbed.main([*cut, "--resume"])  # finished: nothing to do
+    assert "holds the finished build" in capsys.readouterr().err

@@ -22,19 +22,19 @@ claim:
 :func:`fine_tune_recipe` adds one flow-matching stage at 64 px to a built base (resumed from its
 folder): the runs of the router and hard-to-easy claims (``benchmarks/sparsity_claims.py``).
 
-:func:`rl_base_recipe` (``--recipe rl``) is the base for RL at the testbed's video size: a
-smaller model (:data:`RL_ARCHITECTURE`, 4 blocks of width 256, 4.9 M parameters; attention is
-most of its work, as in Wan at 720p), truthful captions, and the shipped toy's schedule moved to
-64 px. The claims' recipe with truthful captions does not learn the direction words (followed
-in 23-31% of held-out videos at 0.25x, 0.5x and 1x its steps, chance being 25% for four
-directions; perfect data moved the 1x base by -3 points): it sees 24,000 videos at 32 px, where
-the toy learns them partly from 80,000. So the RL base trains 32 px at batch 64 for the toy's
-1,250 steps, then is rebased to VSA2 at 64 px and trained across the sparsities RL and
-evaluation use (0 to 0.9).
+:func:`rl_base_recipe` (``--recipe rl``) is meant as the base for RL at the testbed's video size:
+a smaller model (:data:`RL_ARCHITECTURE`, 4 blocks of width 256, 4.9 M parameters; attention is
+most of its work, as in Wan at 720p), truthful captions, 32 px at batch 64 in ``--low-chunks``
+runs of the toy's 1,250 steps (each with its own warm-up and cosine), then rebased to VSA2 at
+64 px and trained across the sparsities RL and evaluation use (0 to 0.9). Measured on one H100,
+it is not an RL base yet: its 32 px stage follows the direction words in 20%, 26%, 42% and 45% of
+held-out videos after 1 to 4 chunks (chance is 25%), but after the 64 px stages the 4-chunk
+base follows them in 26% at sparsity 0.5, and 40 steps of perfect data move it by -0.5 points.
+The claims' recipe with truthful captions fares no better (23-31%, -3 points).
 ``python -m vsa2_rl.toy.gate --model DIR --micro-batch 8`` measures how much perfect data moves
 a base::
 
-    python -m vsa2_rl.toy.testbed --out DIR --device cuda --recipe rl [--steps-scale 0.5]
+    python -m vsa2_rl.toy.testbed --out DIR --device cuda --recipe rl [--low-chunks 4]
 """
 
 from __future__ import annotations
@@ -42,10 +42,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
+import sys
+import threading
 from pathlib import Path
 
 from vsa2_rl.config import VSA2Config
-from vsa2_rl.toy.build import ToyBuildConfig, ToyStage, build_toy_model
+from vsa2_rl.toy.build import (
+    PARTIAL_FILE,
+    BuildStopped,
+    ToyBuildConfig,
+    ToyStage,
+    build_toy_model,
+)
+from vsa2_rl.toy.model import CONFIG_FILE, read_toy_config
 
 TESTBED_ARCHITECTURE = {
     "patch_size": [1, 4, 4],
@@ -70,9 +80,11 @@ RL_ARCHITECTURE = {
     "num_layers": 4,
     "freq_dim": 256,
 }
-# The RL base's stages (times --steps-scale): 32 px dense at RL_LOW_BATCH, then at 64 px the
-# rebasing stage (ramp to 0.9, then 0.5-0.9) and the stage across every sparsity (0-0.9).
+# The RL base's stages (times --steps-scale): RL_LOW_CHUNKS runs of 32 px dense at RL_LOW_BATCH,
+# then at 64 px the rebasing stage (ramp to 0.9, then 0.5-0.9) and the stage across every
+# sparsity (0-0.9).
 RL_LOW_STEPS, RL_REBASE_STEPS, RL_RANGE_STEPS, RL_LOW_BATCH = 1250, 300, 200, 64
+RL_LOW_CHUNKS = 4
 EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
 # Share of pretraining videos moving opposite to their caption in the claims' bases: the
 # direction words carry no sign information, so "direction followed" stays near 0.5 at most.
@@ -120,12 +132,20 @@ def testbed_recipe(
 
 
 def rl_base_recipe(
-    seed: int = 0, steps_scale: float = 1.0, vsa2: VSA2Config | None = None
+    seed: int = 0,
+    steps_scale: float = 1.0,
+    vsa2: VSA2Config | None = None,
+    low_chunks: int | None = None,
 ) -> ToyBuildConfig:
-    """The base for RL at the testbed's size (module docstring): truthful captions, stopped
-    at ``steps_scale`` x the steps while the direction words are partly learnt."""
+    """The base meant for RL at the testbed's size (module docstring): truthful captions,
+    ``low_chunks`` (default :data:`RL_LOW_CHUNKS`) runs of the 32 px stage, ``steps_scale`` x
+    every stage's steps."""
+    chunks = RL_LOW_CHUNKS if low_chunks is None else low_chunks
+    if chunks < 1:
+        raise ValueError(f"low_chunks: must be >= 1, got {chunks}")
+    low = ToyStage(LOW_SIZE, FRAMES, _scaled(RL_LOW_STEPS, steps_scale), RL_LOW_BATCH, vsa2=False)
     stages = [
-        ToyStage(LOW_SIZE, FRAMES, _scaled(RL_LOW_STEPS, steps_scale), RL_LOW_BATCH, vsa2=False),
+        *[low] * chunks,
         ToyStage(HIGH_SIZE, FRAMES, _scaled(RL_REBASE_STEPS, steps_scale), BATCH, vsa2=True,
                  sparsity_range=(0.5, 0.9), lr_scale=0.5),
         ToyStage(HIGH_SIZE, FRAMES, _scaled(RL_RANGE_STEPS, steps_scale), BATCH, vsa2=True,
@@ -207,9 +227,18 @@ def main(argv: list[str] | None = None) -> None:
         help="share of pretraining videos moving opposite to their caption (claims' bases: 0.5)",
     )
     parser.add_argument("--steps-scale", type=float, default=1.0, help="times every stage's steps")
+    parser.add_argument(
+        "--low-chunks", type=int, default=None,
+        help=f"rl: runs of the 32 px stage (default {RL_LOW_CHUNKS}; each reports its samples)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue the build stopped in --out, if any (same recipe options); a SIGTERM "
+        "stops a build with its state saved",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     vsa2 = VSA2Config(backend=args.backend)
     if args.recipe == "rl":
@@ -218,8 +247,12 @@ def main(argv: list[str] | None = None) -> None:
                 option = "--" + name.replace("_", "-")
                 parser.error(f"{option} is a claims-recipe option; the RL base has truthful "
                              "captions and is rebased (drop it)")  # fmt: skip
-        recipe = rl_base_recipe(args.seed, args.steps_scale, vsa2)
+        if args.low_chunks is not None and args.low_chunks < 1:
+            parser.error(f"--low-chunks: must be >= 1, got {args.low_chunks}")
+        recipe = rl_base_recipe(args.seed, args.steps_scale, vsa2, args.low_chunks)
     else:
+        if args.low_chunks is not None:
+            parser.error("--low-chunks is an RL-recipe option (add --recipe rl, or drop it)")
         mirrored = args.mirrored_captions
         recipe = testbed_recipe(
             args.attention or "rebase",
@@ -229,8 +262,37 @@ def main(argv: list[str] | None = None) -> None:
             vsa2=vsa2,
             mirrored_captions=CLAIMS_MIRRORED_CAPTIONS if mirrored is None else mirrored,
         )
-    info = build_toy_model(args.out, recipe, device=args.device)
-    print(json.dumps({"out": str(args.out), "build_seconds": info["build_seconds"]}))
+    info = _build(args.out, recipe, args.device, args.resume, parser)
+    if info is not None:
+        print(json.dumps({"out": str(args.out), "build_seconds": info["build_seconds"]}))
+
+
+def _build(
+    out: Path, recipe: ToyBuildConfig, device: str, resume: bool, parser: argparse.ArgumentParser
+) -> dict | None:
+    """Builds ``recipe`` into ``out``, continuing the build stopped there with ``resume``; a
+    SIGTERM stops it at the next step with its state saved (exit code 143). Returns the build's
+    info, or None when ``out`` already holds the finished build."""
+    if not resume and ((out / CONFIG_FILE).is_file() or (out / PARTIAL_FILE).is_file()):
+        parser.error(f"--out {out} holds a build; pass --resume to continue it, or choose "
+                     "another --out")  # fmt: skip
+    finished_stages = 0
+    if (out / CONFIG_FILE).is_file():
+        training = read_toy_config(out)["training"]
+        if "build_device" in training:
+            print(f"{out} holds the finished build: nothing to do", file=sys.stderr)
+            return None
+        finished_stages = len(training["stages"])
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        return build_toy_model(out, recipe, device=device, stop_requested=stop.is_set,
+                               resume_from=out if finished_stages else None)  # fmt: skip
+    except BuildStopped as stopped:
+        print(f"{stopped}; continue with the same command and --resume", file=sys.stderr)
+        raise SystemExit(143) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
