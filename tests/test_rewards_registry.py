@@ -447,9 +447,10 @@ def test_one_ctrl_c_stops_a_mixer_waiting_on_a_hung_reward(tmp_path):
             """
         )
     )
-    process = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = subprocess.Popen(  # SIGINT at its default, even under a shell that ignores it
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         assert process.stdout.readline().strip() == "scoring"
         time.sleep(0.5)

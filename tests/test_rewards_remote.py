@@ -4,6 +4,7 @@ is killed the client's error names the address and the mixer's on_error policy a
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,12 +39,19 @@ def weights_from(path):
         return scaled_brightness()
 
 
+def _ctrl_c_as_in_a_terminal():
+    """In the child: SIGINT at its default, as a terminal's command gets it, even when these
+    tests run under a shell that ignores it (a background job: ``nohup make test &``)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(*options):
     """A served ``test_trainer:brightness`` on a free port: (process, its URL)."""
     command = [*SERVE, "--port", "0", "--reward", "test_trainer:brightness", *options]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO
-    )
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
+    )  # fmt: skip
     line = process.stdout.readline()  # "serving reward NAME on http://127.0.0.1:PORT"
     assert "serving reward brightness on http://127.0.0.1:" in line, line
     return process, line.split(" on ")[1].strip()
