@@ -3,8 +3,9 @@ as videos grow, dense against VSA2 at several sparsities, built from measured pa
 
 For each video size (``--grids``, e.g. ``720p:81`` = 81 frames at 720 x 1280) and each attention
 setting (sparsity 0 is the stock dense model, cuDNN / FlashAttention SDPA; others run VSA2 with
-the recipe's router: kv_block 16 top-p 0.9 for 1.3B, kv_block 64 top-p 0.9 for 14B) it times,
-on one model with random bf16 weights:
+top-p 0.9 at the recipe's kv_block, 16 for 1.3B and 64 for 14B, or at each of ``--kv-blocks``)
+it times, on one model with random bf16 weights (``--compile``: its blocks under torch.compile,
+as ``model.compile_blocks=true`` in training):
 
 - ``forward``: one no-grad denoising forward of one video (a rollout step; also the KL
   reference's forward);
@@ -27,6 +28,12 @@ setting is listed under the table.
 
     python benchmarks/bench_rl_scale.py --grids 480p:33 720p:81 --sparsities 0 0.5 0.75 0.9
     python benchmarks/bench_rl_scale.py --model 14b --grids 720p:81 --sparsities 0 0.9 --reps 1
+    python benchmarks/bench_rl_scale.py --grids 720p:81 --sparsities 0 0.9 0.95 --kv-blocks 16 64 \\
+        --compile
+
+A row's setting reads ``dense``, the sparsity (the recipe's kv_block), or the sparsity and its
+kv_block (``0.95 kv64``); rows of compiled blocks end in ``compiled``, and their ``x dense`` is
+against the compiled dense row.
     python benchmarks/bench_rl_scale.py --plot scale.png --tables benchmarks/results/rl_scale/*.md
 
 ``--plot`` draws seconds per iteration (LoRA) against tokens per video from written tables, one
@@ -62,15 +69,22 @@ def latent_shape(grid: str) -> tuple[int, int, int]:
     return (int(frames) - 1) // 4 + 1, height // 8, width // 8
 
 
-def build(state, lora: bool, model_name: str):
+def vsa2_config(kv_block: int):
+    """The benchmark's VSA2 router: top-p 0.9 at ``kv_block``, Triton kernels."""
+    from vsa2_rl.config import VSA2Config
+
+    return VSA2Config(kv_block=kv_block, mode="topp", top_p=0.9, backend="triton")
+
+
+def build(state, lora: bool, model_name: str, compiled: bool = False):
     """The ``model_name``-shaped model (:data:`MODELS`) with VSA2 layers sharing ``state``
-    (sparsity 0 = dense) at its recipe's kv_block, gradient checkpointing, and either LoRA rank
-    32 (+ VSA2's router and gates) or every weight trained."""
+    (sparsity 0 = dense) at its recipe's kv_block, gradient checkpointing, either LoRA rank
+    32 (+ VSA2's router and gates) or every weight trained, and its blocks compiled if
+    ``compiled``."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
-    from vsa2_rl.config import VSA2Config
-    from vsa2_rl.models.wan import enable_vsa2
+    from vsa2_rl.models.wan import compile_blocks, enable_vsa2
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -80,10 +94,7 @@ def build(state, lora: bool, model_name: str):
             model = WanTransformer3DModel(**MODELS[model_name][1])
     finally:
         torch.set_default_dtype(default)
-    kv_block = MODELS[model_name][2]
-    enable_vsa2(
-        model, VSA2Config(kv_block=kv_block, mode="topp", top_p=0.9, backend="triton"), state
-    )
+    enable_vsa2(model, vsa2_config(MODELS[model_name][2]), state)
     model.enable_gradient_checkpointing()
     if lora:
         model.requires_grad_(False)
@@ -93,7 +104,7 @@ def build(state, lora: bool, model_name: str):
         for name, parameter in model.named_parameters():
             if "lora_" in name or ".vsa2." in name:
                 parameter.requires_grad_(True)
-    return model
+    return compile_blocks(model) if compiled else model
 
 
 def timed(fn, reps: int) -> float:
@@ -158,6 +169,11 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="1.3b")
     parser.add_argument("--grids", nargs="+", default=["480p:33", "720p:81"])
     parser.add_argument("--sparsities", nargs="+", type=float, default=[0.0, 0.5, 0.75, 0.9])
+    parser.add_argument(
+        "--kv-blocks", nargs="+", type=int, default=None,
+        help="kv_block of the VSA2 rows, each at every sparsity (default: the model's recipe's)",
+    )  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
     parser.add_argument("--full", action="store_true", help="also time full fine-tuning")
     parser.add_argument("--steps", type=int, default=16, help="sampler steps (recipe: 16)")
     parser.add_argument("--trained", type=int, default=4, help="trained steps a video (recipe)")
@@ -176,15 +192,22 @@ def main() -> None:
 
     from vsa2_rl.attention import SparsityState
 
+    name, _, recipe_kv_block = MODELS[args.model]
+    args.kv_blocks = args.kv_blocks or [recipe_kv_block]
+    if args.compile:  # every sparsity, grad mode and model recompiles the shared block code;
+        # past the limit torch.compile would fall back to eager without a word: fail instead
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     state = SparsityState(sparsity=0.0)
     modes = [("lora", True)] + ([("full", False)] if args.full else [])
-    models = {mode: build(state, lora, args.model) for mode, lora in modes}
+    models = {mode: build(state, lora, args.model, args.compile) for mode, lora in modes}
     optimizer = {mode: optimizer_seconds(model, args.reps) for mode, model in models.items()}
-    name, _, kv_block = MODELS[args.model]
+    kv_blocks = "/".join(f"kv{kv_block}" for kv_block in args.kv_blocks)
     title = (
         f"RL iteration of the {name} shape from its parts: {args.videos} videos x "
         f"{args.steps} steps, {args.trained} trained, cfg x{args.cfg}, KL reference pass; "
-        f"VSA2 kv{kv_block} top-p 0.9; AdamW step LoRA {optimizer['lora']:.3f} s"
+        f"VSA2 {kv_blocks} top-p 0.9; blocks {'compiled' if args.compile else 'uncompiled'}; "
+        f"AdamW step LoRA {optimizer['lora']:.3f} s"
         + (f", full {optimizer['full']:.3f} s" if args.full else "")
         + f"; median of {args.reps}; {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
     )
@@ -199,14 +222,38 @@ def main() -> None:
         handle.write(f"\nPeak GPU memory, GiB (the models of every training mode held): {peaks}\n")
 
 
+def settings(args) -> list[tuple[float, int | None]]:
+    """(sparsity, kv_block) of each row of a grid in order: dense (kv_block None) first if
+    asked, then each ``--kv-blocks`` entry at every nonzero sparsity."""
+    dense = [(0.0, None)] if 0.0 in args.sparsities else []
+    sparse = [s for s in args.sparsities if s > 0.0]
+    return dense + [(s, kv_block) for kv_block in args.kv_blocks for s in sparse]
+
+
+def setting_label(sparsity: float, kv_block: int | None, args) -> str:
+    """A row's setting: ``dense``, ``0.9`` (the recipe's kv_block) or ``0.95 kv64``, with
+    `` compiled`` after it for compiled blocks (module docstring)."""
+    label = "dense" if sparsity == 0 else f"{sparsity}"
+    if kv_block is not None and kv_block != MODELS[args.model][2]:
+        label += f" kv{kv_block}"
+    return label + (" compiled" if args.compile else "")
+
+
 def measure_grids(models, optimizer, state, args) -> str:
-    """Every grid and sparsity's row written to ``args.out`` (an ``out of memory`` row where
+    """Every grid and setting's row written to ``args.out`` (an ``out of memory`` row where
     the GPU cannot hold it); returns each measured setting's peak GPU memory."""
-    peaks = []
+    from vsa2_rl.models.wan import enable_vsa2
+
+    peaks, kv_block_now = [], MODELS[args.model][2]  # build()'s
     for grid in args.grids:
         dense: dict[str, float] = {}
-        for sparsity in args.sparsities:
+        for sparsity, kv_block in settings(args):
+            label = setting_label(sparsity, kv_block, args)
             state.sparsity = sparsity
+            if kv_block not in (None, kv_block_now):  # keeps the VSA2 parameters
+                for model in models.values():
+                    enable_vsa2(model, vsa2_config(kv_block), state)
+                kv_block_now = kv_block
             torch.cuda.reset_peak_memory_stats()
             try:
                 row = measure_row(models, optimizer, grid, args)
@@ -214,14 +261,12 @@ def measure_grids(models, optimizer, state, args) -> str:
                 row = None  # the failed pass's tensors are freed once this block ends
             if row is None:
                 torch.cuda.empty_cache()
-                write_out_of_memory(grid, sparsity, args.out)
+                write_out_of_memory(grid, label, args.out)
                 continue
-            peaks.append(
-                f"{grid} {_label(sparsity)} {torch.cuda.max_memory_allocated() / 2**30:.1f}"
-            )
+            peaks.append(f"{grid} {label} {torch.cuda.max_memory_allocated() / 2**30:.1f}")
             if sparsity == 0:
                 dense = row
-            write_row(grid, sparsity, row, dense, args.out)
+            write_row(grid, label, row, dense, args.out)
         torch.cuda.empty_cache()
     return ", ".join(peaks)
 
@@ -237,25 +282,21 @@ def measure_row(models, optimizer, grid: str, args) -> dict[str, float]:
     return row
 
 
-def _label(sparsity: float) -> str:
-    return "dense" if sparsity == 0 else f"{sparsity}"
-
-
 def _tokens(grid: str) -> int:
     frames, height, width = latent_shape(grid)
     return frames * height * width // 4
 
 
-def write_out_of_memory(grid: str, sparsity: float, out: str) -> None:
+def write_out_of_memory(grid: str, label: str, out: str) -> None:
     """The row of a setting one GPU cannot hold."""
-    line = f"| {grid} | {_tokens(grid)} | {_label(sparsity)} |" + " out of memory |" * 7 + "\n"
+    line = f"| {grid} | {_tokens(grid)} | {label} |" + " out of memory |" * 7 + "\n"
     print(line, end="", flush=True)
     with open(out, "a", encoding="utf-8") as handle:
         handle.write(line)
 
 
-def write_row(grid: str, sparsity: float, row: dict, dense: dict, out: str) -> None:
-    cells = [grid, str(_tokens(grid)), _label(sparsity)]
+def write_row(grid: str, label: str, row: dict, dense: dict, out: str) -> None:
+    cells = [grid, str(_tokens(grid)), label]
     cells.append(f"{row['forward']:.3f}")
     cells += [f"{row[key]:.3f}" if key in row else "-" for key in ("lora_train", "full_train")]
     for mode in ("lora", "full"):
@@ -297,8 +338,8 @@ def check_iteration(model, state, args) -> None:
         forward, train = part_times(model, grid, args.reps)
         parts = iteration_seconds(forward, train, optimizer, sum_args)
         lines.append(
-            f"check {grid} sparsity {sparsity}: whole iteration {whole:.2f} s, "
-            f"sum of parts {parts:.2f} s\n"
+            f"check {grid} sparsity {sparsity} kv{args.kv_blocks[-1]}: whole iteration "
+            f"{whole:.2f} s, sum of parts {parts:.2f} s\n"
         )
     with open(args.out, "a", encoding="utf-8") as handle:
         handle.write("\n" + "".join(lines))
@@ -332,7 +373,7 @@ def plot(series: dict[str, dict[int, tuple[str, float]]], out: str) -> None:
             continue
         tokens = sorted(points)
         seconds = [points[t][1] / 60 for t in tokens]
-        name = "dense (cuDNN)" if label == "dense" else f"VSA2 {label}"
+        name = label.replace("dense", "dense (cuDNN)") if "dense" in label else f"VSA2 {label}"
         axes.plot([t / 1000 for t in tokens], seconds, marker="o", label=name)
         if label == "dense":
             for index, (t, minutes) in enumerate(zip(tokens, seconds, strict=True)):

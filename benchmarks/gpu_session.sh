@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [testbed_rl_base]
-#     [sparse_rollouts] [frontier] [rl_scale_14b] [profile_rl] [ddp]
+#     [sparse_rollouts] [frontier] [rl_720p] [rl_scale_14b] [profile_rl] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
@@ -115,6 +115,15 @@ for part in "${parts[@]}"; do
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;
+    rl_720p)  # the 1.3B shape at 720p x 81, kv_block 64 and 16 at 0.9 and 0.95: LoRA and full
+      # fine-tuning uncompiled, then LoRA with compiled blocks (rows kept if the time runs out)
+      (cd benchmarks && timeout ${RL_720P_S:-250} python3 bench_rl_scale.py --grids 720p:81 --full \
+        --sparsities 0 0.9 0.95 --kv-blocks 64 16 --reps 2 --out "$OUT/rl_720p.md" 2>&1 \
+        | grep "^|" | tail -5
+       timeout ${RL_720P_COMPILED_S:-330} python3 bench_rl_scale.py --grids 720p:81 --compile \
+        --sparsities 0 0.9 0.95 --kv-blocks 64 16 --reps 2 --out "$OUT/rl_720p_compiled.md" \
+        > "$OUT/rl_720p_compiled.log" 2>&1; grep "^|" "$OUT/rl_720p_compiled.log" | tail -5
+       tail -3 "$OUT/rl_720p_compiled.log") ;;
     rl_scale_14b)  # the 14B shape's iteration from parts at 720p x 81, LoRA, dense and 0.9 (kv64)
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --model 14b --grids 720p:81 \
         --sparsities 0 0.9 --reps 1 --out "$OUT/rl_scale_14b.md" 2>&1 | grep "^|\|Peak" | tail -4) ;;
@@ -173,18 +182,20 @@ for part in "${parts[@]}"; do
       timeout 120 python3 benchmarks/tune_kernels.py --profile --rows 22 > "$OUT/profile.txt" 2>&1
       tail -3 "$OUT/profile.txt" ;;
     profile_rl)  # (after "wan") where one RL iteration of the 1.3B recipe's time goes, by phase
-      # and kernel class (profile_rl_iteration.py, its last of 2 steps profiled): 480p x 33, 8
-      # videos a step (1 prompt x 8), the recipe's sampler, guidance, KL, LoRA and attention.
+      # and kernel class (profile_rl_iteration.py, its last of 2 steps profiled): 480p x 33,
+      # 1 prompt x PROFILE_GROUP videos a step, the recipe's sampler, guidance, KL, LoRA and
+      # attention.
       # Rewards: image_quality (the recipe's need weights under /data and OpenCV); the folder's
-      # text encoder is a one-layer stand-in. PROFILE_RUNS: dense and/or vsa2 (one a call fits)
+      # text encoder is a one-layer stand-in. PROFILE_RUNS: dense and/or vsa2; PROFILE_GROUP:
+      # videos a step (the same passes per video, fewer videos: both runs fit one call at 4)
       [ -d /tmp/wan1.3b ] || python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1
       for name in ${PROFILE_RUNS:-dense vsa2}; do
         dense=""; [ "$name" = dense ] && dense="sparsity.train=0.0 sparsity.eval=0.0"
         rm -rf /tmp/profile_rl_$name  # a fresh run folder on a warm machine
         PYTHONSAFEPATH=1 timeout ${PROFILE_S:-560} python3 benchmarks/profile_rl_iteration.py \
           --config configs/wan2_1_1.3b_vsa2_grpo.yaml model.path=/tmp/wan1.3b \
-          rl.prompts_per_step=1 rl.group_size=8 "rewards.functions=[{name: image_quality}]" \
-          "logging.report_to=[]" logging.progress=false out_dir=/tmp/profile_rl_$name $dense \
+          rl.prompts_per_step=1 rl.group_size=${PROFILE_GROUP:-8} \
+          "rewards.functions=[{name: image_quality}]" "logging.report_to=[]" logging.progress=false out_dir=/tmp/profile_rl_$name $dense \
           --out "$OUT/profile_rl_$name.md" > "$OUT/profile_rl_$name.log" 2>&1
         echo "profile_rl $name rc=$?"; grep "^| \*\*step\|^| share\|^Profile" "$OUT/profile_rl_$name.md"
       done ;;

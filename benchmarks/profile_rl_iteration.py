@@ -237,10 +237,25 @@ def format_table(result: StepProfile, header: str, top_other: int = 10) -> str:
     all_busy = sum(totals.values()) or 1.0
     shares = [f"{100 * totals[kind] / all_busy:.1f}%" for kind in CLASSES]
     lines.append("| share of " + busy + " time | | | | " + " | ".join(shares) + " | 100% | |")
+    lines += ["", attention_bound(totals, step_us, busy)]
     lines += ["", f'Largest names in "other" ({busy} ms):', ""]
     for name, us in result.other_names.most_common(top_other):
         lines.append(f"- {us / 1e3:.1f} `{name[:160]}`")
     return "\n".join(lines) + "\n"
+
+
+def attention_bound(totals: Counter, step_us: float, busy: str) -> str:
+    """The most any attention speed-up can give this step (Amdahl): its wall against the wall
+    less every attention kernel's time, as if attention took none and nothing else changed."""
+    attention_us = totals["attention fwd"] + totals["attention bwd"]
+    said = f"Attention: {attention_us / 1e3:.1f} ms {busy} time"
+    rest_us = step_us - attention_us
+    if rest_us <= 0:  # CPU self times of threads running side by side can exceed the wall
+        return f"{said}, not less than the step's wall: no bound."
+    return (
+        f"{said}, {100 * attention_us / step_us:.1f}% of the step's wall; were it free, the "
+        f"step would be at most {step_us / rest_us:.2f}x faster."
+    )
 
 
 def _row(name, calls, wall_us, by_class, step_us, result) -> str:

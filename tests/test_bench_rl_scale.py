@@ -1,6 +1,8 @@
 """benchmarks/bench_rl_scale.py's table on the CPU: token counts from Wan's VAE strides, the
-row of a setting one GPU cannot hold, and the plot's reader skipping it."""
+rows a run measures and their names, the row of a setting one GPU cannot hold, and the plot's
+reader skipping it."""
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,10 +21,27 @@ def test_latents_and_tokens_follow_wans_strides():
 def test_an_out_of_memory_setting_is_a_row_and_ratios_need_a_measured_dense(tmp_path):
     table = tmp_path / "scale.md"
     table.write_text(bench_rl_scale.HEADER)
-    bench_rl_scale.write_out_of_memory("720p:81", 0.0, str(table))
+    bench_rl_scale.write_out_of_memory("720p:81", "dense", str(table))
     row = {"forward": 1.5, "lora_train": 4.0, "lora": 900.0}
-    bench_rl_scale.write_row("720p:81", 0.9, row, {}, str(table))  # dense did not fit
+    bench_rl_scale.write_row("720p:81", "0.9", row, {}, str(table))  # dense did not fit
     lines = table.read_text().splitlines()
     assert lines[2] == "| 720p:81 | 75600 | dense |" + " out of memory |" * 7
     assert lines[3] == "| 720p:81 | 75600 | 0.9 | 1.500 | 4.000 | - | 900 | - | - | - |"
     assert bench_rl_scale.read_rows([str(table)]) == {"0.9": {75600: ("720p:81", 900.0)}}
+
+
+def test_rows_are_dense_once_then_every_kv_block_at_every_sparsity_named_apart():
+    args = argparse.Namespace(
+        model="1.3b", sparsities=[0.0, 0.9, 0.95], kv_blocks=[16, 64], compile=False
+    )
+    rows = bench_rl_scale.settings(args)
+    assert rows == [(0.0, None), (0.9, 16), (0.95, 16), (0.9, 64), (0.95, 64)]
+    labels = [bench_rl_scale.setting_label(s, kv, args) for s, kv in rows]
+    # the recipe's kv_block (16 for 1.3B) keeps the older tables' names; others say theirs
+    assert labels == ["dense", "0.9", "0.95", "0.9 kv64", "0.95 kv64"]
+    args.compile, args.model = True, "14b"  # 14B's recipe is kv64
+    assert bench_rl_scale.setting_label(0.9, 64, args) == "0.9 compiled"
+    assert bench_rl_scale.setting_label(0.0, None, args) == "dense compiled"
+    assert bench_rl_scale.settings(argparse.Namespace(sparsities=[0.9], kv_blocks=[64])) == [
+        (0.9, 64)
+    ]

@@ -186,3 +186,15 @@ def test_phases_fit_in_the_step_wall(profiled):
 def test_refuses_num_steps_override():
     with pytest.raises(SystemExit, match=r"train\.num_steps: give the number of steps as --steps"):
         prof.run_profiled(None, ["train.num_steps=3"], 2)
+
+
+def test_attention_bound_is_amdahls_law_on_the_step_wall():
+    # 10 s step, attention 2 s forward + 4 s backward: free attention leaves 4 s, 2.5x at most
+    totals = prof.Counter({"attention fwd": 2e6, "attention bwd": 4e6, "matrix products": 3e6})
+    line = prof.attention_bound(totals, 10e6, "device")
+    assert line == (
+        "Attention: 6000.0 ms device time, 60.0% of the step's wall; were it free, the step "
+        "would be at most 2.50x faster."
+    )
+    over = prof.attention_bound(prof.Counter({"attention fwd": 11e6}), 10e6, "CPU op self")
+    assert over.endswith("not less than the step's wall: no bound.")
