@@ -187,7 +187,8 @@ for part in "${parts[@]}"; do
       # attention.
       # Rewards: image_quality (the recipe's need weights under /data and OpenCV); the folder's
       # text encoder is a one-layer stand-in. PROFILE_RUNS: dense and/or vsa2; PROFILE_GROUP:
-      # videos a step (the same passes per video, fewer videos: both runs fit one call at 4)
+      # videos a step (the same passes per video). At 4 videos and 265 s a run, both runs were
+      # cut in the analysis after their steps (H100): give one run a call, or 2 videos
       [ -d /tmp/wan1.3b ] || python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1
       for name in ${PROFILE_RUNS:-dense vsa2}; do
         dense=""; [ "$name" = dense ] && dense="sparsity.train=0.0 sparsity.eval=0.0"

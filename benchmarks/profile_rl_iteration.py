@@ -33,6 +33,7 @@ import argparse
 import bisect
 import contextlib
 import datetime
+import functools
 import sys
 import tempfile
 import time
@@ -81,6 +82,7 @@ KERNEL_CLASSES = (
 )  # fmt: skip
 
 
+@functools.cache  # a step holds a few thousand distinct names among up to millions of events
 def _match(name: str) -> str | None:
     lowered = name.lower()
     for kind, substrings in KERNEL_CLASSES:
@@ -346,8 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, as vsa2-rl train's")
     args = parser.parse_intermixed_args(argv)
     trainer = run_profiled(args.config, args.overrides, args.steps)
+    started = time.perf_counter()  # the analysis of a large step takes minutes: say where it is
+    print("reading the profiled step's events ...", flush=True)
     events = trainer.profiler.events()
+    print(
+        f"{len(events)} events in {time.perf_counter() - started:.0f} s; attributing ...",
+        flush=True,
+    )
     result = attribute(events, trainer.step_seconds * 1e6, trainer.device.type == "cuda")
+    print(f"attributed in {time.perf_counter() - started:.0f} s", flush=True)
     table = format_table(result, _header(args.config, args.overrides, trainer))
     print(table)
     if args.out:
