@@ -36,12 +36,16 @@ TERMS = ("linear", "dense attention", "vsa2 attention", "vsa2 overhead")
 
 
 def read_rows(paths=TABLES) -> list[dict]:
-    """Every row of the tables: tokens, sparsity (0 dense), forward s and LoRA train s."""
+    """Every row of the tables at the recipe's attention, uncompiled (the plan's): tokens,
+    sparsity (0 dense), forward s and LoRA train s. Rows of another kv_block or of compiled
+    blocks (a setting such as ``0.95 kv64`` or ``dense compiled``) are left out."""
     rows = []
     for path in paths:
         for line in Path(path).read_text().splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]
             if len(cells) < 5 or not re.fullmatch(r"\d+", cells[1]):
+                continue
+            if not re.fullmatch(r"dense|[\d.]+", cells[2]):
                 continue
             sparsity = 0.0 if cells[2] == "dense" else float(cells[2])
             rows.append(dict(tokens=int(cells[1]), sparsity=sparsity, forward=float(cells[3]),
