@@ -69,11 +69,12 @@ def latent_shape(grid: str) -> tuple[int, int, int]:
     return (int(frames) - 1) // 4 + 1, height // 8, width // 8
 
 
-def vsa2_config(kv_block: int):
-    """The benchmark's VSA2 router: top-p 0.9 at ``kv_block``, Triton kernels."""
+def vsa2_config(kv_block: int, mode: str = "topp"):
+    """The benchmark's VSA2 router at ``kv_block``: top-p 0.9 (``mode="topk"``: VSA's fixed
+    count), Triton kernels."""
     from vsa2_rl.config import VSA2Config
 
-    return VSA2Config(kv_block=kv_block, mode="topp", top_p=0.9, backend="triton")
+    return VSA2Config(kv_block=kv_block, mode=mode, top_p=0.9, backend="triton")
 
 
 def build(state, lora: bool, model_name: str, compiled: bool = False):
@@ -173,6 +174,10 @@ def main() -> None:
         "--kv-blocks", nargs="+", type=int, default=None,
         help="kv_block of the VSA2 rows, each at every sparsity (default: the model's recipe's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--router-modes", nargs="+", choices=("topp", "topk"), default=["topp"],
+        help="router of each --kv-blocks entry, in the same order (one: for all of them)",
+    )  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
     parser.add_argument("--full", action="store_true", help="also time full fine-tuning")
     parser.add_argument("--steps", type=int, default=16, help="sampler steps (recipe: 16)")
@@ -194,6 +199,8 @@ def main() -> None:
 
     name, _, recipe_kv_block = MODELS[args.model]
     args.kv_blocks = args.kv_blocks or [recipe_kv_block]
+    if len(args.router_modes) not in (1, len(args.kv_blocks)):
+        parser.error("--router-modes: give one mode, or one per --kv-blocks entry")
     if args.compile:  # every sparsity, grad mode and model recompiles the shared block code;
         # past the limit torch.compile would fall back to eager without a word: fail instead
         torch._dynamo.config.recompile_limit = 64
@@ -202,11 +209,17 @@ def main() -> None:
     modes = [("lora", True)] + ([("full", False)] if args.full else [])
     models = {mode: build(state, lora, args.model, args.compile) for mode, lora in modes}
     optimizer = {mode: optimizer_seconds(model, args.reps) for mode, model in models.items()}
-    kv_blocks = "/".join(f"kv{kv_block}" for kv_block in args.kv_blocks)
+    routers = ", ".join(
+        dict.fromkeys(
+            f"kv{kv_block} {'top-p 0.9' if mode == 'topp' else 'top-k'}"
+            for _, kv_block, mode in settings(args)
+            if kv_block
+        )
+    )
     title = (
         f"RL iteration of the {name} shape from its parts: {args.videos} videos x "
         f"{args.steps} steps, {args.trained} trained, cfg x{args.cfg}, KL reference pass; "
-        f"VSA2 {kv_blocks} top-p 0.9; blocks {'compiled' if args.compile else 'uncompiled'}; "
+        f"VSA2 {routers}; blocks {'compiled' if args.compile else 'uncompiled'}; "
         f"AdamW step LoRA {optimizer['lora']:.3f} s"
         + (f", full {optimizer['full']:.3f} s" if args.full else "")
         + f"; median of {args.reps}; {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
@@ -222,20 +235,28 @@ def main() -> None:
         handle.write(f"\nPeak GPU memory, GiB (the models of every training mode held): {peaks}\n")
 
 
-def settings(args) -> list[tuple[float, int | None]]:
-    """(sparsity, kv_block) of each row of a grid in order: dense (kv_block None) first if
-    asked, then each ``--kv-blocks`` entry at every nonzero sparsity."""
-    dense = [(0.0, None)] if 0.0 in args.sparsities else []
+def settings(args) -> list[tuple[float, int | None, str]]:
+    """(sparsity, kv_block, router mode) of each row of a grid in order: dense (kv_block None)
+    first if asked, then each ``--kv-blocks`` entry with its router at every nonzero sparsity."""
+    dense = [(0.0, None, "topp")] if 0.0 in args.sparsities else []
     sparse = [s for s in args.sparsities if s > 0.0]
-    return dense + [(s, kv_block) for kv_block in args.kv_blocks for s in sparse]
+    modes = args.router_modes * (len(args.kv_blocks) // len(args.router_modes))
+    return dense + [
+        (s, kv_block, mode)
+        for kv_block, mode in zip(args.kv_blocks, modes, strict=True)
+        for s in sparse
+    ]
 
 
-def setting_label(sparsity: float, kv_block: int | None, args) -> str:
+def setting_label(sparsity: float, kv_block: int | None, mode: str, args) -> str:
     """A row's setting: ``dense``, ``0.9`` (the recipe's kv_block) or ``0.95 kv64``, with
-    `` compiled`` after it for compiled blocks (module docstring)."""
+    `` top-k`` after it for VSA's router and `` compiled`` for compiled blocks (module
+    docstring)."""
     label = "dense" if sparsity == 0 else f"{sparsity}"
     if kv_block is not None and kv_block != MODELS[args.model][2]:
         label += f" kv{kv_block}"
+    if sparsity and mode == "topk":
+        label += " top-k"
     return label + (" compiled" if args.compile else "")
 
 
@@ -244,16 +265,16 @@ def measure_grids(models, optimizer, state, args) -> str:
     the GPU cannot hold it); returns each measured setting's peak GPU memory."""
     from vsa2_rl.models.wan import enable_vsa2
 
-    peaks, kv_block_now = [], MODELS[args.model][2]  # build()'s
+    peaks, router_now = [], (MODELS[args.model][2], "topp")  # build()'s
     for grid in args.grids:
         dense: dict[str, float] = {}
-        for sparsity, kv_block in settings(args):
-            label = setting_label(sparsity, kv_block, args)
+        for sparsity, kv_block, mode in settings(args):
+            label = setting_label(sparsity, kv_block, mode, args)
             state.sparsity = sparsity
-            if kv_block not in (None, kv_block_now):  # keeps the VSA2 parameters
+            if kv_block is not None and (kv_block, mode) != router_now:  # keeps the VSA2 weights
                 for model in models.values():
-                    enable_vsa2(model, vsa2_config(kv_block), state)
-                kv_block_now = kv_block
+                    enable_vsa2(model, vsa2_config(kv_block, mode), state)
+                router_now = (kv_block, mode)
             torch.cuda.reset_peak_memory_stats()
             try:
                 row = measure_row(models, optimizer, grid, args)

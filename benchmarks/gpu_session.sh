@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [testbed_rl_base]
-#     [sparse_rollouts] [frontier] [rl_720p] [rl_scale_14b] [profile_rl] [ddp]
+#     [sparse_rollouts] [frontier] [frontier_rl] [rl_720p] [rl_scale_14b] [profile_rl] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
@@ -108,10 +108,19 @@ for part in "${parts[@]}"; do
       PYTHONSAFEPATH=1 python3 benchmarks/sparse_rollouts.py report --out $sweep 2>&1 | tail -3
       tar -C /tmp -czf "$OUT/sparse_rollouts.tgz" --exclude=checkpoints --exclude="*.mp4" sparse_rollouts ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
-      timeout 400 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 \
-        --router-modes topp,topk --sparsities 0.75,0.875,0.9375,0.96875 --no-flex --no-fastvideo \
-        --out "$OUT/frontier_attention.md" > "$OUT/frontier_attention.log" 2>&1
+      # (its two routers only: kv16 top-p, kv64 top-k), then frontier.py's table and choice
+      for router in 16:topp 64:topk; do
+        timeout 200 python3 benchmarks/bench_attention.py --shapes 720p --kv-blocks ${router%:*} \
+          --router-modes ${router#*:} --sparsities 0.75,0.875,0.9375,0.96875 --no-flex \
+          --no-fastvideo --out "$OUT/frontier_kv${router%:*}.md" >> "$OUT/frontier_attention.log" 2>&1
+      done
+      cat "$OUT"/frontier_kv*.md > "$OUT/frontier_attention.md"
       python3 benchmarks/frontier.py --attention "$OUT/frontier_attention.md" --out "$OUT/frontier.md" ;;
+    frontier_rl)  # the same routers' 1.3B RL iteration at 720p x 81, compiled blocks (the recipe
+      # candidates: VSA's 0.875 kv64 top-k, kv16 top-p at the densities within its loss spread)
+      (cd benchmarks && timeout ${FRONTIER_RL_S:-420} python3 bench_rl_scale.py --grids 720p:81 \
+        --compile --sparsities 0 0.875 0.9375 --kv-blocks 16 64 --router-modes topp topk --reps 2 \
+        --out "$OUT/frontier_rl.md" > "$OUT/frontier_rl.log" 2>&1; grep "^|" "$OUT/frontier_rl.log" | tail -5) ;;
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;

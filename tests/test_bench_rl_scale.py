@@ -32,16 +32,51 @@ def test_an_out_of_memory_setting_is_a_row_and_ratios_need_a_measured_dense(tmp_
 
 def test_rows_are_dense_once_then_every_kv_block_at_every_sparsity_named_apart():
     args = argparse.Namespace(
-        model="1.3b", sparsities=[0.0, 0.9, 0.95], kv_blocks=[16, 64], compile=False
+        model="1.3b",
+        sparsities=[0.0, 0.9, 0.95],
+        kv_blocks=[16, 64],
+        router_modes=["topp"],
+        compile=False,
     )
     rows = bench_rl_scale.settings(args)
-    assert rows == [(0.0, None), (0.9, 16), (0.95, 16), (0.9, 64), (0.95, 64)]
-    labels = [bench_rl_scale.setting_label(s, kv, args) for s, kv in rows]
+    assert rows == [
+        (0.0, None, "topp"),
+        (0.9, 16, "topp"),
+        (0.95, 16, "topp"),
+        (0.9, 64, "topp"),
+        (0.95, 64, "topp"),
+    ]
+    labels = [bench_rl_scale.setting_label(*row, args) for row in rows]
     # the recipe's kv_block (16 for 1.3B) keeps the older tables' names; others say theirs
     assert labels == ["dense", "0.9", "0.95", "0.9 kv64", "0.95 kv64"]
     args.compile, args.model = True, "14b"  # 14B's recipe is kv64
-    assert bench_rl_scale.setting_label(0.9, 64, args) == "0.9 compiled"
-    assert bench_rl_scale.setting_label(0.0, None, args) == "dense compiled"
-    assert bench_rl_scale.settings(argparse.Namespace(sparsities=[0.9], kv_blocks=[64])) == [
-        (0.9, 64)
+    assert bench_rl_scale.setting_label(0.9, 64, "topp", args) == "0.9 compiled"
+    assert bench_rl_scale.setting_label(0.0, None, "topp", args) == "dense compiled"
+    only_sparse = argparse.Namespace(sparsities=[0.9], kv_blocks=[64], router_modes=["topp"])
+    assert bench_rl_scale.settings(only_sparse) == [(0.9, 64, "topp")]
+
+
+def test_each_kv_block_runs_its_own_router_and_top_k_rows_say_so():
+    args = argparse.Namespace(
+        model="1.3b",
+        sparsities=[0.0, 0.875, 0.9375],
+        kv_blocks=[16, 64],
+        router_modes=["topp", "topk"],
+        compile=True,
+    )
+    rows = bench_rl_scale.settings(args)
+    assert rows == [
+        (0.0, None, "topp"),
+        (0.875, 16, "topp"),
+        (0.9375, 16, "topp"),
+        (0.875, 64, "topk"),
+        (0.9375, 64, "topk"),
+    ]
+    labels = [bench_rl_scale.setting_label(*row, args) for row in rows]
+    assert labels == [
+        "dense compiled",
+        "0.875 compiled",
+        "0.9375 compiled",
+        "0.875 kv64 top-k compiled",
+        "0.9375 kv64 top-k compiled",
     ]
