@@ -1,4 +1,4 @@
-"""GPU benchmark: one Flow-GRPO iteration of a Wan-1.3B-shaped DiT at 480p, dense vs VSA2, at
+"""GPU benchmark: one Flow-GRPO iteration of a Wan-1.3B-shaped DiT at 480p x 81, dense vs VSA2, at
 the attention settings of ``configs/wan2_1_1.3b_vsa2_grpo.yaml`` (kv_block 16, top-p 0.9) unless
 told otherwise.
 
