@@ -4,16 +4,23 @@
 Quality is the sparsity testbed's validation loss after rebasing at that density (the router
 claim's runs, ``benchmarks/sparsity_claims.py claim1``: mean and standard deviation over seeds);
 speed is the full VSA2 op at the Wan-14B 720p shape against cuDNN in the same run
-(``bench_attention.py --out``: forward and forward+backward). A setting is on the frontier when
-no other setting has both a loss at most its own and a speed-up at least its own (one of them
-strictly). The recipe rule, fixed before the op was timed at these densities: the fastest
-frontier setting (forward+backward) whose mean loss is within one seed standard deviation of
-VSA's own setting (kv_block 64, top-k, density 0.125, i.e. sparsity 0.875), which is the point
-VSA itself recommends.
+(``bench_attention.py --out``: forward and forward+backward) and, with ``--rl``, the Wan-1.3B
+shape's RL iteration against dense in the same run (``bench_rl_scale.py --out``, LoRA: the
+recipe's own cost). A setting is on the frontier when no other setting has both a loss at most
+its own and a speed-up at least its own (one of them strictly); the speed-up is the RL
+iteration's when ``--rl`` is given, else the op's forward+backward. The recipe rule, fixed
+before either was timed at these densities: the fastest frontier setting whose mean loss is
+within one seed standard deviation of VSA's own setting (kv_block 64, top-k, density 0.125, i.e.
+sparsity 0.875), which is the point VSA itself recommends.
 
-    python benchmarks/bench_attention.py --shapes 720p --kv-blocks 16,64 --router-modes topp,topk \\
-        --sparsities 0.75,0.875,0.9375,0.96875 --no-flex --no-fastvideo --out attention.md
-    python benchmarks/frontier.py --attention attention.md --out frontier.md
+    python benchmarks/bench_attention.py --shapes 720p --kv-blocks 16 --router-modes topp \\
+        --sparsities 0.75,0.875,0.9375,0.96875 --no-flex --no-fastvideo --out kv16.md
+    python benchmarks/bench_attention.py --shapes 720p --kv-blocks 64 --router-modes topk \\
+        --sparsities 0.75,0.875,0.9375,0.96875 --no-flex --no-fastvideo --out kv64.md
+    cat kv16.md kv64.md > attention.md
+    python benchmarks/bench_rl_scale.py --grids 720p:81 --compile --sparsities 0 0.875 0.9375 \\
+        --kv-blocks 16 64 --router-modes topp topk --reps 2 --out rl.md
+    python benchmarks/frontier.py --attention attention.md --rl rl.md --out frontier.md
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from pathlib import Path
 # the router claim's two routers: its folder name part, the op's method name in bench_attention
 ROUTERS = {"kv16 top-p": ("kv16_top-p", "ours-full-topp-kv16"),
            "kv64 top-k": ("kv64_top-k", "ours-full-kv64")}  # fmt: skip
+# each router's row label in a bench_rl_scale table of the 1.3B shape (its recipe kv_block is
+# 16), without the " compiled" that rows of compiled blocks add
+RL_LABELS = {"kv16 top-p": "{sparsity}", "kv64 top-k": "{sparsity} kv64 top-k"}
 REFERENCE = ("kv64 top-k", 0.125)  # VSA's router at its recommended sparsity 0.875
 
 
@@ -39,6 +49,7 @@ class Setting:
     losses: list[float]
     fwd_speedup: float | None
     fwd_bwd_speedup: float | None
+    rl_speedup: float | None = None
 
     @property
     def loss(self) -> float:
@@ -71,13 +82,24 @@ def op_speedups(attention_md: Path) -> dict[tuple[str, float, str], float]:
     return speedups
 
 
+def rl_speedups(rl_md: Path) -> dict[str, float]:
+    """Row label (less " compiled") -> LoRA iteration x dense, from a bench_rl_scale table."""
+    speedups = {}
+    for line in rl_md.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[1].isdigit() and cells[7] not in ("-", "out of memory"):
+            speedups[cells[2].removesuffix(" compiled")] = float(cells[7])
+    return speedups
+
+
 def claim_densities(claims: Path) -> list[float]:
     names = {path.name.rsplit("_s", 1)[0] for path in (claims / "claim1").glob("*_d*_s*")}
     return sorted({float(name.rsplit("_d", 1)[1]) for name in names}, reverse=True)
 
 
-def gather(claims: Path, attention_md: Path) -> list[Setting]:
+def gather(claims: Path, attention_md: Path, rl_md: Path | None = None) -> list[Setting]:
     speedups = op_speedups(attention_md)
+    rl = rl_speedups(rl_md) if rl_md else {}
     settings = []
     for density in claim_densities(claims):
         for router, (_, method) in ROUTERS.items():
@@ -85,24 +107,33 @@ def gather(claims: Path, attention_md: Path) -> list[Setting]:
             if not losses:
                 continue
             sparsity = round(1 - density, 6)
+            rl_label = RL_LABELS[router].format(sparsity=sparsity)
             settings.append(Setting(router, density, losses,
                                     speedups.get((method, sparsity, "fwd")),
-                                    speedups.get((method, sparsity, "fwd+bwd"))))  # fmt: skip
+                                    speedups.get((method, sparsity, "fwd+bwd")),
+                                    rl.get(rl_label)))  # fmt: skip
     if not settings:
         raise SystemExit(f"error: --claims {claims}: no claim1 runs under it")
     return settings
 
 
+def speed_key(settings: list[Setting]) -> str:
+    """The speed-up the frontier is drawn by: the RL iteration's where any setting has one."""
+    return "rl_speedup" if any(s.rl_speedup is not None for s in settings) else "fwd_bwd_speedup"
+
+
 def on_frontier(setting: Setting, settings: list[Setting]) -> bool | None:
     """Whether no other timed setting dominates ``setting`` (None: not timed)."""
-    if setting.fwd_bwd_speedup is None:
+    key = speed_key(settings)
+    speed = getattr(setting, key)
+    if speed is None:
         return None
     for other in settings:
-        if other is setting or other.fwd_bwd_speedup is None:
+        other_speed = getattr(other, key)
+        if other is setting or other_speed is None:
             continue
-        no_worse = other.loss <= setting.loss and other.fwd_bwd_speedup >= setting.fwd_bwd_speedup
-        better = other.loss < setting.loss or other.fwd_bwd_speedup > setting.fwd_bwd_speedup
-        if no_worse and better:
+        no_worse = other.loss <= setting.loss and other_speed >= speed
+        if no_worse and (other.loss < setting.loss or other_speed > speed):
             return False
     return True
 
@@ -114,7 +145,7 @@ def recipe_choice(settings: list[Setting]) -> Setting | None:
         return None
     bound = reference.loss + reference.loss_sd
     candidates = [s for s in settings if on_frontier(s, settings) and s.loss <= bound]
-    return max(candidates, key=lambda s: s.fwd_bwd_speedup, default=None)
+    return max(candidates, key=lambda s: getattr(s, speed_key(settings)), default=None)
 
 
 def _speed(value: float | None) -> str:
@@ -123,20 +154,23 @@ def _speed(value: float | None) -> str:
 
 def report(settings: list[Setting]) -> str:
     columns = ("router", "density", "sparsity", "testbed loss, mean ± sd (seeds)", "op fwd",
-               "op fwd+bwd", "frontier")  # fmt: skip
+               "op fwd+bwd", "RL iteration", "frontier")  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for s in settings:
         frontier = {True: "yes", False: "", None: "-"}[on_frontier(s, settings)]
         lines.append(f"| {s.router} | {s.density:g} | {1 - s.density:g} | {s.loss:.4f} ± "
                      f"{s.loss_sd:.4f} ({len(s.losses)}) | {_speed(s.fwd_speedup)} | "
-                     f"{_speed(s.fwd_bwd_speedup)} | {frontier} |")  # fmt: skip
+                     f"{_speed(s.fwd_bwd_speedup)} | {_speed(s.rl_speedup)} | "
+                     f"{frontier} |")  # fmt: skip
+    key = speed_key(settings)
     choice = recipe_choice(settings)
     if choice is None:
         verdict = "no setting qualifies (or VSA's own setting was not measured)"
     else:
-        speed = _speed(choice.fwd_bwd_speedup)
+        speed = _speed(getattr(choice, key))
+        what = "RL iteration" if key == "rl_speedup" else "op fwd+bwd"
         verdict = (f"{choice.router} at sparsity {1 - choice.density:g} "
-                   f"({speed} fwd+bwd, loss {choice.loss:.4f})")  # fmt: skip
+                   f"({speed} {what}, loss {choice.loss:.4f})")  # fmt: skip
     return "\n".join(lines) + f"\n\nRecipe rule's choice: {verdict}\n"
 
 
@@ -144,11 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--claims", type=Path, default=Path("benchmarks/results/claims"))
     parser.add_argument("--attention", type=Path, required=True, help="bench_attention --out")
+    parser.add_argument("--rl", type=Path, default=None, help="bench_rl_scale --out (1.3B)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
     if not args.attention.is_file():
         raise SystemExit(f"error: --attention {args.attention}: no such file")
-    text = report(gather(args.claims, args.attention))
+    if args.rl is not None and not args.rl.is_file():
+        raise SystemExit(f"error: --rl {args.rl}: no such file")
+    text = report(gather(args.claims, args.attention, args.rl))
     print(text, end="")
     if args.out:
         args.out.write_text(text)

@@ -115,7 +115,9 @@ for part in "${parts[@]}"; do
           --no-fastvideo --out "$OUT/frontier_kv${router%:*}.md" >> "$OUT/frontier_attention.log" 2>&1
       done
       cat "$OUT"/frontier_kv*.md > "$OUT/frontier_attention.md"
-      python3 benchmarks/frontier.py --attention "$OUT/frontier_attention.md" --out "$OUT/frontier.md" ;;
+      rl=""; [ -f "$OUT/frontier_rl.md" ] && rl="--rl $OUT/frontier_rl.md"  # frontier_rl ran first
+      python3 benchmarks/frontier.py --attention "$OUT/frontier_attention.md" $rl \
+        --out "$OUT/frontier.md" ;;
     frontier_rl)  # the same routers' 1.3B RL iteration at 720p x 81, compiled blocks (the recipe
       # candidates: VSA's 0.875 kv64 top-k, kv16 top-p at the densities within its loss spread)
       (cd benchmarks && timeout ${FRONTIER_RL_S:-420} python3 bench_rl_scale.py --grids 720p:81 \

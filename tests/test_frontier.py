@@ -74,3 +74,43 @@ def test_without_vsas_own_setting_no_setting_is_chosen(settings):
 def test_a_missing_op_table_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="--attention"):
         frontier.main(["--attention", str(tmp_path / "absent.md")])
+
+
+# rows as bench_rl_scale.py --compile writes them (header shortened, made-up iterations); the
+# 0.75 rows are absent
+RL_TABLE = """| grid | tokens | sparsity | fwd | LoRA | full | iter | x dense | full it | x dense |
+|---|---|---|---|---|---|---|---|---|---|
+| 720p:81 | 75600 | dense compiled | 2.283 | 10.120 | - | 5514 | 1.00 | - | - |
+| 720p:81 | 75600 | 0.875 compiled | 1.000 | 4.000 | - | 2506 | 2.20 | - | - |
+| 720p:81 | 75600 | 0.9375 compiled | 0.800 | 3.300 | - | 1838 | 3.00 | - | - |
+| 720p:81 | 75600 | 0.875 kv64 top-k compiled | 0.700 | 3.100 | - | 1723 | 3.20 | - | - |
+| 720p:81 | 75600 | 0.9375 kv64 top-k compiled | 0.650 | 2.900 | - | 1622 | 3.40 | - | - |
+"""
+
+
+def test_with_an_rl_table_the_rl_iteration_draws_the_frontier_and_picks_the_recipe(tmp_path):
+    op, rl = tmp_path / "attention.md", tmp_path / "rl.md"
+    op.write_text(OP_TABLE)
+    rl.write_text(RL_TABLE)
+    everything = frontier.gather(CLAIMS, op, rl)
+    settings = {(s.router, s.density): s for s in everything}
+    assert settings[("kv64 top-k", 0.125)].rl_speedup == 3.20
+    assert settings[("kv16 top-p", 0.25)].rl_speedup is None
+
+    def mark(router, density):
+        return frontier.on_frontier(settings[(router, density)], everything)
+
+    # by the iteration, kv64 0.875 (0.0250, 3.20x) beats kv16 0.9375 (0.0263, 3.00x) on both,
+    # though the op table has kv16 0.9375 faster; kv64 0.9375 (0.0276, 3.40x) is the fastest
+    assert mark("kv16 top-p", 0.0625) is False
+    assert mark("kv16 top-p", 0.125) and mark("kv64 top-k", 0.125) and mark("kv64 top-k", 0.0625)
+    choice = frontier.recipe_choice(everything)  # within 0.0269: kv16 2.20x and kv64 3.20x
+    assert (choice.router, choice.density) == ("kv64 top-k", 0.125)
+    assert "kv64 top-k at sparsity 0.875 (3.20x RL iteration" in frontier.report(everything)
+
+
+def test_a_missing_rl_table_is_refused_by_name(tmp_path):
+    op = tmp_path / "attention.md"
+    op.write_text(OP_TABLE)
+    with pytest.raises(SystemExit, match="--rl"):
+        frontier.main(["--attention", str(op), "--rl", str(tmp_path / "absent.md")])
