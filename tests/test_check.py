@@ -70,10 +70,10 @@ def test_the_plan_of_the_1_3b_recipe(folders):
         "LoRA rank 32, alpha 32 on to_q, to_k, to_v, to_out.0: 65,536, and the VSA2 router and "
         "gates: 16,644"
     )
-    # 14,040 tokens in segments of 16: 878; 10% of them, rounded up: 88; 25%: 220
+    # 14,040 tokens in segments of 64: 220 (rounded up); 12.5% of them, rounded up: 28; 25%: 55
     assert plan["sparsity"] == (
-        "rollout = train: 0.9: at most 88 of 878 key segments at every step; eval 0.75: at most "
-        "220 of 878 key segments"
+        "rollout = train: 0.875: at most 28 of 220 key segments at every step; eval 0.75: at most "
+        "55 of 220 key segments"
     )
     assert plan["prompts"] == (
         "train 400 (configs/prompts/wan_motion_train.txt); eval 100 "
@@ -116,10 +116,10 @@ def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
         ffn=TRANSFORMER["ffn_dim"],
     )
     # the recipe: 4 x 8 videos of 16 SDE steps with guidance 5, half of the 8 stochastic steps
-    # trained, KL 0.004, EMA, LoRA, gradient checkpointing, rollouts at 0.9, one GPU
+    # trained, KL 0.004, EMA, LoRA, gradient checkpointing, rollouts at 0.875, one GPU
     step = StepShape(
         tokens=14_040, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
-        guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.9,
+        guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.875,
     )  # fmt: skip
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
     assert (_plan(report)["memory"], _plan(report)["time"]) == (memory, time)
@@ -154,7 +154,7 @@ def test_a_recipes_step_shape_follows_its_config(overrides, changed):
     config = load_config(RECIPE_1_3B, ["model.path=/nowhere", *overrides], check_files=False)
     recipe = StepShape(
         tokens=100, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
-        guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.9,
+        guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.875,
     )  # fmt: skip
     assert step_shape(config, 100) == dataclasses.replace(recipe, **changed)
 
