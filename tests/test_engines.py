@@ -132,7 +132,8 @@ def test_the_14b_recipe_runs_under_zero3(tmp_path):
     assert config.model.lora.enabled and config.model.lora.rank == 32
     assert config.rl.kl_beta == 0.004 and config.train.ema_decay == 0.0
     assert (config.model.num_frames, config.model.height, config.model.width) == (81, 720, 1280)
-    assert (config.attention.kv_block, config.attention.mode) == (64, "topp")
+    assert (config.attention.kv_block, config.attention.mode) == (64, "topk")
+    assert config.sparsity.train == 0.875
 
     with open(os.path.join(configs, "accelerate", "zero3.yaml"), encoding="utf-8") as handle:
         launcher = yaml.safe_load(handle)
