@@ -4,7 +4,7 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [testbed_rl_base]
-#     [sparse_rollouts] [frontier] [frontier_rl] [rl_720p] [rl_scale_14b] [profile_rl] [ddp]
+#     [long_toy] [sparse_rollouts] [toy_sweep] [frontier] [frontier_rl] [rl_720p] [rl_scale_14b] [profile_rl] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
@@ -92,21 +92,50 @@ for part in "${parts[@]}"; do
         echo "$scale: $(head -2 "$base/gate.txt" 2>/dev/null | tr '\n' ' ')"
         tar -C /tmp -cf - --exclude="*.mp4" "rl_base_$scale" | split -b 15M -d - "$OUT/rl_base_$scale.tar."
       done ;;
-    sparse_rollouts)  # RL at rollout sparsities 0-0.9 on an RL base (RL_BASE, else the one of
-      # testbed_rl_base's that pick_rl_base.py chooses); call again until every run is done
-      # (finished runs are skipped, cut ones resume); solo step timing once they all are
-      sweep=/tmp/sparse_rollouts; base=${RL_BASE:-$(PYTHONSAFEPATH=1 python3 benchmarks/pick_rl_base.py /tmp/rl_base_*/)}
-      [ -n "$base" ] || { echo "no RL base passes its gates: no sweep"; continue; }
+    long_toy)  # the long toy (testbed --recipe long: the shipped toy at 32 frames) at each of
+      # LONG_STEPS_LIST's stage lengths in parallel; call again to continue a build cut short (a
+      # build finished by an earlier call on this machine is kept); pick_rl_base.py names the
+      # one whose figures at 0.5 meet the RL-base gates (/tmp/long_base); bases come back in
+      # $OUT/long_bases.tgz (weights and figures, no samples)
+      for steps in ${LONG_STEPS_LIST:-100 200 400}; do  # timeout's SIGTERM saves a build's state
+        grep -qs '"build_seconds"' "/tmp/long_$steps.log" || timeout ${LONG_BUILD_S:-300} python3 -P -m \
+          vsa2_rl.toy.testbed --out "/tmp/long_$steps" --device cuda --recipe long --resume --from "$PWD/assets/toy" \
+          --long-steps "$steps" >> "/tmp/long_$steps.log" 2>&1 &
+      done; wait
+      for steps in ${LONG_STEPS_LIST:-100 200 400}; do
+        cp "/tmp/long_$steps.log" "$OUT/"; grep "samples (eval prompts" "/tmp/long_$steps.log" | tail -1 | cut -c1-400
+      done
+      PYTHONSAFEPATH=1 python3 benchmarks/pick_rl_base.py --build-sparsity 0.5 /tmp/long_*/ > /tmp/long_base.txt \
+        && ln -sfn "$(cat /tmp/long_base.txt)" /tmp/long_base; echo "long base: $(cat /tmp/long_base.txt)"
+      tar -C /tmp -czf "$OUT/long_bases.tgz" --exclude=partial_stage.pt --exclude="*.mp4" long_base.txt long_*/ ;;
+    sparse_rollouts)  # RL at rollout sparsities SWEEP_SPARSITIES on an RL base (RL_BASE, else the
+      # long toy's, /tmp/long_base); call again until every run is done (finished runs are
+      # skipped, cut ones resume); solo step timing once they all are
+      sweep=/tmp/sparse_rollouts; base=${RL_BASE:-/tmp/long_base}
+      [ -d "$base" ] || { echo "no RL base ($base): run long_toy first"; continue; }
       # PYTHONSAFEPATH: the runs' train_rl.py and `-m vsa2_rl.cli` must not import the repo's
       # vsa2_rl/ (the kernels live in the installed package)
-      PYTHONSAFEPATH=1 timeout ${SWEEP_S:-470} python3 benchmarks/sparse_rollouts.py run --base "$base" --out $sweep \
-        --parallel ${SWEEP_PARALLEL:-19} --warmup-steps ${SWEEP_WARMUP:-10} \
-        >> "$sweep.log" 2>&1 && { [ -f $sweep/seconds_per_step.json ] || PYTHONSAFEPATH=1 timeout 90 python3 \
-        benchmarks/sparse_rollouts.py time --base "$base" --out $sweep --steps 3 \
-        > "$OUT/sparse_rollouts_time.log" 2>&1; }
+      PYTHONSAFEPATH=1 timeout ${SWEEP_S:-470} python3 benchmarks/sparse_rollouts.py run --base "$(readlink -f $base)" --out $sweep \
+        --sparsities ${SWEEP_SPARSITIES:-0 0.5 0.75 0.9} --parallel ${SWEEP_PARALLEL:-19} --warmup-steps ${SWEEP_WARMUP:-0} \
+        >> "$sweep.log" 2>&1 && { [ -f $sweep/seconds_per_step.json ] || PYTHONSAFEPATH=1 timeout ${SWEEP_TIME_S:-150} python3 \
+        benchmarks/sparse_rollouts.py time --base "$(readlink -f $base)" --out $sweep --steps 3 \
+        --sparsities ${SWEEP_SPARSITIES:-0 0.5 0.75 0.9} > "$OUT/sparse_rollouts_time.log" 2>&1; }
       cp "$sweep.log" "$OUT/sparse_rollouts_run.log"; tail -4 "$sweep.log"
       PYTHONSAFEPATH=1 python3 benchmarks/sparse_rollouts.py report --out $sweep 2>&1 | tail -3
       tar -C /tmp -czf "$OUT/sparse_rollouts.tgz" --exclude=checkpoints --exclude="*.mp4" sparse_rollouts ;;
+    toy_sweep)  # the same sweep on the shipped 512-token toy (configs/default.yaml and its
+      # control at the toy's GPU settings, float32, reference attention), rollouts at
+      # 0-0.75, evaluated dense and at 0.25
+      sweep=/tmp/toy_sweep
+      gpu="model.dtype=float32 attention.backend=torch rl.prompts_per_step=16 rl.train_batch_size=32
+        train.num_steps=40 train.learning_rate=3e-5 nft.timestep_fraction=0.99 rl.kl_beta=0.1
+        eval.every=10 sparsity.eval=0 train.checkpoint_every=5 train.sample_every=0"
+      PYTHONSAFEPATH=1 timeout ${TOY_SWEEP_S:-400} python3 benchmarks/sparse_rollouts.py run --base "$PWD/assets/toy" \
+        --out $sweep --configs configs/default.yaml configs/toy_control.yaml --sparsities 0 0.25 0.5 0.75 \
+        --eval-sparsity 0.25 --parallel 16 --set $gpu >> "$sweep.log" 2>&1
+      cp "$sweep.log" "$OUT/toy_sweep_run.log"; tail -4 "$sweep.log"
+      PYTHONSAFEPATH=1 python3 benchmarks/sparse_rollouts.py report --out $sweep --eval-sparsity 0.25 2>&1 | tail -3
+      tar -C /tmp -czf "$OUT/toy_sweep.tgz" --exclude=checkpoints --exclude="*.mp4" toy_sweep ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
       # (its two routers only: kv16 top-p, kv64 top-k), then frontier.py's table and choice
       for router in 16:topp 64:topk; do

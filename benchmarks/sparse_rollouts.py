@@ -1,25 +1,30 @@
-"""What sparse rollouts buy in RL: DiffusionNFT on the sparsity testbed (:mod:`vsa2_rl.toy.testbed`)
-with rollouts at several sparsities, judged on held-out prompts; the RL half of VSA2's
-hard-to-easy claim (train sparse, evaluate at a lower sparsity).
+"""What sparse rollouts buy in RL: DiffusionNFT on the sparsity testbed for RL (the long toy of
+:mod:`vsa2_rl.toy.testbed`, ``--recipe long``) with rollouts at several sparsities, judged on
+held-out prompts; the RL half of VSA2's hard-to-easy claim (train sparse, evaluate at a lower
+sparsity), and the rollout-agreement threshold (``velocity_rel_error``) beyond which RL gained
+less than with dense rollouts.
 
 Commands, each reading and writing ``--out``:
 
 - ``run``: RL of the base ``--base`` with ``configs/testbed_nft.yaml`` at each rollout sparsity
   (``sparsity.train``) and seed, plus one control run per sparsity
-  (``configs/testbed_control.yaml``: the random reward, same settings), as ``train_rl.py``
+  (``configs/testbed_control.yaml``: the random reward, same settings; ``--configs NFT CONTROL``
+  gives other recipes, e.g. the shipped toy's), as ``train_rl.py``
   processes, ``--parallel`` at once, each logging to ``runs/<name>.log``; with
   ``--warmup-steps N``, also each seed at ``--warmup-sparsity`` with the density annealed from
   dense over the first N steps (``sparsity.warmup_steps``), against the fixed runs. A finished
   run (its last evaluation logged) is skipped, an unfinished one resumed
   (``train.resume=auto``); a failed run is reported and the others go on. Then the final
-  sweep, ``vsa2-rl eval`` of every finished run and of the base at sparsity 0 and
-  ``--eval-sparsity``, into ``sweeps/<name>/eval.json``.
+  sweep, ``vsa2-rl eval`` of every finished run at sparsity 0 and ``--eval-sparsity``, and of
+  the base at those and every rollout sparsity (its ``velocity_rel_error`` there is the
+  rollout agreement each sparsity starts from), into ``sweeps/<name>/eval.json``.
 - ``time``: one run per sparsity alone, ``--steps`` RL steps without evaluation; the median
   seconds of a step (rollout + update) after the first into ``seconds_per_step.json``.
-- ``report``: ``report.md`` (per-run and per-sparsity changes from the base, the verdict, the
-  reward per GPU-hour at Wan's scale from ``benchmarks/results/rl_scale`` and the rollout
-  sparsity the recipes should use) and ``report.png`` (held-out reward against RL step and
-  GPU-seconds).
+- ``report``: ``report.md`` (per-run and per-sparsity changes from the base, the base's gate
+  (dense rollouts against their control), the verdict, the rollout agreement by sparsity and
+  the threshold it calibrates, the reward per GPU-hour at Wan's scale from
+  ``benchmarks/results/rl_scale`` and the rollout sparsity the recipes should use) and
+  ``report.png`` (held-out reward against RL step and GPU-seconds).
 
 ::
 
@@ -49,13 +54,15 @@ from typing import NamedTuple
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {"nft": REPO / "configs" / "testbed_nft.yaml",
-           "control": REPO / "configs" / "testbed_control.yaml",
-           "warmup": REPO / "configs" / "testbed_nft.yaml"}  # fmt: skip
+CONFIGS = (REPO / "configs" / "testbed_nft.yaml", REPO / "configs" / "testbed_control.yaml")
 RL_SCALE = REPO / "benchmarks" / "results" / "rl_scale"
 DEFAULT_PARTS = [RL_SCALE / "parts_480p33_720p81.md", RL_SCALE / "parts_720p81.md"]
 RECIPE_GRID = "720p:81"  # the recipes' video size, where the choice of rollout sparsity counts
 VERDICT_SPARSITY = 0.9  # the recipes' rollout sparsity, judged against dense rollouts
+GATE_POINTS = 15.0  # direction points dense-rollout RL must gain over its control (the base gate)
+AGREEMENT_KEY = "velocity_rel_error"
+# The base is swept at these too, so a sweep that adds rollout sparsities later finds them there
+BASE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)
 BASE = "base"
 RUN_NAME = re.compile(r"^(nft|control|warmup)_s([0-9.]+)_seed(\d+)$")
 POLL_S = 0.5
@@ -115,11 +122,18 @@ def train_overrides(args, kind: str, sparsity: float, seed: int, out_dir: Path) 
             *args.set]  # fmt: skip
 
 
-def planned_num_steps(kind: str, overrides: list[str]) -> int:
+def config_path(args, kind: str) -> Path:
+    """The recipe a run of ``kind`` trains with: ``--configs``' first (nft, warm-up) or second
+    (control) file."""
+    nft, control = args.configs
+    return control if kind == "control" else nft
+
+
+def planned_num_steps(config: Path, overrides: list[str]) -> int:
     """train.num_steps of a run (its config and overrides, checked as the trainer would)."""
     from vsa2_rl.config import load_config
 
-    return load_config(str(CONFIGS[kind]), overrides, check_files=False).train.num_steps
+    return load_config(str(config), overrides, check_files=False).train.num_steps
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
@@ -140,8 +154,8 @@ def is_finished(run_dir: Path, num_steps: int) -> bool:
     return "eval/reward" in read_metrics(run_dir / "metrics.jsonl").get(num_steps, {})
 
 
-def train_command(kind: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, str(REPO / "train_rl.py"), "--config", str(CONFIGS[kind]), *overrides]
+def train_command(config: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / "train_rl.py"), "--config", str(config), *overrides]
 
 
 def run_jobs(jobs: list[Job], parallel: int) -> list[str]:
@@ -197,34 +211,38 @@ def rl_jobs(args) -> list[Job]:
         name = run_name(kind, sparsity, seed)
         run_dir = args.out / "runs" / name
         overrides = train_overrides(args, kind, sparsity, seed, run_dir)
-        if is_finished(run_dir, planned_num_steps(kind, overrides)):
+        config = config_path(args, kind)
+        if is_finished(run_dir, planned_num_steps(config, overrides)):
             print(f"skipped {name}: finished", flush=True)
             continue
-        jobs.append(Job(name, train_command(kind, overrides), args.out / "runs" / f"{name}.log"))
+        jobs.append(Job(name, train_command(config, overrides), args.out / "runs" / f"{name}.log"))
     return jobs
 
 
-def sweep_job(args, name: str, target: list[str]) -> Job:
-    """``vsa2-rl eval`` of one model at sparsity 0 and --eval-sparsity, with the evaluation
-    settings of the runs (configs/testbed_nft.yaml and --set)."""
+def sweep_job(args, name: str, target: list[str], sparsities: list[float]) -> Job:
+    """``vsa2-rl eval`` of one model at ``sparsities``, with the evaluation settings of the runs
+    (the nft recipe and --set)."""
     sweep_dir = args.out / "sweeps" / name
-    command = [sys.executable, "-m", "vsa2_rl.cli", "eval", "--config", str(CONFIGS["nft"]),
-               f"model.path={args.base}", f"device={args.device}",
-               f"eval.sparsities=[0.0,{args.eval_sparsity:g}]", f"out_dir={sweep_dir}",
+    listed = ",".join(f"{s:g}" for s in sparsities)
+    command = [sys.executable, "-m", "vsa2_rl.cli", "eval", "--config",
+               str(config_path(args, "nft")), f"model.path={args.base}", f"device={args.device}",
+               f"eval.sparsities=[{listed}]", f"out_dir={sweep_dir}",
                "logging.progress=false", *args.set, *target]  # fmt: skip
     return Job(f"sweep {name}", command, args.out / "sweeps" / f"{name}.log")
 
 
 def sweep_jobs(args) -> list[Job]:
-    """The sweeps not yet written: the base's and each finished run's."""
-    targets = {BASE: []}
+    """The sweeps not yet written: the base's (at 0, --eval-sparsity, every rollout sparsity and
+    :data:`BASE_SPARSITIES`) and each finished run's (at 0 and --eval-sparsity)."""
+    runs_at = [0.0, args.eval_sparsity]
+    targets = {BASE: ([], sorted({*runs_at, *args.sparsities, *BASE_SPARSITIES}))}
     for run in find_runs(args.out):
         overrides = train_overrides(args, run.kind, run.sparsity, run.seed, run.path)
-        if is_finished(run.path, planned_num_steps(run.kind, overrides)):
-            targets[run.name] = [f"run_dir={run.path}"]
+        if is_finished(run.path, planned_num_steps(config_path(args, run.kind), overrides)):
+            targets[run.name] = ([f"run_dir={run.path}"], runs_at)
     return [
-        sweep_job(args, name, target)
-        for name, target in targets.items()
+        sweep_job(args, name, target, sparsities)
+        for name, (target, sparsities) in targets.items()
         if not (args.out / "sweeps" / name / "eval.json").is_file()
     ]
 
@@ -265,7 +283,8 @@ def command_time(args) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)  # a timing is measured afresh, never resumed
         timed = [f"train.num_steps={args.steps}", "eval.every=0", "train.checkpoint_every=0"]
         overrides = [*train_overrides(args, "nft", sparsity, 0, run_dir), *timed]
-        job = Job(name, train_command("nft", overrides), args.out / "timing" / f"{name}.log")
+        command = train_command(config_path(args, "nft"), overrides)
+        job = Job(name, command, args.out / "timing" / f"{name}.log")
         if run_jobs([job], parallel=1):
             failed.append(name)
             continue
@@ -307,11 +326,13 @@ def rl_verdict(dense: Stat, sparse: Stat, sparse_control: float) -> str:
 
 
 def sweep_figures(path: Path) -> dict[float, dict]:
-    """An eval.json's held-out figures by evaluation sparsity: motion, direction, fidelity."""
+    """An eval.json's held-out figures by evaluation sparsity: motion, direction, fidelity and
+    the velocity's relative error against dense attention (NaN where the sweep has none)."""
     rows = json.loads(path.read_text())
     return {row["sparsity"]: {"motion": row["reward/prompt_motion"],
                               "direction": row["reward/guard/prompt_direction"],
-                              "fidelity": row["reward/guard/shape_fidelity"]}
+                              "fidelity": row["reward/guard/shape_fidelity"],
+                              "agreement": row.get(AGREEMENT_KEY, math.nan)}
             for row in rows}  # fmt: skip
 
 
@@ -377,6 +398,11 @@ def wan_scale_rows(parts: dict, gains: dict[float, Stat], num_steps: int) -> lis
     return [(grid, sparsity, seconds, gains[sparsity].mean,
              gain_per_gpu_hour(gains[sparsity].mean, num_steps, seconds))
             for (grid, sparsity), seconds in parts.items() if sparsity in gains]  # fmt: skip
+
+
+def keeps_dense_gain(gain: Stat, dense: Stat) -> bool:
+    """The gain is at least dense rollouts' minus the larger of the two seed sds."""
+    return gain.mean >= dense.mean - max(gain.sd, dense.sd)
 
 
 def beats_control(gain: Stat, control: Stat | None) -> bool:
@@ -567,12 +593,82 @@ def wan_scale_lines(parts_paths, gains, controls, num_steps, at) -> list[str]:
             "change by more than their seed sd)."]  # fmt: skip
 
 
+THRESHOLD_RULE = (
+    "The threshold is the largest base `velocity_rel_error` up to which every rollout sparsity "
+    "keeps dense rollouts' gain (at least its mean minus the larger seed sd) and beats its "
+    "control by more than its seed sd; RL gain fell beyond it (fixed before the runs)."
+)
+
+
+def gate_lines(runs: list[Run], changes: dict, base: dict, at: float) -> list[str]:
+    """The base as an RL base: its direction followed and fidelity at ``at``, and dense-rollout
+    RL's direction gain over its control's change (at least :data:`GATE_POINTS`)."""
+    from vsa2_rl.toy.gate import MIN_FIDELITY, PARTLY_LEARNT
+
+    lines = ["## The base's gates", ""]
+    figures = base.get(at)
+    if figures:
+        low, high = PARTLY_LEARNT
+        direction, fidelity = figures["direction"], figures["fidelity"]
+        lines.append(f"At sparsity {at:g} the base follows the direction words in {direction:.3f} "
+                     f"of held-out videos (gate {low}-{high}) with shape fidelity {fidelity:.3f} "
+                     f"(gate >= {MIN_FIDELITY}).")  # fmt: skip
+    gain = group_stats(runs, changes, "nft", "direction", at).get(0.0)
+    control = group_stats(runs, changes, "control", "direction", at).get(0.0)
+    if gain is None or control is None:
+        return [*lines, "", "RL gate: **not measured** (dense rollouts or their control have no "
+                "evaluated run).", ""]  # fmt: skip
+    lead = gain.mean - control.mean
+    verdict = "passed" if lead >= GATE_POINTS else "failed"
+    return [*lines, "", f"RL gate: dense-rollout DiffusionNFT gains {signed(gain, 1)} direction "
+            f"points at {at:g} against its control's {control.mean:+.1f}: {lead:+.1f} points, "
+            f"gate >= +{GATE_POINTS:g}: **{verdict}**.", ""]  # fmt: skip
+
+
+def agreement_threshold(rows: list[tuple[float, float, bool]]) -> tuple[float, tuple | None]:
+    """:data:`THRESHOLD_RULE` on (rollout sparsity, base error, kept dense's gain) rows: the
+    threshold and the first row beyond it that lost the gain (None: no loss measured)."""
+    threshold = 0.0
+    for sparsity, error, kept in sorted(rows, key=lambda row: row[1]):
+        if not kept:
+            return threshold, (sparsity, error)
+        threshold = error
+    return threshold, None
+
+
+def agreement_lines(base: dict, gains: dict, controls: dict, at: float) -> list[str]:
+    """Per rollout sparsity: the base's velocity error against dense, the gain, whether it keeps
+    dense's; then the calibrated threshold."""
+    lines = ["## Rollout agreement and RL gain", "", THRESHOLD_RULE, "",
+             "| rollout sparsity | base `velocity_rel_error` | gain at "
+             f"{at:g} | control's change | keeps dense's gain and beats its control |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    dense, rows = gains.get(0.0), []
+    for sparsity, gain in sorted(gains.items()):
+        error = base.get(sparsity, {}).get("agreement", math.nan)
+        control = controls.get(sparsity)
+        kept = dense is not None and keeps_dense_gain(gain, dense) and beats_control(gain, control)
+        shown = f"{control.mean:+.3f}" if control else "-"
+        lines.append(f"| {sparsity:g} | {error:.4f} | {signed(gain, 3)} | {shown} | "
+                     f"{'yes' if kept else 'no'} |")  # fmt: skip
+        if not math.isnan(error):
+            rows.append((sparsity, error, kept))
+    if not rows:
+        return [*lines, "", "**Threshold**: not calibrated (the base's sweep has no "
+                f"`{AGREEMENT_KEY}`)."]  # fmt: skip
+    threshold, lost = agreement_threshold(rows)
+    beyond = (f"gain fell at sparsity {lost[0]:g} (error {lost[1]:.4f})" if lost
+              else "no loss of gain measured up to the largest error")  # fmt: skip
+    return [*lines, "", f"**Threshold**: `velocity_rel_error` <= {threshold:.4f}; {beyond}."]
+
+
 def command_report(args) -> int:
     runs = find_runs(args.out)
     if not runs:
         raise SystemExit(f"--out: no runs under {args.out / 'runs'} (run `run` first)")
     at, sparsities = args.eval_sparsity, [0.0, args.eval_sparsity]
     changes = evaluated_changes(args.out, runs, sparsities)
+    base = sweep_figures(args.out / "sweeps" / BASE / "eval.json")
     gains = group_stats(runs, changes, "nft", "motion", at)
     controls = group_stats(runs, changes, "control", "motion", at)
     info, timing = (
@@ -586,7 +682,9 @@ def command_report(args) -> int:
              "", *run_table(runs, changes, sparsities), "",
              *sparsity_table(runs, changes, sparsities), "",
              *warmup_table(runs, changes, sparsities),
+             *gate_lines(runs, changes, base, at),
              *verdict_lines(gains, controls), "",
+             *agreement_lines(base, gains, controls, at), "",
              *wan_scale_lines(args.rl_scale, gains, controls, recorded_num_steps(runs), at),
              "", "## Curves", "",
              f"![held-out prompt_motion](report.png) (runs: {provenance(info)}"]  # fmt: skip
@@ -615,6 +713,10 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--device", default="cuda")
             command.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                                  help="config overrides of every run")  # fmt: skip
+            command.add_argument(
+                "--configs", type=Path, nargs=2, default=CONFIGS, metavar=("NFT", "CONTROL"),
+                help="the runs' recipe and its control's (default: the testbed's)",
+            )  # fmt: skip
         if name != "time":
             command.add_argument("--eval-sparsity", type=float, default=0.5)
     run, time_, report = (commands.choices[name] for name in ("run", "time", "report"))

@@ -26,7 +26,8 @@ def test_the_control_recipe_differs_from_the_testbed_recipe_only_in_rewards_and_
     runs = {kind: dataclasses.asdict(load_config(str(REPO / "configs" / f"testbed_{kind}.yaml")))
             for kind in ("nft", "control")}  # fmt: skip
     nft, control = runs["nft"], runs["control"]
-    assert nft["model"]["height"] == 64 and nft["sparsity"]["train"] == 0.9
+    assert (nft["model"]["num_frames"], nft["model"]["height"]) == (32, 16)  # the long toy
+    assert nft["sparsity"]["train"] == 0.9
     assert [f["name"] for f in control["rewards"]["functions"]] == ["random"]
     guards = {kind: [g["name"] for g in run["eval"]["guard_rewards"]] for kind, run in runs.items()}
     assert guards["control"] == ["prompt_motion", *guards["nft"]]
@@ -88,15 +89,17 @@ def test_the_wan_scale_arithmetic_on_a_parts_table(tmp_path):
     assert sparse_rollouts.recipe_sparsity(rows, gains, {}) == "none"
 
 
-def _eval_rows(label: str, figures: dict[float, tuple[float, float, float]]) -> list[dict]:
-    """eval.json rows in `vsa2-rl eval`'s format: (motion, direction, fidelity) per sparsity."""
+def _eval_rows(label: str, figures: dict[float, tuple[float, ...]]) -> list[dict]:
+    """eval.json rows in `vsa2-rl eval`'s format: (motion, direction, fidelity) per sparsity,
+    and a fourth figure, the velocity's relative error against dense, where given."""
     return [{"run": label, "sparsity": s, "density": 1.0 - s, "latency_s": 0.5,
+             **({"velocity_rel_error": figures[s][3]} if len(figures[s]) > 3 else {}),
              "reward/prompt_motion": motion, "reward/prompt_motion_std": 0.1,
              "reward/guard/prompt_direction": direction,
              "reward/guard/prompt_direction_std": 0.4,
              "reward/guard/shape_fidelity": fidelity, "reward/guard/shape_fidelity_std": 0.05,
              "reward/guard/image_quality": 0.5, "reward/guard/image_quality_std": 0.1}
-            for s, (motion, direction, fidelity) in figures.items()]  # fmt: skip
+            for s, (motion, direction, fidelity, *_) in figures.items()]  # fmt: skip
 
 
 def _write_run(out: Path, name: str, end: dict, key: str, curve: list[float]) -> None:
@@ -114,10 +117,12 @@ def _write_run(out: Path, name: str, end: dict, key: str, curve: list[float]) ->
 
 
 def _synthetic_out(out: Path) -> None:
-    """Base: motion 0.5 / 0.4, direction 0.5 / 0.25 at 0 / 0.5. Two seeds at 0 and 0.9 and a
-    control at each; dense seeds gain 0.2 and 0.3 at 0.5, the 0.9 seeds 0.25 and 0.35."""
+    """Base: motion 0.5 / 0.4, direction 0.5 / 0.25 at 0 / 0.5, velocity error 0 / 0.1 / 0.3
+    at 0 / 0.5 / 0.9. Two seeds at 0 and 0.9 and a control at each; dense seeds gain 0.2 and
+    0.3 at 0.5, the 0.9 seeds 0.25 and 0.35."""
     (out / "sweeps" / "base").mkdir(parents=True)
-    base = _eval_rows("base", {0.0: (0.5, 0.5, 0.9), 0.5: (0.4, 0.25, 0.8)})
+    base = _eval_rows("base", {0.0: (0.5, 0.5, 0.9, 0.0), 0.5: (0.4, 0.25, 0.8, 0.1),
+                               0.9: (0.35, 0.25, 0.7, 0.3)})  # fmt: skip
     (out / "sweeps" / "base" / "eval.json").write_text(json.dumps(base))
     motion = "eval/reward/prompt_motion"
     _write_run(out, "nft_s0_seed0", {0.0: (0.6, 0.75, 0.95), 0.5: (0.6, 0.5, 0.85)}, motion,
@@ -165,6 +170,14 @@ def test_the_report_tables_equal_the_hand_computed_changes(tmp_path):
     assert "| 720p:81 | 0 | 7200 | +0.250 | +0.0312 |" in report
     assert "**Rollout sparsity for the recipes**: 0 " in report
     assert "NVIDIA H100, 2026-12-07" in report
+    # the gates: base at 0.5 (direction 0.25, fidelity 0.8); dense's direction +25 ± 0 points
+    # at 0.5 against its control's 0.25 - 0.25 = 0
+    assert "in 0.250 of held-out videos (gate 0.35-0.65) with shape fidelity 0.800" in report
+    assert "gains +25.0 ± 0.0 direction points at 0.5 against its control's +0.0: +25.0 " \
+        "points, gate >= +15: **passed**" in report  # fmt: skip
+    # both rollout sparsities keep dense's gain and beat their control: no loss up to 0.3
+    assert "| 0.9 | 0.3000 | +0.300 ± 0.071 | -0.100 | yes |" in report
+    assert "**Threshold**: `velocity_rel_error` <= 0.3000; no loss of gain measured" in report
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -233,7 +246,8 @@ def test_run_time_and_report_end_to_end_on_the_cpu(tmp_path, tiny_base, monkeypa
 def test_warm_up_runs_are_planned_per_seed_with_the_warm_up_key(tmp_path):
     args = argparse.Namespace(base=tmp_path, device="cpu", set=[], out=tmp_path / "out",
                               sparsities=[0.0, 0.9], seeds=[0, 1], control_seed=0,
-                              warmup_steps=0, warmup_sparsity=0.9)  # fmt: skip
+                              warmup_steps=0, warmup_sparsity=0.9,
+                              configs=sparse_rollouts.CONFIGS)  # fmt: skip
     names = [job.name for job in sparse_rollouts.rl_jobs(args)]
     assert not [name for name in names if name.startswith("warmup")]  # not asked for
     args.warmup_steps = 5
@@ -242,7 +256,7 @@ def test_warm_up_runs_are_planned_per_seed_with_the_warm_up_key(tmp_path):
     assert len(jobs) == 4 + 2 + 2  # 2 sparsities x 2 seeds, a control each, 2 warm-up runs
     command = jobs["warmup_s0.9_seed1"].command
     assert "sparsity.warmup_steps=5" in command and "sparsity.train=0.9" in command
-    assert "seed=1" in command and str(sparse_rollouts.CONFIGS["nft"]) in command
+    assert "seed=1" in command and str(sparse_rollouts.CONFIGS[0]) in command
     assert not [arg for arg in jobs["nft_s0.9_seed1"].command if "warmup" in arg]
 
 
@@ -265,3 +279,26 @@ def test_the_report_compares_warm_up_with_fixed_sparsity(tmp_path):
     assert "| 0.9, warm-up from dense | 2 | +0.050 ± 0.071 | +0.150 ± 0.071 | +12.5 ± 17.7 | " \
         "+12.5 ± 17.7 |" in report  # fmt: skip
     assert "**reproduced**" in report  # the verdict is the fixed runs' alone
+
+
+def test_the_agreement_threshold_stops_at_the_first_error_that_lost_the_gain():
+    threshold = sparse_rollouts.agreement_threshold
+    rows = [(0.9, 0.3, True), (0.0, 0.0, True), (0.75, 0.2, False), (0.5, 0.1, True)]
+    # sorted by error: 0 kept, 0.1 kept, 0.2 lost: the threshold is 0.1, whatever 0.3 did
+    assert threshold(rows) == (0.1, (0.75, 0.2))
+    assert threshold([(0.0, 0.0, True), (0.5, 0.25, True)]) == (0.25, None)
+    assert threshold([(0.0, 0.0, True), (0.5, 0.25, False)]) == (0.0, (0.5, 0.25))
+
+
+def test_the_gate_fails_below_fifteen_points_and_says_when_unmeasured():
+    base = {0.5: {"direction": 0.5, "fidelity": 0.95}}
+    dense = [sparse_rollouts.Run("nft", 0.0, seed, Path(f"nft_s0_seed{seed}")) for seed in (0, 1)]
+    control = sparse_rollouts.Run("control", 0.0, 0, Path("control_s0_seed0"))
+    changes = {"nft_s0_seed0": {0.5: {"direction": 16.0}},
+               "nft_s0_seed1": {0.5: {"direction": 14.0}},
+               "control_s0_seed0": {0.5: {"direction": 1.0}}}  # fmt: skip
+    text = "\n".join(sparse_rollouts.gate_lines([*dense, control], changes, base, 0.5))
+    assert "+15.0 ± 1.4 direction points" in text and "+14.0 points" in text
+    assert "**failed**" in text
+    text = "\n".join(sparse_rollouts.gate_lines(dense, changes, base, 0.5))
+    assert "**not measured**" in text

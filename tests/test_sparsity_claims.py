@@ -5,6 +5,7 @@ the verdict rule judges paired differences against their spread, and bad argumen
 refused by name before anything is written."""
 
 import argparse
+import dataclasses
 import json
 import math
 import signal
@@ -258,7 +259,7 @@ def test_low_chunks_belongs_to_the_rl_recipe_and_counts_at_least_one(tmp_path, c
         with pytest.raises(SystemExit):
             testbed.main(["--out", str(tmp_path / "x"), *option])
     errors = capsys.readouterr().err
-    assert "--low-chunks is an RL-recipe option" in errors
+    assert "--low-chunks is an option of --recipe rl, not of --recipe claims" in errors
     assert "--low-chunks: must be >= 1, got 0" in errors
     assert not (tmp_path / "x").exists()
 
@@ -267,8 +268,62 @@ def test_the_rl_recipe_refuses_the_claims_options(tmp_path, capsys):
     for option in (["--attention", "dense"], ["--mirrored-captions", "0.5"], ["--sparsity", "0.8"]):
         with pytest.raises(SystemExit):
             testbed.main(["--out", str(tmp_path / "x"), "--recipe", "rl", *option])
-        assert f"{option[0]} is a claims-recipe option" in capsys.readouterr().err
+        message = f"{option[0]} is an option of --recipe claims, not of --recipe rl"
+        assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+def test_the_long_recipe_is_the_shipped_one_and_a_stage_at_the_longer_length():
+    from vsa2_rl.toy.model import ASSET_DIR, read_toy_config
+
+    recipe = testbed.long_recipe(steps=150, frames=32)
+    shipped = read_toy_config(ASSET_DIR)["training"]["recipe"]["stages"]
+    assert json.loads(json.dumps([dataclasses.asdict(s) for s in recipe.stages[:-1]])) == shipped
+    grown = recipe.stages[-1]
+    assert (grown.size, grown.num_frames, grown.steps) == (16, 32, 150)
+    assert grown.vsa2 and grown.sparsity_range == (0.0, 0.9)  # every RL and eval sparsity
+    assert recipe.mirrored_captions == 0.0  # truthful captions, as the shipped base's
+
+
+def test_the_long_recipe_refuses_other_recipes_options_and_a_folder_without_a_build(
+    tmp_path, capsys
+):
+    for option in (["--recipe", "rl", "--long-steps", "5"], ["--frames", "32"],
+                   ["--recipe", "long", "--low-chunks", "2"],
+                   ["--recipe", "long", "--frames", "1"],
+                   ["--recipe", "long", "--from", str(tmp_path)]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            testbed.main(["--out", str(tmp_path / "x"), *option])
+    errors = capsys.readouterr().err
+    assert "--long-steps is an option of --recipe long, not of --recipe rl" in errors
+    assert "--frames is an option of --recipe long, not of --recipe claims" in errors
+    assert "--low-chunks is an option of --recipe rl, not of --recipe long" in errors
+    assert "--frames: must be >= 2, got 1" in errors
+    assert f"--from {tmp_path}: no config.json there" in errors
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_the_long_toy_grows_the_shipped_base_and_keeps_its_stages(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from vsa2_rl.toy.model import ASSET_DIR, WEIGHTS_FILE, read_toy_config
+
+    monkeypatch.setattr(testbed, "LONG_BATCH", 2)
+    monkeypatch.setattr(testbed, "LONG_REPORT_SEEDS", 1)
+    out = tmp_path / "long"
+    testbed.main(["--out", str(out), "--recipe", "long", "--frames", "4", "--long-steps", "2",
+                  "--backend", "torch"])  # fmt: skip
+    shipped, grown = read_toy_config(ASSET_DIR)["training"], read_toy_config(out)["training"]
+    assert grown["stages"][:3] == shipped["stages"]  # resumed, not trained again
+    assert grown["stages"][3]["stage"]["num_frames"] == 4
+    assert set(grown["stages"][3]["samples"]) == {f"vsa2@{s}" for s in testbed.EVAL_SPARSITIES}
+    before, after = load_file(str(ASSET_DIR / WEIGHTS_FILE)), load_file(str(out / WEIGHTS_FILE))
+    assert before.keys() == after.keys()  # the VSA2 layers' router and gates included
+    moved = [(after[k] - before[k]).norm() / before[k].norm() for k in before
+             if before[k].norm() > 0]  # fmt: skip
+    # two steps at a low rate move the shipped weights a little: loaded, not re-initialised
+    assert 0 < max(moved) < 0.2
 
 
 @pytest.mark.slow

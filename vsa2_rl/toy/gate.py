@@ -140,7 +140,9 @@ def learnability_gate(base: ToyBundle, settings: GateSettings | None = None) -> 
 def rl_base_problems(result: dict) -> list[str]:
     """What keeps a gated base (:func:`learnability_gate`'s ``result``) from being an RL base:
     the direction words not partly learnt, shapes below :data:`MIN_FIDELITY`, or perfect data
-    moving it less than :data:`MIN_GAIN`; empty when it is one."""
+    moving it less than :data:`MIN_GAIN` (when ``result`` has a ``gain``: the long toy's
+    figures have none, dense-rollout RL against its control is its learnability gate); empty
+    when it is one."""
     problems = []
     low, high = PARTLY_LEARNT
     if not low <= result["direction_before"] <= high:
@@ -148,7 +150,7 @@ def rl_base_problems(result: dict) -> list[str]:
                         f"[{low}, {high}]")  # fmt: skip
     if result["fidelity_before"] < MIN_FIDELITY:
         problems.append(f"shape fidelity {result['fidelity_before']:.3f} < {MIN_FIDELITY}")
-    if result["gain"] < MIN_GAIN:
+    if "gain" in result and result["gain"] < MIN_GAIN:  # no gain: a base RL itself gates
         problems.append(f"perfect data moved it {100 * result['gain']:+.1f} points < "
                         f"{100 * MIN_GAIN:.0f}")  # fmt: skip
     return problems

@@ -32,9 +32,18 @@ held-out videos after 1 to 4 chunks (chance is 25%), but after the 64 px stages 
 base follows them in 26% at sparsity 0.5, and 40 steps of perfect data move it by -0.5 points.
 The claims' recipe with truthful captions fares no better (23-31%, -3 points).
 ``python -m vsa2_rl.toy.gate --model DIR --micro-batch 8`` measures how much perfect data moves
-a base::
+a base.
+
+:func:`long_recipe` (``--recipe long``) grows the shipped toy in time instead of space: the
+shipped base (``assets/toy``, 16 px x 8 frames, 512 tokens), whose direction words RL moves by
+30 points, continued at 16 px x :data:`LONG_FRAMES` frames (2,048 tokens: 32 query tiles of 64,
+128 key segments of 16, so 0.9 keeps 13 segments a tile and 0.75 keeps 32), the temporal
+analogue of sparse rebasing. The synthetic videos keep their travel over the clip, so a shape
+moves a quarter as far between frames and stays in view. The build resumes the shipped stages
+and trains one more across the sparsities RL uses (0 to 0.9), for ``--long-steps`` steps::
 
     python -m vsa2_rl.toy.testbed --out DIR --device cuda --recipe rl [--low-chunks 4]
+    python -m vsa2_rl.toy.testbed --out DIR --device cuda --recipe long [--long-steps 200]
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from vsa2_rl.toy.build import (
     ToyStage,
     build_toy_model,
 )
-from vsa2_rl.toy.model import CONFIG_FILE, read_toy_config
+from vsa2_rl.toy.model import ASSET_DIR, CONFIG_FILE, read_toy_config
 
 TESTBED_ARCHITECTURE = {
     "patch_size": [1, 4, 4],
@@ -86,6 +95,10 @@ RL_ARCHITECTURE = {
 RL_LOW_STEPS, RL_REBASE_STEPS, RL_RANGE_STEPS, RL_LOW_BATCH = 1250, 300, 200, 64
 RL_LOW_CHUNKS = 4
 EVAL_SPARSITIES = (0.0, 0.5, 0.75, 0.9)
+# The long toy (long_recipe): the shipped toy's frames x LONG_FRAMES / 8, one stage of
+# LONG_STEPS at batch LONG_BATCH and LONG_LR_SCALE x the recipe's lr, sparsities 0-0.9.
+LONG_FRAMES, LONG_STEPS, LONG_BATCH, LONG_LR_SCALE = 32, 200, 64, 0.3
+LONG_REPORT_SEEDS = 4  # noises per held-out prompt in the build's sample figures
 # Share of pretraining videos moving opposite to their caption in the claims' bases: the
 # direction words carry no sign information, so "direction followed" stays near 0.5 at most.
 CLAIMS_MIRRORED_CAPTIONS = 0.5
@@ -166,6 +179,30 @@ def rl_base_recipe(
     )
 
 
+def long_recipe(
+    steps: int = LONG_STEPS,
+    frames: int = LONG_FRAMES,
+    lr_scale: float = LONG_LR_SCALE,
+    vsa2: VSA2Config | None = None,
+) -> ToyBuildConfig:
+    """The shipped toy's recipe (its stages are resumed from ``assets/toy``, not trained again)
+    and one stage more at 16 px x ``frames`` frames: ``steps`` of flow matching at sparsities
+    drawn from 0 to 0.9 with a fresh AdamW peaking at ``lr_scale`` x the recipe's lr; its
+    samples are reported at the testbed's :data:`EVAL_SPARSITIES`."""
+    if steps < 1 or frames < 2:
+        raise ValueError(f"long_recipe: need steps >= 1 and frames >= 2, got {steps}, {frames}")
+    shipped = ToyBuildConfig()
+    stage = ToyStage(shipped.stages[-1].size, frames, steps, LONG_BATCH, vsa2=True,
+                     sparsity_range=(0.0, 0.9), lr_scale=lr_scale)  # fmt: skip
+    return dataclasses.replace(
+        shipped,
+        stages=[*shipped.stages, stage],
+        vsa2=vsa2 or VSA2Config(),
+        eval_sparsities=EVAL_SPARSITIES,
+        report_seeds=LONG_REPORT_SEEDS,
+    )
+
+
 def low_resolution_recipe(
     seed: int = 0, steps_scale: float = 1.0, mirrored_captions: float = CLAIMS_MIRRORED_CAPTIONS
 ) -> ToyBuildConfig:
@@ -213,8 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build one sparsity-testbed base.")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument(
-        "--recipe", choices=("claims", "rl"), default="claims",
-        help="claims: the claims' bases (--attention, --mirrored-captions); rl: the RL base",
+        "--recipe", choices=("claims", "rl", "long"), default="claims",
+        help="claims: the claims' bases (--attention, --mirrored-captions); rl: the 64 px RL "
+        "base; long: the shipped toy grown in time (--long-steps, --frames, --from)",
     )  # fmt: skip
     parser.add_argument(
         "--attention", choices=ATTENTION_SWITCHES, default=None, help="claims: default rebase"
@@ -231,6 +269,17 @@ def main(argv: list[str] | None = None) -> None:
         "--low-chunks", type=int, default=None,
         help=f"rl: runs of the 32 px stage (default {RL_LOW_CHUNKS}; each reports its samples)",
     )  # fmt: skip
+    parser.add_argument(
+        "--long-steps", type=int, default=None,
+        help=f"long: steps of the stage at the longer length (default {LONG_STEPS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--frames", type=int, default=None, help=f"long: frames a video (default {LONG_FRAMES})"
+    )
+    parser.add_argument(
+        "--from", dest="start_from", type=Path, default=None,
+        help="long: the built 16 px x 8 frames toy to grow (default: the shipped assets/toy)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
@@ -240,19 +289,19 @@ def main(argv: list[str] | None = None) -> None:
         "stops a build with its state saved",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    _refuse_other_recipes_options(args, parser)
     vsa2 = VSA2Config(backend=args.backend)
-    if args.recipe == "rl":
-        for name in ("attention", "sparsity", "mirrored_captions"):
-            if getattr(args, name) is not None:
-                option = "--" + name.replace("_", "-")
-                parser.error(f"{option} is a claims-recipe option; the RL base has truthful "
-                             "captions and is rebased (drop it)")  # fmt: skip
-        if args.low_chunks is not None and args.low_chunks < 1:
-            parser.error(f"--low-chunks: must be >= 1, got {args.low_chunks}")
+    start_from = None
+    if args.recipe == "long":
+        start_from = args.start_from or ASSET_DIR
+        recipe = long_recipe(
+            _scaled(args.long_steps or LONG_STEPS, args.steps_scale),
+            args.frames or LONG_FRAMES,
+            vsa2=vsa2,
+        )
+    elif args.recipe == "rl":
         recipe = rl_base_recipe(args.seed, args.steps_scale, vsa2, args.low_chunks)
     else:
-        if args.low_chunks is not None:
-            parser.error("--low-chunks is an RL-recipe option (add --recipe rl, or drop it)")
         mirrored = args.mirrored_captions
         recipe = testbed_recipe(
             args.attention or "rebase",
@@ -262,17 +311,48 @@ def main(argv: list[str] | None = None) -> None:
             vsa2=vsa2,
             mirrored_captions=CLAIMS_MIRRORED_CAPTIONS if mirrored is None else mirrored,
         )
-    info = _build(args.out, recipe, args.device, args.resume, parser)
+    info = _build(args.out, recipe, args.device, args.resume, parser, start_from)
     if info is not None:
         print(json.dumps({"out": str(args.out), "build_seconds": info["build_seconds"]}))
 
 
+# Each recipe's own options: given to another recipe, they are refused, not ignored.
+RECIPE_OPTIONS = {
+    "claims": ("attention", "sparsity", "mirrored_captions"),
+    "rl": ("low_chunks",),
+    "long": ("long_steps", "frames", "start_from"),
+}
+
+
+def _refuse_other_recipes_options(args, parser: argparse.ArgumentParser) -> None:
+    """Stops with a usage error naming an option of another recipe than ``--recipe``, or a
+    value out of range."""
+    for recipe, names in RECIPE_OPTIONS.items():
+        for name in names:
+            if recipe != args.recipe and getattr(args, name) is not None:
+                option = "--from" if name == "start_from" else "--" + name.replace("_", "-")
+                parser.error(f"{option} is an option of --recipe {recipe}, not of --recipe "
+                             f"{args.recipe} (drop it, or pass --recipe {recipe})")  # fmt: skip
+    for name, low in (("low_chunks", 1), ("long_steps", 1), ("frames", 2)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            parser.error(f"--{name.replace('_', '-')}: must be >= {low}, got {value}")
+    if args.start_from is not None and not (args.start_from / CONFIG_FILE).is_file():
+        parser.error(f"--from {args.start_from}: no {CONFIG_FILE} there (a built toy folder)")
+
+
 def _build(
-    out: Path, recipe: ToyBuildConfig, device: str, resume: bool, parser: argparse.ArgumentParser
+    out: Path,
+    recipe: ToyBuildConfig,
+    device: str,
+    resume: bool,
+    parser: argparse.ArgumentParser,
+    start_from: Path | None = None,
 ) -> dict | None:
-    """Builds ``recipe`` into ``out``, continuing the build stopped there with ``resume``; a
-    SIGTERM stops it at the next step with its state saved (exit code 143). Returns the build's
-    info, or None when ``out`` already holds the finished build."""
+    """Builds ``recipe`` into ``out``, from the finished first stages in ``start_from`` if given,
+    continuing the build stopped in ``out`` with ``resume``; a SIGTERM stops it at the next step
+    with its state saved (exit code 143). Returns the build's info, or None when ``out`` already
+    holds the finished build."""
     if not resume and ((out / CONFIG_FILE).is_file() or (out / PARTIAL_FILE).is_file()):
         parser.error(f"--out {out} holds a build; pass --resume to continue it, or choose "
                      "another --out")  # fmt: skip
@@ -287,7 +367,7 @@ def _build(
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         return build_toy_model(out, recipe, device=device, stop_requested=stop.is_set,
-                               resume_from=out if finished_stages else None)  # fmt: skip
+                               resume_from=out if finished_stages else start_from)  # fmt: skip
     except BuildStopped as stopped:
         print(f"{stopped}; continue with the same command and --resume", file=sys.stderr)
         raise SystemExit(143) from None
