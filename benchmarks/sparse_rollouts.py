@@ -56,7 +56,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = (REPO / "configs" / "testbed_nft.yaml", REPO / "configs" / "testbed_control.yaml")
 RL_SCALE = REPO / "benchmarks" / "results" / "rl_scale"
-DEFAULT_PARTS = [RL_SCALE / "parts_480p33_720p81.md", RL_SCALE / "parts_720p81.md"]
+DEFAULT_PARTS = [RL_SCALE / "parts_480p33_720p81.md", RL_SCALE / "parts_growth.md",
+                 RL_SCALE / "parts_720p81.md"]  # fmt: skip
 RECIPE_GRID = "720p:81"  # the recipes' video size, where the choice of rollout sparsity counts
 VERDICT_SPARSITY = 0.9  # the recipes' rollout sparsity, judged against dense rollouts
 GATE_POINTS = 15.0  # direction points dense-rollout RL must gain over its control (the base gate)
@@ -231,20 +232,26 @@ def sweep_job(args, name: str, target: list[str], sparsities: list[float]) -> Jo
     return Job(f"sweep {name}", command, args.out / "sweeps" / f"{name}.log")
 
 
+def base_sweep_jobs(args) -> list[Job]:
+    """The base's sweep (at 0, --eval-sparsity, every rollout sparsity and
+    :data:`BASE_SPARSITIES`) unless written: it runs beside the RL runs, so its rollout
+    agreement figures exist even when the runs are cut short."""
+    if (args.out / "sweeps" / BASE / "eval.json").is_file():
+        return []
+    sparsities = sorted({0.0, args.eval_sparsity, *args.sparsities, *BASE_SPARSITIES})
+    return [sweep_job(args, BASE, [], sparsities)]
+
+
 def sweep_jobs(args) -> list[Job]:
-    """The sweeps not yet written: the base's (at 0, --eval-sparsity, every rollout sparsity and
-    :data:`BASE_SPARSITIES`) and each finished run's (at 0 and --eval-sparsity)."""
-    runs_at = [0.0, args.eval_sparsity]
-    targets = {BASE: ([], sorted({*runs_at, *args.sparsities, *BASE_SPARSITIES}))}
+    """The sweeps not yet written of the finished runs (at 0 and --eval-sparsity)."""
+    jobs = []
     for run in find_runs(args.out):
         overrides = train_overrides(args, run.kind, run.sparsity, run.seed, run.path)
-        if is_finished(run.path, planned_num_steps(config_path(args, run.kind), overrides)):
-            targets[run.name] = ([f"run_dir={run.path}"], runs_at)
-    return [
-        sweep_job(args, name, target, sparsities)
-        for name, (target, sparsities) in targets.items()
-        if not (args.out / "sweeps" / name / "eval.json").is_file()
-    ]
+        finished = is_finished(run.path, planned_num_steps(config_path(args, run.kind), overrides))
+        if finished and not (args.out / "sweeps" / run.name / "eval.json").is_file():
+            jobs.append(sweep_job(args, run.name, [f"run_dir={run.path}"],
+                                  [0.0, args.eval_sparsity]))  # fmt: skip
+    return jobs
 
 
 def command_run(args) -> int:
@@ -256,7 +263,7 @@ def command_run(args) -> int:
     jobs = rl_jobs(args)  # every run's config checked before anything starts
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "run_info.json").write_text(json.dumps(device_info(args.device), indent=2))
-    failed = run_jobs(jobs, args.parallel)
+    failed = run_jobs(base_sweep_jobs(args) + jobs, args.parallel)
     failed += run_jobs(sweep_jobs(args), args.parallel)
     if failed:
         print(f"{len(failed)} failed: {', '.join(failed)}", flush=True)

@@ -91,8 +91,11 @@ def test_outputs_exist_and_parse(tmp_path):
     for row in saved:
         assert {"sparsity", "density", "latency_s", "reward/motion_quality"} <= set(row)
         assert "reward/motion_quality_std" in row and row["latency_s"] > 0
+    # the rollout agreement on the first eval.agreement_prompts (8 by default: both) prompts
+    assert saved[0]["velocity_rel_error"] == 0.0 < saved[1]["velocity_rel_error"]
     table = (tmp_path / "eval.md").read_text().splitlines()
     assert len(table) == 2 + len(saved) and "reward/motion_quality" in table[0]
+    assert "velocity_rel_error" in table[0]
     assert (tmp_path / "eval.png").stat().st_size > 0
     assert (tmp_path / "samples" / "toy" / "sparsity_0.9.png").exists()
 

@@ -60,6 +60,17 @@ class SparsityState:
         self._density_sum = self._density_sum + density
         self._density_count += 1
 
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[SparsityState]:
+        """Runs the block without counting its forwards' densities: a reference forward beside
+        the measured ones (vsa2_rl.eval.agreement's dense velocity) leaves the accumulator as
+        it found it, also when the block raises."""
+        saved = self._density_sum, self._density_count
+        try:
+            yield self
+        finally:
+            self._density_sum, self._density_count = saved
+
     def pop_density(self) -> float | None:
         """Mean density recorded since the last pop (None if nothing was recorded); resets."""
         if self._density_count == 0:

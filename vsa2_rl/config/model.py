@@ -180,6 +180,12 @@ class SparsityConfig:
         default=0,
     )
     warmup_shape: str = _doc("Warm-up curve: linear or cosine.", default="cosine")
+    max_rollout_velocity_error: float | None = _doc(
+        "Warn once, at step 0's evaluation, when eval/rollout_velocity_rel_error (the "
+        "velocity's relative error against dense attention at the rollout sparsity) exceeds "
+        "this; empty = never warn. Needs eval.every > 0 and eval.agreement_prompts > 0.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         for key in ("train", "eval"):
@@ -209,3 +215,8 @@ class SparsityConfig:
             f"must be >= 0, got {self.warmup_steps}",
         )
         _check_choice(self.warmup_shape, "sparsity.warmup_shape", ("linear", "cosine"))
+        _check(
+            self.max_rollout_velocity_error is None or self.max_rollout_velocity_error >= 0,
+            "sparsity.max_rollout_velocity_error",
+            f"must be >= 0 (empty = never warn), got {self.max_rollout_velocity_error}",
+        )

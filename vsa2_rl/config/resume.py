@@ -27,6 +27,7 @@ RESUMABLE_KEYS = (
     "rewards.device",
     "rewards.async_scoring",
     "prompts.eval_file",
+    "sparsity.max_rollout_velocity_error",  # a warning's threshold, not the schedule
 )
 RESUMABLE_SECTIONS = ("eval.", "logging.")
 

@@ -129,6 +129,14 @@ class EvalConfig:
         "so that reward hacking shows.",
         default_factory=list,
     )
+    agreement_prompts: int = _doc(
+        "Rollout agreement: the ODE trajectories of the first N evaluated prompts (every sample "
+        "of each) measure velocity_rel_error, the relative L2 error of the velocity at the "
+        "evaluated sparsity against dense attention at each step (one extra dense forward a "
+        "step); in eval.json and metrics.jsonl (eval/velocity_rel_error, "
+        "eval/rollout_velocity_rel_error); 0 = not measured.",
+        default=8,
+    )
 
     def select_prompts(self, prompts: list[str]) -> list[str]:
         """The evaluated prompts: the first ``num_prompts``, each ``samples_per_prompt`` times
@@ -140,6 +148,12 @@ class EvalConfig:
                 stacklevel=2,
             )
         return [p for p in prompts[: self.num_prompts] for _ in range(self.samples_per_prompt)]
+
+    @property
+    def agreement_videos(self) -> int:
+        """The evaluated videos (the first ones) whose trajectories measure velocity_rel_error:
+        every sample of the first ``agreement_prompts`` prompts."""
+        return min(self.agreement_prompts, self.num_prompts) * self.samples_per_prompt
 
     def __post_init__(self) -> None:
         _check(bool(self.sparsities), "eval.sparsities", "needs at least one value")
@@ -161,6 +175,11 @@ class EvalConfig:
             f"must be >= 1, got {self.samples_per_prompt}",
         )
         _check(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
+        _check(
+            self.agreement_prompts >= 0,
+            "eval.agreement_prompts",
+            f"must be >= 0 (0 = velocity_rel_error not measured), got {self.agreement_prompts}",
+        )
         _check(
             self.guidance_scale is None or self.guidance_scale >= 1.0,
             "eval.guidance_scale",

@@ -6,11 +6,21 @@ sparsity in ``eval.sparsities`` (0.0 = plain dense attention), the same prompts 
 the deterministic ODE from the same seeded noise, decoded and scored by every configured reward.
 Nothing is written until every cell succeeded, so a failing reward never leaves a partial table
 that looks complete. Outputs in ``out_dir``: ``eval.json`` (one row per run and sparsity, in the
-given order), ``eval.md`` (the same as a table), ``eval.png`` (each reward and the latency against
-sparsity, a line per run) and ``samples/<run>/sparsity_<s>.png|.gif``, where ``<run>`` is the
-run's folder name, with as many parent folders as it takes to tell the runs apart (``A/run``,
-``B/run``). The latency is the sampling time per video after one untimed warm-up call at each
-sparsity (compilation and kernel autotuning at a new setting are not latency).
+given order), ``eval.md`` (the same as a table), ``eval.png`` (each reward, the
+velocity_rel_error and the latency against sparsity, a line per run) and
+``samples/<run>/sparsity_<s>.png|.gif``, where ``<run>`` is the run's folder name, with as many
+parent folders as it takes to tell the runs apart (``A/run``, ``B/run``). The latency is the
+sampling time per video after one untimed warm-up call at each sparsity (compilation and kernel
+autotuning at a new setting are not latency).
+
+With ``eval.agreement_prompts`` > 0 each row also holds ``velocity_rel_error``
+(vsa2_rl.eval.agreement): the relative L2 error of the guided velocity at the row's sparsity
+against the same model's dense velocity, on the same latents along the first
+``eval.agreement_prompts`` prompts' trajectories, averaged over their videos and steps (0.0 at
+sparsity 0).
+Its extra dense forwards change neither the trajectories, nor the row's ``density`` (they are
+not recorded), nor its latency (their time, measured apart with the device synchronised, is
+subtracted from the sampling's).
 
 The hard-to-easy claim of VSA2 (train at high sparsity, evaluate lower) is checked by running a
 sparse-trained and a dense-trained run through the same sweep (docs/concepts.md,
@@ -39,6 +49,7 @@ from vsa2_rl.config import (
     load_recorded_config,
 )
 from vsa2_rl.device import resolve_device, resolve_dtype, resolve_reward_device
+from vsa2_rl.eval.agreement import VelocityAgreement
 from vsa2_rl.eval.media import condition_images_of, save_video_grid
 from vsa2_rl.models.conditioning import encode_condition, final_latents
 from vsa2_rl.models.experts import low_noise_guidance
@@ -214,30 +225,34 @@ def _warm_up(bundle, condition, noise, sigmas, cfg) -> None:
         torch.cuda.synchronize(noise.device)
 
 
-def _sample_videos(bundle, prompts, images, noise, sigmas, *, cfg, batch_size, shape, bar):
+def _sample_videos(bundle, prompts, images, noise, sigmas, *, cfg, batch_size, shape, bar,
+                   agreement: VelocityAgreement | None):  # fmt: skip
     """ODE videos of ``prompts`` (float32, on the CPU) in batches, and the seconds the sampling
-    took (without encoding and decoding); ``cfg`` = (negative embedding, guidance scale, low-noise
-    guidance) as :func:`vsa2_rl.sampling.cfg_velocity` takes them."""
+    took (without encoding and decoding, and without ``agreement``'s dense forwards, which
+    measure the first batches' velocities when given); ``cfg`` = (negative embedding, guidance
+    scale, low-noise guidance) as :func:`vsa2_rl.sampling.cfg_velocity` takes them."""
     device = next(bundle.transformer.parameters()).device
     videos, seconds = [], 0.0
     for start in range(0, len(prompts), batch_size):
         part = slice(start, start + batch_size)
         with torch.no_grad():
             condition = encode_condition(bundle, prompts[part], images[part], shape)
+            velocity = cfg_velocity(bundle.velocity, condition, *cfg)
+            if agreement is not None:
+                velocity = agreement.wrap(velocity, start)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             trajectory = sample(
-                cfg_velocity(bundle.velocity, condition, *cfg), noise[part].to(device), sigmas,
-                kind="ode", noise_level=0.0,
-            )  # fmt: skip
+                velocity, noise[part].to(device), sigmas, kind="ode", noise_level=0.0
+            )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds += time.perf_counter() - t0
             latents = final_latents(condition, trajectory.latents[-1])
             videos.append(bundle.decode(latents).float().cpu())
         bar.update(len(prompts[part]))
-    return torch.cat(videos), seconds
+    return torch.cat(videos), seconds - (agreement.seconds if agreement is not None else 0.0)
 
 
 def sweep_model(
@@ -258,13 +273,15 @@ def sweep_model(
     negative_prompt: str = "",
     reward_device: torch.device | str = "cpu",
     images: list[str | None] | None = None,
+    agreement_videos: int = 0,
 ) -> tuple[list[dict], dict[float, torch.Tensor]]:
     """ODE-samples ``prompts`` (with their condition ``images`` for image-to-video) at each
     sparsity; returns the rows and, per sparsity, the :class:`Preview` of the first (up to 8)
     videos. The rewards score the videos on ``reward_device`` (``rewards.device`` or the run's
     device, from the callers) and find each prompt's image in ``metadata["image"]``.
     ``low_noise``: Wan2.2 A14B's second guidance scale
-    (:func:`vsa2_rl.models.experts.low_noise_guidance`)."""
+    (:func:`vsa2_rl.models.experts.low_noise_guidance`). ``agreement_videos``: the first this
+    many videos' trajectories measure each row's ``velocity_rel_error``; 0 = no such key."""
     images = list(images) if images is not None else [None] * len(prompts)
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
@@ -285,9 +302,11 @@ def sweep_model(
             condition = encode_condition(bundle, prompts[first], images[first], shape)
             _warm_up(bundle, condition, noise[first].to(device), sigmas, cfg)
             state.pop_density()
+            measured = agreement_videos > 0 and sparsity > 0.0  # 0.0 at sparsity 0: no forward
+            agreement = VelocityAgreement(state, agreement_videos) if measured else None
             videos, seconds = _sample_videos(
                 bundle, prompts, images, noise, sigmas, cfg=cfg,
-                batch_size=batch_size, shape=shape, bar=bar,
+                batch_size=batch_size, shape=shape, bar=bar, agreement=agreement,
             )  # fmt: skip
             density = state.pop_density()
         row = {
@@ -295,6 +314,8 @@ def sweep_model(
             "density": 1.0 if density is None else density,
             "latency_s": seconds / len(prompts),
         }
+        if agreement_videos > 0:
+            row["velocity_rel_error"] = agreement.mean() if measured else 0.0
         metadata = [
             {"prompt_index": i, "sparsity": sparsity, **({"image": image} if image else {})}
             for i, image in enumerate(images)
@@ -324,14 +345,15 @@ def _markdown(rows: list[dict]) -> str:
 
 
 def plot_sweep(rows: list[dict], path: str) -> None:
-    """Each reward and the per-video latency against sparsity, one line per run."""
+    """Each reward, the velocity_rel_error (where measured) and the per-video latency against
+    sparsity, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metrics = [k for k in rows[0] if k.startswith("reward/") and not k.endswith("_std")]
-    metrics.append("latency_s")
+    metrics += [k for k in ("velocity_rel_error", "latency_s") if k in rows[0]]
     runs = list(dict.fromkeys(row["run"] for row in rows))
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.2), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
@@ -343,12 +365,14 @@ def plot_sweep(rows: list[dict], path: str) -> None:
             ax.errorbar(
                 xs,
                 ys,
-                yerr=errors if metric != "latency_s" else None,
+                yerr=errors if metric.startswith("reward/") else None,
                 marker="o",
                 capsize=3,
                 label=run,
             )
-        ax.set_title(metric.replace("reward/", ""), fontsize=10)
+        title = metric.replace("reward/", "")
+        vs_dense = " (vs dense)" if metric == "velocity_rel_error" else ""
+        ax.set_title(title + vs_dense, fontsize=10)
         ax.set_xlabel("inference sparsity")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
@@ -402,6 +426,7 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
             label=target.label,
             reward_device=resolve_reward_device(config, device),
             images=images,
+            agreement_videos=config.eval.agreement_videos,
         )
         rows.extend({"run": target.label, **row} for row in table)
         previews[target.label] = videos

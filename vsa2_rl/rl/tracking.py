@@ -171,10 +171,18 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return [row for row in rows if row is not None]
 
 
+# the velocity agreement with dense attention an evaluation logs (vsa2_rl.eval.agreement)
+AGREEMENT_LABELS = {
+    "eval/velocity_rel_error": "at the eval sparsity",
+    "eval/rollout_velocity_rel_error": "at the rollout sparsity",
+}
+
+
 def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:
-    """Rollout reward per step (mean with a +-std band), the evaluation reward and, in a second
-    panel, the evaluation guard metrics (``eval/guard/*``, their spreads left out), from
-    metrics.jsonl rows."""
+    """Rollout reward per step (mean with a +-std band) and the evaluation reward, then a panel
+    each for what the evaluations logged of: the guard metrics (``eval/guard/*``, their spreads
+    left out) and the relative velocity error against dense attention (``AGREEMENT_LABELS``),
+    from metrics.jsonl rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,8 +193,16 @@ def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:
     guards = sorted(
         {k for row in evals for k in row if k.startswith("eval/guard/") and not k.endswith("_std")}
     )
-    fig, axes = plt.subplots(1, 2 if guards else 1, figsize=(11 if guards else 6, 3.5))
-    ax = axes[0] if guards else axes
+    agreement = [key for key in AGREEMENT_LABELS if any(key in row for row in evals)]
+    panels = [
+        ("guard metrics (eval, never trained on)", guards),
+        ("relative velocity error vs dense attention (eval prompts)", agreement),
+    ]
+    panels = [(title, keys) for title, keys in panels if keys]
+    fig, (axes,) = plt.subplots(
+        1, 1 + len(panels), figsize=(6 + 5 * len(panels), 3.5), squeeze=False
+    )
+    ax = axes[0]
     steps = [row["step"] for row in train]
     mean = [row["reward/mean"] for row in train]
     std = [row.get("reward/std", 0.0) for row in train]
@@ -206,12 +222,13 @@ def plot_reward_curve(rows: list[dict[str, Any]], path: str) -> None:
             label="eval reward (ODE, eval sparsity, eval prompts)",
         )
     ax.set_title("trained reward", fontsize=10)
-    for key in guards:
-        points = [(row["step"], row[key]) for row in evals if key in row]
-        axes[1].plot(*zip(*points, strict=True), marker="s", label=key.removeprefix("eval/"))
-    if guards:
-        axes[1].set_title("guard metrics (eval, never trained on)", fontsize=10)
-    for panel in axes if guards else [axes]:
+    for panel, (title, keys) in zip(axes[1:], panels, strict=True):
+        for key in keys:
+            points = [(row["step"], row[key]) for row in evals if key in row]
+            label = AGREEMENT_LABELS.get(key, key.removeprefix("eval/"))
+            panel.plot(*zip(*points, strict=True), marker="s", label=label)
+        panel.set_title(title, fontsize=10)
+    for panel in axes:
         panel.set_xlabel("RL step")
         panel.grid(alpha=0.3)
         panel.legend(fontsize=8)

@@ -34,6 +34,7 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from concurrent import futures
@@ -51,6 +52,7 @@ from vsa2_rl.config import (
     config_tree,
     to_yaml,
 )
+from vsa2_rl.eval.agreement import agreement_metrics, rollout_warning
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
 from vsa2_rl.models.conditioning import encode_condition
 from vsa2_rl.models.experts import low_noise_guidance
@@ -240,19 +242,20 @@ def _sequence_parallel_group(acc, config: RunConfig):
     return SequenceParallel(groups[acc.process_index // size])
 
 
-def _evaluate(setup: _Setup, policy: Policy, sparsity: float, step: int, logger) -> dict:
-    """ODE rewards on the fixed evaluation prompts at ``sparsity`` (EMA weights if kept), run on
-    the unwrapped model of this process (no collectives but ZeRO-3's weight gathers), as
-    ``eval/*`` metrics; the main process also writes the first videos as
-    ``samples/eval_step_<step>.{png,gif,mp4}`` and hands them to the trackers, each with its
-    prompt and rewards as caption."""
+def _evaluate(
+    setup: _Setup, policy: Policy, sparsity: float, rollout: float, step: int, logger
+) -> dict:
+    """ODE rewards on the fixed evaluation prompts at ``sparsity`` (EMA weights if kept) and the
+    velocity agreement there and at ``rollout`` (vsa2_rl.eval.agreement), on the unwrapped model
+    of this process (no collectives but ZeRO-3's weight gathers), as ``eval/*`` metrics; the main
+    process also writes the first videos as ``samples/eval_step_<step>.{png,gif,mp4}`` and hands
+    them to the trackers, each with its prompt and rewards as caption."""
     config = setup.config
+    prompts, images, measured = setup.eval_prompts, setup.eval_images, config.eval.agreement_videos
     with policy.evaluation() as bundle:
-        (row,), previews = sweep_model(
+        sweep = functools.partial(
+            sweep_model,
             bundle,
-            setup.eval_prompts,
-            [sparsity],
-            [*setup.rewards.rewards.values(), *setup.guards],
             num_steps=config.sampler.eval_num_steps,
             shift=config.sampler.shift,
             guidance_scale=config.eval_guidance_scale,
@@ -265,12 +268,15 @@ def _evaluate(setup: _Setup, policy: Policy, sparsity: float, step: int, logger)
             shape=(config.model.num_frames, config.model.height, config.model.width),
             progress=False,
             reward_device=setup.reward_device,
-            images=setup.eval_images,
+            agreement_videos=measured,
         )
+        rewards = [*setup.rewards.rewards.values(), *setup.guards]
+        (row,), previews = sweep(prompts, [sparsity], rewards, images=images)
+        agreement = agreement_metrics(sweep, prompts, images, rollout, row, measured)
     if setup.accelerator.is_main_process:
         _save_eval_videos(setup, previews[sparsity], step, logger)
     total = setup.rewards.weighted_total({n: row[f"reward/{n}"] for n in setup.rewards.names})
-    metrics = {"eval/reward": total, "eval/density": row["density"]}
+    metrics = {"eval/reward": total, "eval/density": row["density"], **agreement}
     for key, value in row.items():  # reward/<name> -> eval/reward/<name>, guards eval/guard/<name>
         if key.startswith("reward/" + GUARD_PREFIX):
             metrics["eval/" + key[len("reward/") :]] = value
@@ -575,9 +581,15 @@ class RLTrainer:
         return bool(every) and self.evaluates and (step == 0 or step % every == 0 or last)
 
     def evaluate(self, step: int, sparsity: float) -> dict:
-        """The evaluation policy's rewards on the fixed prompts at ``sparsity``, ``eval/*``."""
+        """Rewards and velocity agreement at ``sparsity``, agreement at the step's rollout
+        sparsity (``eval/*``); step 0's warns once above ``sparsity.max_rollout_velocity_error``."""
+        rollout = self.schedule(step).rollout
         with record_function("vsa2_rl/eval"):
-            return _evaluate(self.setup, self.policy, sparsity, step, self.logger)
+            metrics = _evaluate(self.setup, self.policy, sparsity, rollout, step, self.logger)
+        warning = rollout_warning(metrics, self.config.sparsity.max_rollout_velocity_error, rollout)
+        if step == 0 and self.is_main and warning:
+            tqdm.write(warning)
+        return metrics
 
     def save_samples(self, step: int, rollouts: StepRollouts) -> None:
         """One group's rollouts as ``samples/step_<step>`` every ``train.sample_every`` steps."""
