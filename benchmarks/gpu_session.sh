@@ -29,6 +29,20 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # the Wan-shaped trainer runs (benchmarks/wan_shaped_rl.yaml, model from the "wan" part)
 run="train_rl.py --config benchmarks/wan_shaped_rl.yaml model.path=/tmp/wan1.3b"
+# a long-toy build from an earlier machine, carried back as .gpu_state/long_bases.tgz (the
+# long_toy part's output, finished or cut builds alike), continues here
+if [ -f .gpu_state/long_bases.tgz ] && [ ! -e /tmp/long_base.txt ]; then
+  tar -C /tmp -xzf .gpu_state/long_bases.tgz && ln -sfn "$(cat /tmp/long_base.txt)" /tmp/long_base
+fi
+# a sweep's figures and looks small enough to come back: reports, configs, metrics, logs,
+# evaluations and each run's last evaluation grid (no weights, no videos), as $OUT/<sweep>.tgz
+sweep_rows() {
+  (cd /tmp && find "$1" -path "*/checkpoints" -prune -o \( -name "*.md" -o -name "*.json" \
+    -o -name "*.jsonl" -o -name "*.yaml" -o -name "*.log" -o -name "report.png" \
+    -o -name "reward_curve.png" -o -path "$1/sweeps/*/eval.png" \) -print
+   for run in "$1"/runs/*/; do ls -v "$run"samples/eval_step_*.png 2>/dev/null | tail -1; done) \
+    | tar -C /tmp -czf "$OUT/$1.tgz" -T -
+}
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests attention rl e2e ddp)
 for part in "${parts[@]}"; do
@@ -96,7 +110,8 @@ for part in "${parts[@]}"; do
       # LONG_STEPS_LIST's stage lengths in parallel; call again to continue a build cut short (a
       # build finished by an earlier call on this machine is kept); pick_rl_base.py names the
       # one whose figures at 0.5 meet the RL-base gates (/tmp/long_base); bases come back in
-      # $OUT/long_bases.tgz (weights and figures, no samples)
+      # $OUT/long_bases.tgz (weights, a cut build's state and figures, no samples: carry it back
+      # as .gpu_state/long_bases.tgz to go on on another machine)
       for steps in ${LONG_STEPS_LIST:-100 200 400}; do  # timeout's SIGTERM saves a build's state
         grep -qs '"build_seconds"' "/tmp/long_$steps.log" || timeout ${LONG_BUILD_S:-300} python3 -P -m \
           vsa2_rl.toy.testbed --out "/tmp/long_$steps" --device cuda --recipe long --resume --from "$PWD/assets/toy" \
@@ -107,7 +122,7 @@ for part in "${parts[@]}"; do
       done
       PYTHONSAFEPATH=1 python3 benchmarks/pick_rl_base.py --build-sparsity 0.5 /tmp/long_*/ > /tmp/long_base.txt \
         && ln -sfn "$(cat /tmp/long_base.txt)" /tmp/long_base; echo "long base: $(cat /tmp/long_base.txt)"
-      tar -C /tmp -czf "$OUT/long_bases.tgz" --exclude=partial_stage.pt --exclude="*.mp4" long_base.txt long_*/ ;;
+      touch /tmp/long_base.txt; tar -C /tmp -czf "$OUT/long_bases.tgz" --exclude="*.mp4" long_base.txt long_[0-9]* ;;
     sparse_rollouts)  # RL at rollout sparsities SWEEP_SPARSITIES on an RL base (RL_BASE, else the
       # long toy's, /tmp/long_base); call again until every run is done (finished runs are
       # skipped, cut ones resume); solo step timing once they all are
@@ -122,7 +137,7 @@ for part in "${parts[@]}"; do
         --sparsities ${SWEEP_SPARSITIES:-0 0.5 0.75 0.9} > "$OUT/sparse_rollouts_time.log" 2>&1; }
       cp "$sweep.log" "$OUT/sparse_rollouts_run.log"; tail -4 "$sweep.log"
       PYTHONSAFEPATH=1 python3 benchmarks/sparse_rollouts.py report --out $sweep 2>&1 | tail -3
-      tar -C /tmp -czf "$OUT/sparse_rollouts.tgz" --exclude=checkpoints --exclude="*.mp4" sparse_rollouts ;;
+      sweep_rows sparse_rollouts ;;
     toy_sweep)  # the same sweep on the shipped 512-token toy (configs/default.yaml and its
       # control at the toy's GPU settings, float32, reference attention), rollouts at
       # 0-0.75, evaluated dense and at 0.25
@@ -135,7 +150,7 @@ for part in "${parts[@]}"; do
         --eval-sparsity 0.25 --parallel 16 --set $gpu >> "$sweep.log" 2>&1
       cp "$sweep.log" "$OUT/toy_sweep_run.log"; tail -4 "$sweep.log"
       PYTHONSAFEPATH=1 python3 benchmarks/sparse_rollouts.py report --out $sweep --eval-sparsity 0.25 2>&1 | tail -3
-      tar -C /tmp -czf "$OUT/toy_sweep.tgz" --exclude=checkpoints --exclude="*.mp4" toy_sweep ;;
+      sweep_rows toy_sweep ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
       # (its two routers only: kv16 top-p, kv64 top-k), then frontier.py's table and choice
       for router in 16:topp 64:topk; do

@@ -22,8 +22,9 @@ Commands, each reading and writing ``--out``:
   seconds of a step (rollout + update) after the first into ``seconds_per_step.json``.
 - ``report``: ``report.md`` (per-run and per-sparsity changes from the base, the base's gate
   (dense rollouts against their control), the verdict, the rollout agreement by sparsity and
-  the threshold it calibrates, the reward per GPU-hour at Wan's scale from
-  ``benchmarks/results/rl_scale`` and the rollout sparsity the recipes should use) and
+  the threshold it calibrates, at Wan's scale from ``benchmarks/results/rl_scale`` the
+  iteration speed-up each sparsity has against the one it needs to match dense rollouts'
+  reward per GPU-hour, and the rollout sparsity the recipes should use) and
   ``report.png`` (held-out reward against RL step and GPU-seconds).
 
 ::
@@ -58,7 +59,6 @@ CONFIGS = (REPO / "configs" / "testbed_nft.yaml", REPO / "configs" / "testbed_co
 RL_SCALE = REPO / "benchmarks" / "results" / "rl_scale"
 DEFAULT_PARTS = [RL_SCALE / "parts_480p33_720p81.md", RL_SCALE / "parts_growth.md",
                  RL_SCALE / "parts_720p81.md"]  # fmt: skip
-RECIPE_GRID = "720p:81"  # the recipes' video size, where the choice of rollout sparsity counts
 VERDICT_SPARSITY = 0.9  # the recipes' rollout sparsity, judged against dense rollouts
 GATE_POINTS = 15.0  # direction points dense-rollout RL must gain over its control (the base gate)
 AGREEMENT_KEY = "velocity_rel_error"
@@ -394,17 +394,45 @@ def parse_parts(paths: list[Path]) -> dict[tuple[str, float], float]:
     return seconds
 
 
-def gain_per_gpu_hour(gain: float, num_steps: int, iteration_s: float) -> float:
-    """Reward gained per GPU-hour when ``num_steps`` iterations of ``iteration_s`` gain ``gain``."""
-    return gain / (num_steps * iteration_s / 3600)
+def dense_equivalent_steps(dense_curve: list[tuple[int, float]], reward: float) -> float:
+    """The RL step at which dense rollouts' mean held-out curve first reaches ``reward``, linear
+    between evaluations; inf when it never does."""
+    previous = None
+    for step, value in dense_curve:
+        if value >= reward:
+            if previous is None:
+                return float(step)
+            step_before, value_before = previous
+            return step_before + (step - step_before) * (reward - value_before) / (
+                value - value_before
+            )
+        previous = (step, value)
+    return math.inf
 
 
-def wan_scale_rows(parts: dict, gains: dict[float, Stat], num_steps: int) -> list[tuple]:
-    """(grid, sparsity, iteration s, gain, gain per GPU-hour) for each grid of the parts tables
-    and rollout sparsity present in both."""
-    return [(grid, sparsity, seconds, gains[sparsity].mean,
-             gain_per_gpu_hour(gains[sparsity].mean, num_steps, seconds))
-            for (grid, sparsity), seconds in parts.items() if sparsity in gains]  # fmt: skip
+def needed_speedup(num_steps: int, equivalent_steps: float) -> float:
+    """The iteration speed-up over dense at which ``num_steps`` sparse iterations cost what the
+    ``equivalent_steps`` dense ones that reach the same reward cost (inf: dense's start already
+    reaches it; below 1: dense never does in the budget, so sparse rollouts pay at any speed)."""
+    if equivalent_steps <= 0:
+        return math.inf
+    return num_steps / min(equivalent_steps, num_steps + 1.0)
+
+
+def wan_scale_rows(parts: dict, curves: dict[float, list], num_steps: int) -> list[tuple]:
+    """(grid, rollout sparsity, iteration s, measured speed-up over dense, needed speed-up) for
+    each grid with a dense row and each sparse rollout sparsity in both the parts and the curves."""
+    dense_curve = curves.get(0.0)
+    if not dense_curve:
+        return []
+    rows = []
+    for (grid, sparsity), seconds in parts.items():
+        if sparsity == 0.0 or sparsity not in curves or (grid, 0.0) not in parts:
+            continue
+        equivalent = dense_equivalent_steps(dense_curve, curves[sparsity][-1][1])
+        rows.append((grid, sparsity, seconds, parts[(grid, 0.0)] / seconds,
+                     needed_speedup(num_steps, equivalent)))  # fmt: skip
+    return rows
 
 
 def keeps_dense_gain(gain: Stat, dense: Stat) -> bool:
@@ -417,12 +445,18 @@ def beats_control(gain: Stat, control: Stat | None) -> bool:
     return control is not None and gain.mean - control.mean > gain.sd
 
 
-def recipe_sparsity(rows: list[tuple], gains: dict, controls: dict) -> str:
-    """The rollout sparsity with the most reward per GPU-hour at :data:`RECIPE_GRID` among those
-    beating their control, or "none"."""
-    eligible = [row for row in rows if row[0] == RECIPE_GRID
-                and beats_control(gains[row[1]], controls.get(row[1]))]  # fmt: skip
-    return f"{max(eligible, key=lambda row: row[4])[1]:g}" if eligible else "none"
+def hardest_kept_sparsity(gains: dict[float, Stat], controls: dict[float, Stat]) -> str:
+    """The highest rollout sparsity that keeps dense rollouts' gain and beats its control by more
+    than its seed sd, or "none"."""
+    dense = gains.get(0.0)
+    if dense is None:
+        return "none"
+    kept = [
+        sparsity
+        for sparsity, gain in gains.items()
+        if keeps_dense_gain(gain, dense) and beats_control(gain, controls.get(sparsity))
+    ]
+    return f"{max(kept):g}" if kept else "none"
 
 
 def signed(stat: Stat, digits: int) -> str:
@@ -582,22 +616,28 @@ def verdict_lines(gains: dict[float, Stat], controls: dict[float, Stat]) -> list
     ]
 
 
-def wan_scale_lines(parts_paths, gains, controls, num_steps, at) -> list[str]:
-    rows = wan_scale_rows(parse_parts(parts_paths), gains, num_steps)
+def speedup_text(speedup: float) -> str:
+    return "none suffices" if math.isinf(speedup) else f"{speedup:.2f}x"
+
+
+def wan_scale_lines(parts_paths, curves, gains, controls, num_steps, at) -> list[str]:
+    rows = wan_scale_rows(parse_parts(parts_paths), curves, num_steps)
     lines = ["## At Wan's scale, on paper", "",
-             f"Assumption: the testbed's reward gained per RL step carries over to a Wan "
-             f"iteration; only the seconds per iteration differ by sparsity. Reward per GPU-hour "
-             f"= mean gain at {at:g} over the seeds / ({num_steps} steps x iteration s (LoRA) / "
-             f"3600). Iteration seconds from " + ", ".join(shown_path(p) for p in parts_paths) +
+             "Assumption: the testbed's held-out learning curve per RL step (the in-training "
+             "dense evaluations) carries over to a Wan iteration; only the seconds per iteration "
+             "differ by sparsity. A rollout sparsity pays when its measured iteration speed-up "
+             f"over dense reaches the speed-up it needs: {num_steps} steps / the step at which "
+             "dense rollouts reached its final held-out reward (linear between evaluations). "
+             "Iteration seconds from " + ", ".join(shown_path(p) for p in parts_paths) +
              " (a later file replaces a grid and sparsity an earlier one gave).", "",
-             "| grid | rollout sparsity | iteration s (LoRA) | gain | gain per GPU-hour |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {g} | {s:g} | {sec:g} | {gain:+.3f} | {rate:+.4f} |"
-              for g, s, sec, gain, rate in rows]  # fmt: skip
-    choice = recipe_sparsity(rows, gains, controls)
-    return [*lines, "", f"**Rollout sparsity for the recipes**: {choice} (the most reward per "
-            f"GPU-hour at {RECIPE_GRID} among the sparsities whose gain beats their control's "
-            "change by more than their seed sd)."]  # fmt: skip
+             "| grid | rollout sparsity | iteration s (LoRA) | speed-up over dense | needed | "
+             "pays |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {g} | {s:g} | {sec:g} | {have:.2f}x | {speedup_text(need)} | "
+              f"{'yes' if have >= need else 'no'} |" for g, s, sec, have, need in rows]  # fmt: skip
+    choice = hardest_kept_sparsity(gains, controls)
+    return [*lines, "", f"**Rollout sparsity for the recipes**: {choice} (the highest whose gain "
+            f"at the evaluation sparsity {at:g} keeps dense rollouts' and beats its control by "
+            "more than its seed sd)."]  # fmt: skip
 
 
 THRESHOLD_RULE = (
@@ -692,7 +732,8 @@ def command_report(args) -> int:
              *gate_lines(runs, changes, base, at),
              *verdict_lines(gains, controls), "",
              *agreement_lines(base, gains, controls, at), "",
-             *wan_scale_lines(args.rl_scale, gains, controls, recorded_num_steps(runs), at),
+             *wan_scale_lines(args.rl_scale, eval_curves(runs, "nft"), gains, controls,
+                              recorded_num_steps(runs), at),
              "", "## Curves", "",
              f"![held-out prompt_motion](report.png) (runs: {provenance(info)}"]  # fmt: skip
     if timing:

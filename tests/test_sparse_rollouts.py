@@ -74,19 +74,30 @@ def test_the_wan_scale_arithmetic_on_a_parts_table(tmp_path):
     parts = sparse_rollouts.parse_parts([tmp_path / "a.md", tmp_path / "b.md"])
     assert parts == {("480p:33", 0.0): 400.0, ("720p:81", 0.0): 6000.0,
                      ("720p:81", 0.5): 6000.0, ("720p:81", 0.9): 3600.0}  # fmt: skip
-    gains = {0.0: Stat(0.2, 0.01), 0.9: Stat(0.1, 0.01)}  # no 0.5 runs: its row is left out
-    rows = sparse_rollouts.wan_scale_rows(parts, gains, num_steps=40)
-    rates = {(grid, s): (seconds, gain, rate) for grid, s, seconds, gain, rate in rows}
-    assert set(rates) == {("480p:33", 0.0), ("720p:81", 0.0), ("720p:81", 0.9)}
-    # 40 iterations: 480p:33 dense 4.444 h, 720p:81 dense 66.67 h, 720p:81 at 0.9 40 h
-    assert rates[("480p:33", 0.0)] == pytest.approx((400.0, 0.2, 0.045))
-    assert rates[("720p:81", 0.0)] == pytest.approx((6000.0, 0.2, 0.003))
-    assert rates[("720p:81", 0.9)] == pytest.approx((3600.0, 0.1, 0.0025))
-    controls = {0.0: Stat(0.0, math.nan), 0.9: Stat(0.0, math.nan)}
-    assert sparse_rollouts.recipe_sparsity(rows, gains, controls) == "0"
-    # dense's gain no longer beats its control by more than its sd: 0.9 is chosen
-    assert sparse_rollouts.recipe_sparsity(rows, gains, {**controls, 0.0: Stat(0.195, 0)}) == "0.9"
-    assert sparse_rollouts.recipe_sparsity(rows, gains, {}) == "none"
+    # dense mean curve 0.5, 0.6, 0.8 at steps 0, 10, 20; 0.9 ends at 0.7 (dense's at step 15),
+    # 0.5 at 0.9 (dense never reaches it); no 0.75 in the parts: its row is left out
+    curves = {0.0: [(0, 0.5), (10, 0.6), (20, 0.8)], 0.5: [(0, 0.5), (20, 0.9)],
+              0.75: [(0, 0.5), (20, 0.6)], 0.9: [(0, 0.5), (20, 0.7)]}  # fmt: skip
+    rows = sparse_rollouts.wan_scale_rows(parts, curves, num_steps=20)
+    speedups = {(grid, s): (seconds, have, need) for grid, s, seconds, have, need in rows}
+    assert set(speedups) == {("720p:81", 0.5), ("720p:81", 0.9)}
+    assert speedups[("720p:81", 0.9)] == pytest.approx((3600.0, 6000 / 3600, 20 / 15))
+    assert speedups[("720p:81", 0.5)] == pytest.approx((6000.0, 1.0, 20 / 21))
+    # a sparse run that ends at the base's reward needs an infinite speed-up
+    assert sparse_rollouts.needed_speedup(20, sparse_rollouts.dense_equivalent_steps(
+        curves[0.0], 0.5)) == math.inf  # fmt: skip
+    assert sparse_rollouts.wan_scale_rows(parts, {0.9: curves[0.9]}, num_steps=20) == []
+
+
+def test_the_recipes_rollout_sparsity_is_the_hardest_that_keeps_dense_gain():
+    hardest = sparse_rollouts.hardest_kept_sparsity
+    gains = {0.0: Stat(0.2, 0.01), 0.5: Stat(0.25, 0.01), 0.75: Stat(0.19, 0.01),
+             0.9: Stat(0.1, 0.01)}  # fmt: skip
+    controls = {s: Stat(0.0, math.nan) for s in gains}
+    assert hardest(gains, controls) == "0.75"  # 0.19 >= 0.2 - 0.01; 0.9 falls short
+    assert hardest(gains, {**controls, 0.75: Stat(0.185, 0)}) == "0.5"  # beaten by less than sd
+    assert hardest(gains, {}) == "none"
+    assert hardest({0.9: Stat(0.1, 0.01)}, controls) == "none"  # no dense runs to keep
 
 
 def _eval_rows(label: str, figures: dict[float, tuple[float, ...]]) -> list[dict]:
@@ -147,7 +158,11 @@ def test_the_report_tables_equal_the_hand_computed_changes(tmp_path):
     _synthetic_out(tmp_path)
     parts = tmp_path / "parts.md"
     _write_parts(parts)
-    args = argparse.Namespace(out=tmp_path, eval_sparsity=0.5, rl_scale=[parts])
+    (tmp_path / "parts_0.9.md").write_text(
+        "| grid | sparsity | iteration s (LoRA) |\n|---|---|---|\n| 720p:81 | 0.9 | 3600 |\n"
+    )
+    args = argparse.Namespace(out=tmp_path, eval_sparsity=0.5,
+                              rl_scale=[parts, tmp_path / "parts_0.9.md"])  # fmt: skip
     assert sparse_rollouts.command_report(args) == 0
     report = (tmp_path / "report.md").read_text()
     rows = [line for line in report.splitlines() if line.startswith(("| nft", "| control"))]
@@ -166,9 +181,9 @@ def test_the_report_tables_equal_the_hand_computed_changes(tmp_path):
         "+0.000 (n=1) | -0.100 (n=1) |" in report  # fmt: skip
     # 0.3 >= 0.25 - 0.0707 and 0.3 - (-0.1) > 0.0707
     assert "**reproduced**" in report and sparse_rollouts.VERDICT_RULE in report
-    # 720p:81: dense 0.25 / (4 x 7200 / 3600) = 0.0312; no 0.9 row in this table
-    assert "| 720p:81 | 0 | 7200 | +0.250 | +0.0312 |" in report
-    assert "**Rollout sparsity for the recipes**: 0 " in report
+    # 720p:81 at 0.9: 7200 / 3600 s = 2x, but its runs end at the base's 0.5, dense's start
+    assert "| 720p:81 | 0.9 | 3600 | 2.00x | none suffices | no |" in report
+    assert "**Rollout sparsity for the recipes**: 0.9 " in report  # keeps dense's 0.25 at 0.5
     assert "NVIDIA H100, 2026-12-07" in report
     # the gates: base at 0.5 (direction 0.25, fidelity 0.8); dense's direction +25 ± 0 points
     # at 0.5 against its control's 0.25 - 0.25 = 0
