@@ -29,10 +29,17 @@ from . import (  # noqa: F401
     videoalign,
     vlm_judge,
 )
-from .mixing import RewardMixer, RewardOutput, combine_advantages
+from .mixing import (
+    RewardMixer,
+    RewardOutput,
+    combine_advantages,
+    evaluation_scores,
+    finite_mean_std,
+)
 from .registry import (
     ENTRY_POINT_GROUP,
     Reward,
+    RewardBuildError,
     RewardError,
     RewardFn,
     RewardSkip,
@@ -45,6 +52,7 @@ from .videos import check_videos
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Reward",
+    "RewardBuildError",
     "RewardError",
     "RewardFn",
     "RewardMixer",
@@ -52,6 +60,8 @@ __all__ = [
     "RewardSkip",
     "check_videos",
     "combine_advantages",
+    "evaluation_scores",
+    "finite_mean_std",
     "get_reward",
     "list_rewards",
     "register_reward",

@@ -27,6 +27,10 @@ values, or runs longer than ``timeout_s``, is reported by name through :class:`R
 A weighted sum that overflows although every reward is finite is such a failure too, reported
 as the reward ``"weighted sum"``.
 
+Evaluations (trained rewards and ``eval.guard_rewards``) apply ``on_error`` through
+:func:`evaluation_scores`: under "skip" or "drop_sample" a non-finite value of one evaluation video
+is logged and left out of that metric's mean (:func:`finite_mean_std`); "stop" raises.
+
 Per-reward means are logged as ``reward/<name>`` (see :meth:`RewardOutput.metrics`); a name
 used twice gets a suffix ``_2``, ``_3``, ...
 """
@@ -110,6 +114,37 @@ def combine_advantages(
     if len(set(shapes.values())) != 1:
         raise ValueError(f"combine_advantages: advantage shapes differ: {shapes}")
     return sum(weights[name] * adv for name, adv in per_reward_adv.items())
+
+
+def evaluation_scores(
+    reward: Reward,
+    videos: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[dict] | None,
+    on_error: str,
+) -> torch.Tensor:
+    """``reward``'s values [B] for an evaluation (a trained reward or a guard metric) under the
+    ``rewards.on_error`` policy: with ``"stop"`` non-finite values raise its RewardError; with
+    ``"skip"`` or ``"drop_sample"`` they are logged with the reward's name and kept, for
+    :func:`finite_mean_std` to leave out, so one bad evaluation video does not end the run."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"rewards.on_error: got {on_error!r}, expected one of {ON_ERROR}")
+    values = reward.evaluate(videos, prompts, metadata, allow_nonfinite=on_error != "stop")
+    bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+    if bad:
+        logger.warning(
+            "reward %r: non-finite at evaluation samples %s; left out of its mean (on_error=%s)",
+            reward.name, bad, on_error,
+        )  # fmt: skip
+    return values
+
+
+def finite_mean_std(values: torch.Tensor) -> tuple[float, float]:
+    """Mean and population std of the finite entries of ``values``; NaN when none is finite."""
+    kept = values[torch.isfinite(values)]
+    if not kept.numel():
+        return math.nan, math.nan
+    return kept.mean().item(), kept.std(correction=0).item()
 
 
 def _parse_entry(index: int, entry: Any) -> tuple[Any, float, dict]:

@@ -15,7 +15,10 @@ it is a class, was decorated with ``register_reward``, kwargs are given, or it c
 with the three positional arguments ``(videos, prompts, metadata)`` (e.g. a zero-argument
 factory); otherwise it is the reward function itself.
 
-Output contract (enforced by :class:`Reward`): a float32 tensor of shape [B] with finite values.
+Output contract (enforced by :class:`Reward`): a float32 tensor of shape [B] with finite values,
+on the videos' device (one on another real device is moved there; a ``meta`` tensor is an error).
+A factory failing with an error other than ValueError, TypeError or OSError (a KeyError on a
+damaged file, a RuntimeError, an ImportError) raises :class:`RewardBuildError` naming the reward.
 A reward that raises (``SystemExit`` included; not ``KeyboardInterrupt``), changes its input
 videos in place, or breaks the contract raises :class:`RewardError` (a ``ValueError``) whose
 message names the reward. Bad *input* (videos of the wrong rank, fewer than 2 frames,
@@ -50,6 +53,15 @@ class RewardError(ValueError):
         super().__init__(f"reward {name!r}: {message}")
         self.name = name
         self.detail = message
+
+
+class RewardBuildError(ValueError):
+    """A reward's factory (or its plug-in's import) failed with an error that is not already
+    a ValueError, TypeError or OSError: one line naming the reward and the original error."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"reward {name!r} could not be built: {message}")
+        self.name = name
 
 
 class RewardSkip(RewardError):
@@ -146,6 +158,7 @@ class Reward:
             )
         if not isinstance(out, torch.Tensor):
             raise RewardError(self.name, f"must return a torch.Tensor [B], got {type(out)}")
+        out = self._on_device(out, videos.device)
         if tuple(out.shape) != (batch,):
             raise RewardError(
                 self.name,
@@ -165,6 +178,18 @@ class Reward:
                 )
         return out
 
+    def _on_device(self, out: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``out`` on the videos' ``device``; a tensor without data (``meta``) is an error."""
+        if out.device.type == "meta":
+            raise RewardError(
+                self.name, "returned a tensor on the meta device (no values); return real scores"
+            )
+        try:
+            return out if out.device == device else out.to(device)
+        except RuntimeError as error:
+            detail = f"its {out.device} scores cannot move to {device}: {error}"
+            raise RewardError(self.name, detail) from error
+
 
 def _import_target(spec: str) -> Any:
     module_name, _, attr_path = spec.partition(":")
@@ -174,10 +199,11 @@ def _import_target(spec: str) -> Any:
         )
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # ImportError, or whatever the module raises while importing
         raise ValueError(
-            f"reward spec {spec!r}: cannot import module {module_name!r}: {exc}"
-        ) from exc
+            f"reward spec {spec!r}: cannot import module {module_name!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     for part in attr_path.split("."):
         if not hasattr(target, part):
             raise ValueError(
@@ -189,7 +215,13 @@ def _import_target(spec: str) -> Any:
 
 def _entry_point(name: str) -> Any | None:
     matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    return matches[0].load() if matches else None
+    if not matches:
+        return None
+    try:
+        return matches[0].load()
+    except Exception as exc:  # the plug-in's module fails to import
+        detail = f"its plug-in failed to load: {type(exc).__name__}: {exc}"
+        raise RewardBuildError(name, detail) from exc
 
 
 def _is_factory(target: Any, kwargs: dict) -> bool:
@@ -211,7 +243,12 @@ def _build(name: str, factory: Any, kwargs: dict) -> RewardFn:
         raise ValueError(f"reward {name!r}: bad kwargs {sorted(kwargs)}: {exc}") from exc
     except ValueError:  # no introspectable signature: let the call decide
         pass
-    fn = factory(**kwargs)
+    try:
+        fn = factory(**kwargs)
+    except (ValueError, TypeError, OSError):  # the callers name these with their kwarg
+        raise
+    except (Exception, SystemExit) as exc:  # KeyError, RuntimeError, ImportError, ...
+        raise RewardBuildError(name, f"{type(exc).__name__}: {exc}") from exc
     if not callable(fn):
         raise ValueError(
             f"reward {name!r}: the factory returned {type(fn)}, expected a callable "

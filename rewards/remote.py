@@ -301,6 +301,12 @@ class _Budget:
             self.used -= size
 
 
+def _finite_positive(value) -> bool:
+    """Whether ``value`` is a real number of seconds a socket timeout takes (finite, > 0)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
 class RewardServer(ThreadingHTTPServer):
     """The HTTP server of ``vsa2-rl serve-reward``: binds at construction (so a port in use fails
     before a reward loads), then :meth:`serve` scores with a reward until interrupted.
@@ -324,6 +330,13 @@ class RewardServer(ThreadingHTTPServer):
         max_connections: int = 32,
         max_inflight_mb: int | None = None,
     ) -> None:
+        if not _finite_positive(client_timeout_s):
+            from vsa2_rl.config import ConfigError
+
+            raise ConfigError(
+                f"--client-timeout-s (client_timeout_s): must be a finite number of seconds "
+                f"> 0, got {client_timeout_s!r} (e.g. 60)"
+            )
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self.address_family = family  # read by TCPServer.__init__: IPv6 hosts work too
         self.limit = max_request_mb * 2**20
@@ -389,8 +402,12 @@ class RemoteReward:
     def __init__(self, url: str, timeout: float = 120.0, retries: int = 2) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"{PREFIX}{url}: expected remote:http://host:port")
-        if timeout <= 0 or retries < 0:
-            raise ValueError(f"{PREFIX}{url}: timeout must be > 0 and retries >= 0")
+        if not _finite_positive(timeout):
+            raise ValueError(
+                f"{PREFIX}{url}: timeout must be a finite number of seconds > 0, got {timeout!r}"
+            )
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"{PREFIX}{url}: retries must be a whole number >= 0, got {retries!r}")
         self.url, self.timeout, self.retries = url.rstrip("/"), timeout, retries
 
     def _exchange(self, path: str, body: bytes | None) -> tuple[int, bytes]:

@@ -156,8 +156,53 @@ def checkpoint_files(model_path: str | None, step: int | None) -> tuple[dict, st
     for path in files:
         if not os.path.isfile(path):
             raise ValueError(f"{KEY}.model_path: {path} not found; expected {LAYOUT}")
-    with open(config_file) as handle:
-        return json.load(handle), files[0], files[1]
+    return read_model_config(config_file), files[0], files[1]
+
+
+def read_model_config(path: str) -> dict:
+    """``model_config.json``'s object; a damaged or foreign file is a ValueError naming it."""
+    try:
+        with open(path) as handle:
+            config = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{KEY}.model_path: {path} is not valid JSON ({error})") from None
+    sections = ("data_config", "model_config", "peft_lora_config")
+    if not isinstance(config, dict) or not all(isinstance(config.get(k), dict) for k in sections):
+        raise ValueError(
+            f"{KEY}.model_path: {path} must be a JSON object with the objects {sections}, "
+            f"got {type(config).__name__}"
+        )
+    return config
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's first line (torch's weights-only refusal runs to a page)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def read_state(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.pth`` state dict (weights only: a pickle planting code is refused) or
+    a ``.safetensors`` file; a truncated, damaged or foreign file is a ValueError naming it."""
+    from safetensors.torch import load_file
+
+    try:
+        if path.endswith(".safetensors"):
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle, zip, safetensors and EOF errors of a damaged file
+        raise ValueError(
+            f"{KEY}.model_path: {path} cannot be read ({_first_line(error)}); download it again"
+        ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(
+            f"{KEY}.model_path: {path} holds a {type(state).__name__}, not a state dict of "
+            "named tensors"
+        )
+    return state
 
 
 def checked_config(config: dict) -> dict:
@@ -218,7 +263,9 @@ def lora_updates(lora_state: dict, scale: float) -> dict[str, torch.Tensor]:
             if ".lora_B." not in key:
                 raise ValueError(f"{KEY}.model_path: unexpected adapter entry {key!r}")
             continue
-        up = lora_state[key.replace(".lora_A.", ".lora_B.")]
+        up = lora_state.get(key.replace(".lora_A.", ".lora_B."))
+        if up is None:
+            raise ValueError(f"{KEY}.model_path: adapter entry {key!r} has no lora_B partner")
         name = module_name(key.replace(".lora_A.", ".").replace(".default.", "."))
         updates[name] = scale * (up.float() @ down.float())
     return updates
@@ -226,9 +273,7 @@ def lora_updates(lora_state: dict, scale: float) -> dict[str, torch.Tensor]:
 
 def load_weights(model, non_lora_file: str, lora_file: str, lora_config: dict) -> torch.Tensor:
     """Stored weights into ``model`` with LoRA merged; returns the reward head [3, hidden]."""
-    from safetensors.torch import load_file
-
-    stored = torch.load(non_lora_file, map_location="cpu", weights_only=True)
+    stored = read_state(non_lora_file)
     state = {module_name(key): value for key, value in stored.items()}
     head = state.pop("rm_head.weight", None)
     if head is None or head.shape[0] != len(HEADS):
@@ -242,10 +287,15 @@ def load_weights(model, non_lora_file: str, lora_file: str, lora_config: dict) -
             f"does not have: {unknown[:4]}"
         )
     model.load_state_dict(state, strict=False)
-    rank, alpha = lora_config["lora_r"], lora_config["lora_alpha"]
+    rank, alpha = lora_config.get("lora_r"), lora_config.get("lora_alpha")
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (rank, alpha)):
+        raise ValueError(
+            f"{KEY}.model_path: model_config.json's peft_lora_config needs positive lora_r and "
+            f"lora_alpha, got {rank!r} and {alpha!r}"
+        )
     scale = alpha / (math.sqrt(rank) if lora_config.get("use_rslora") else rank)
     with torch.no_grad():
-        for name, update in lora_updates(load_file(lora_file), scale).items():
+        for name, update in lora_updates(read_state(lora_file), scale).items():
             if name not in own:
                 raise ValueError(
                     f"{KEY}.model_path: {lora_file} adapts {name!r}, which the "

@@ -70,6 +70,13 @@ def nan_reward(videos, prompts, metadata):
     return torch.full((videos.shape[0],), float("nan"))
 
 
+def nan_for_the_first_video(videos, prompts, metadata):
+    """brightness, but NaN for the batch's first video (a guard that fails on one video)."""
+    values = brightness(videos, prompts, metadata)
+    values[0] = float("nan")
+    return values
+
+
 def _config(tmp_path, *extra, name="run"):
     return load_config(
         FLOW_GRPO_TOY,
@@ -121,6 +128,27 @@ def test_two_steps_change_parameters_and_log_every_key(tmp_path):
     changed = [k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))]
     assert changed, "no parameter changed after two GRPO steps"
     assert os.path.exists(os.path.join(config.out_dir, "reward_curve.png"))
+
+
+@pytest.mark.parametrize("on_error", ["skip", "drop_sample"])
+def test_a_guard_failing_on_one_evaluation_video_does_not_stop_training(tmp_path, on_error):
+    guard = "eval.guard_rewards=[{name: 'test_trainer:nan_for_the_first_video'}]"
+    config = _config(tmp_path, "train.num_steps=1", "eval.every=1", "eval.num_prompts=3",
+                     guard, f"rewards.on_error={on_error}")  # fmt: skip
+    train(config)
+    evaluations = [row for row in _rows(config.out_dir) if "eval/reward" in row]
+    assert [row["step"] for row in evaluations] == [0, 1]
+    for row in evaluations:  # the guard's mean is over the two finite videos: finite, in [0, 1]
+        assert 0.0 <= row["eval/guard/nan_for_the_first_video"] <= 1.0
+    assert find_latest(os.path.join(config.out_dir, "checkpoints")) is not None
+
+
+def test_a_guard_failing_on_one_evaluation_video_stops_training_under_stop(tmp_path):
+    guard = "eval.guard_rewards=[{name: 'test_trainer:nan_for_the_first_video'}]"
+    config = _config(tmp_path, "train.num_steps=1", "eval.every=1", "eval.num_prompts=3",
+                     guard, "rewards.on_error=stop")  # fmt: skip
+    with pytest.raises(ValueError, match="nan_for_the_first_video"):
+        train(config)
 
 
 def test_guard_metrics_are_scored_at_every_evaluation_and_never_trained_on(tmp_path):

@@ -22,22 +22,30 @@ processes start. The checks themselves, shared with the trainer, ``eval`` and ``
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from vsa2_rl.config import ConfigError, RunConfig, load_config
-from vsa2_rl.config.paths import check_model_paths, check_prompt_path, check_resume_path
+from vsa2_rl.config.paths import (
+    check_model_paths,
+    check_out_dir_children,
+    check_prompt_path,
+    check_resume_path,
+)
 from vsa2_rl.data.prompts import PromptRecord
 from vsa2_rl.preflight import ModelFacts, check_prompt_count, check_second_guidance, model_facts
 
 if TYPE_CHECKING:
     from vsa2_rl.models.wan_bundle import WanVariant
 
+MAX_TOKENS = 2**22  # tokens a video: beyond it a size is a typo (Wan 720p x 81 is 75,600)
 TOY_MEMORY_AND_TIME = "not estimated for the toy (make demo: about 5 minutes on 2 CPU cores)"
 
 
@@ -56,7 +64,12 @@ class Report:
         try:
             yield
         except ConfigError as error:
-            self.problems.append(str(error))
+            self.add(str(error))
+
+    def add(self, problem: str) -> None:
+        """Lists ``problem`` unless it is listed already (two checks reading one file)."""
+        if problem not in self.problems:
+            self.problems.append(problem)
 
     def text(self) -> str:
         width = max((len(label) for label, _ in self.plan), default=0)
@@ -100,9 +113,9 @@ def _inspect(config: RunConfig, report: Report, rewards: bool) -> None:
             check_second_guidance(config, report.facts)
     _plan_schedule(config, report)
     _plan_step(config, report)
-    _plan_prompts(config, report)
+    sets = _plan_prompts(config, report)
     if rewards:
-        _plan_rewards(config, report)
+        _plan_rewards(config, report, sets)
 
 
 def _check_paths(config: RunConfig, report: Report) -> None:
@@ -113,6 +126,43 @@ def _check_paths(config: RunConfig, report: Report) -> None:
             checked(config)
     with report.checking():
         check_output_dir(config.out_dir)
+        check_out_dir_children(config.out_dir)
+    _check_run_start(config, report)
+
+
+def _check_run_start(config: RunConfig, report: Report) -> None:
+    """What the trainer refuses when it starts, by its own checks: a device this machine lacks,
+    a fresh run in a folder holding one, a resume whose checkpoint was trained otherwise."""
+    from vsa2_rl.device import resolve_device
+    from vsa2_rl.rl.trainer import refuse_abandoned_run
+
+    with report.checking():
+        resolve_device(config.device)
+    if not os.path.isdir(config.out_dir):
+        return
+    with report.checking():
+        refuse_abandoned_run(config)
+    with report.checking():
+        _check_resumed_settings(config)
+
+
+def _check_resumed_settings(config: RunConfig) -> None:
+    """``check_resume`` of the checkpoint ``train.resume`` would continue, with the config it
+    records (read alone: the weights stay on disk)."""
+    from vsa2_rl.config import check_resume
+    from vsa2_rl.rl import checkpoint
+
+    resume = config.train.resume
+    if resume == "none" or (resume != "auto" and not os.path.isdir(resume)):
+        return  # nothing to resume, or a path check_resume_path refused already
+    try:
+        path = checkpoint.find_latest(os.path.join(config.out_dir, "checkpoints"))
+        path = path if resume == "auto" else Path(resume)
+        recorded = checkpoint.recorded_config(path) if path is not None else None
+    except ValueError as error:
+        raise ConfigError(f"train.resume: {error}") from None
+    if path is not None:
+        check_resume(checkpoint.trained_with(recorded or {}, path), config, str(path))
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -165,8 +215,10 @@ def _wan_shapes(config: RunConfig, variant: WanVariant):
     from vsa2_rl.models.wan_bundle import (
         WanBundle,
         assemble_experts,
+        check_channels,
         missing_component,
         needed_folders,
+        read_transformer_config,
         read_vae_config,
     )
 
@@ -176,21 +228,26 @@ def _wan_shapes(config: RunConfig, variant: WanVariant):
         raise missing_component(path, missing, f"has no {missing}.")
 
     def load(folder: str):
+        settings = read_transformer_config(path, folder)
         try:
-            settings = WanTransformer3DModel.load_config(path, subfolder=folder)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"model.path: {folder}/config.json cannot be read: {error}") from None
-        with torch.device("meta"):  # shapes only: no memory, no weights read
-            model = WanTransformer3DModel.from_config(settings)
-            return enable_vsa2(model, config.attention, SparsityState())
+            with torch.device("meta"):  # shapes only: no memory, no weights read
+                model = WanTransformer3DModel.from_config(settings)
+        except (ValueError, TypeError, RuntimeError, ZeroDivisionError) as error:
+            raise ConfigError(
+                f"model.path: {os.path.join(path, folder, 'config.json')} describes no "
+                f"transformer diffusers can build ({error}); restore it from the model's download"
+            ) from None
+        return enable_vsa2(model, config.attention, SparsityState())
 
     transformer = assemble_experts(path, variant, tuple(config.model.train_experts), load)
     first = experts_of(transformer)[0]
+    vae_config = read_vae_config(path)
+    check_channels(path, dict(first.config), vae_config)
     shapes = WanBundle(
         transformer=transformer,
         sparsity_state=SparsityState(),
         latent_channels=int(first.config.out_channels),
-        vae_scale=vae_scale_factors(read_vae_config(path)),
+        vae_scale=vae_scale_factors(vae_config),
     )
     return transformer, shapes.latent_shape, _describe(variant, first, transformer)
 
@@ -277,6 +334,12 @@ def _plan_tokens(config: RunConfig, latent_shape, transformer, report: Report) -
         raise ConfigError(f"model.num_frames / model.height / model.width: {error}") from None
     _, p_h, p_w = experts_of(transformer)[0].config.patch_size
     grid = (frames, height // p_h, width // p_w)
+    if math.prod(grid) > MAX_TOKENS:  # counted before the layout's index tensors are made
+        raise ConfigError(
+            f"model.num_frames / model.height / model.width: {math.prod(grid):,} tokens a video "
+            f"({'x'.join(map(str, grid))}), more than {MAX_TOKENS:,} (720p x 81 frames of Wan "
+            "is 75,600); make the videos smaller"
+        )
     layout = TileLayout.from_grid(grid)
     report.plan.append((
         "video",
@@ -293,11 +356,13 @@ def _plan_estimates(
     """Per-GPU memory and time a step on one GPU (DDP; vsa2_rl.plan says what is counted)."""
     from vsa2_rl.models.experts import experts_of
     from vsa2_rl.plan import (
+        H200_GIB,
         ModelShape,
         describe,
         describe_engines,
         memory_gib,
         seconds_per_step,
+        smallest_peak,
         step_shape,
     )
 
@@ -318,6 +383,14 @@ def _plan_estimates(
         ("checkpointing", checkpointing),
         ("time", time),
     ]
+    least = smallest_peak(model, step)
+    if least > H200_GIB:
+        raise ConfigError(
+            f"model.num_frames / model.height / model.width: a step needs at least {least:,.1f} "
+            f"GiB per GPU under every engine on up to 8 GPUs with gradient checkpointing, more "
+            f"than any GPU holds (an H200: {H200_GIB} GiB); make the videos smaller, lower "
+            "rl.train_batch_size, enable model.lora, or raise parallel.sequence_parallel_size"
+        )
 
 
 # ---- schedule, step, prompts, rewards ---------------------------------------------------------
@@ -378,7 +451,8 @@ def _plan_step(config: RunConfig, report: Report) -> None:
     ))  # fmt: skip
 
 
-def _plan_prompts(config: RunConfig, report: Report) -> None:
+def _plan_prompts(config: RunConfig, report: Report) -> dict:
+    """The prompts line; returns each split's records (None where unreadable)."""
     from vsa2_rl.runtime import check_condition_images, image_scheme, prompt_file_key
 
     sets = {split: _prompt_set(config, split, report) for split in ("train", "eval")}
@@ -388,11 +462,13 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
     readable = config.model.kind != "wan" or (
         report.facts is not None and _is_dir(config.model.path, "transformer")
     )
-    texts, checked, scheme, problems = [], set(), None, len(report.problems)
+    texts, checked, scheme = [], set(), None
     if readable:  # read once for both prompt sets; unreadable, the images go unchecked
-        with report.checking():
+        try:
             scheme = image_scheme(config, facts)
-        readable = len(report.problems) == problems
+        except ConfigError as error:  # a damaged settings file: the plan named it already
+            report.add(str(error))
+            readable = False
     for split, records in sets.items():
         if records is None:  # unreadable: a problem already
             continue
@@ -408,6 +484,7 @@ def _plan_prompts(config: RunConfig, report: Report) -> None:
     if sets["train"] is not None:
         with report.checking():
             check_prompt_count(config, len(sets["train"]))
+    return sets
 
 
 def _prompt_set(config: RunConfig, split: str, report: Report) -> list[PromptRecord] | None:
@@ -420,19 +497,51 @@ def _prompt_set(config: RunConfig, split: str, report: Report) -> list[PromptRec
     return None
 
 
-def _plan_rewards(config: RunConfig, report: Report) -> None:
+def _plan_rewards(config: RunConfig, report: Report, sets: dict) -> None:
+    """Builds every reward and guard, and has each read the prompts it will score (rewards the
+    training set, guards the evaluation set): one it cannot read fails every step."""
     from vsa2_rl.eval.sweep import build_reward
 
-    for label, key, entries in (
-        ("rewards", "rewards.functions", config.rewards.functions),
-        ("guards", "eval.guard_rewards", config.eval.guard_rewards),
+    for label, key, entries, split in (
+        ("rewards", "rewards.functions", config.rewards.functions, "train"),
+        ("guards", "eval.guard_rewards", config.eval.guard_rewards, "eval"),
     ):
         built = []
         for index, entry in enumerate(entries):
             with report.checking():
                 build_reward(entry, f"{key}[{index}]")
                 built.append(entry)
+                _check_reward_reads(entry.name, sets[split], f"{key}[{index}]")
         names = [f"{e.name} (weight {e.weight:g})" if label == "rewards" else e.name for e in built]
         failed = len(entries) - len(built)
         text = ", ".join(names) or "none"
         report.plan.append((label, text + f"; {failed} failed to build" * bool(failed)))
+
+
+def _check_reward_reads(name: str, records: list[PromptRecord] | None, where: str) -> None:
+    """ConfigError naming ``where`` when the reward ``name`` cannot read ``records`` (None:
+    unreadable, a problem already), by the reward's own reading of prompts and images."""
+    from vsa2_rl.rewards.image_consistency import _image_paths
+    from vsa2_rl.toy.rewards import parse_prompts
+
+    if records is None:
+        return
+    readers = {
+        "image_consistency": lambda: _image_paths([_metadata(r) for r in records]),
+        **dict.fromkeys(
+            ("prompt_motion", "prompt_direction", "prompt_speed", "shape_fidelity"),
+            lambda: parse_prompts(name, [r.text for r in records]),
+        ),
+    }
+    try:
+        readers.get(name, lambda: None)()
+    except ValueError as error:  # RewardError is one
+        raise ConfigError(
+            f"{where} ({name}): cannot score this prompt set (every step would be skipped): "
+            f"{error}; give it prompts it reads, or another reward"
+        ) from None
+
+
+def _metadata(record: PromptRecord) -> dict:
+    """A sample's metadata as the trainer gives it to rewards (its condition image)."""
+    return {"image": record.image} if record.image else {}

@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     descriptions = {
-        "train": "Flow-GRPO fine-tuning with VSA2 rollouts and a hard-to-easy sparsity schedule.",
+        "train": "RL fine-tuning, Flow-GRPO or DiffusionNFT (rl.algorithm=flow_grpo|nft), with "
+        "VSA2 rollouts and a hard-to-easy sparsity schedule.",
         "check": "Pre-flight of a training config, no weights loaded: prints the plan (model, "
         "what trains, tokens per video, sparsity schedule, prompts, rewards) and every problem, "
         "one line each naming the key; exit status 1 if there is one.",

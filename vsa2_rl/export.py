@@ -19,16 +19,24 @@ diffusers files, and its ``vsa2.safetensors``; ``vsa2_attention.json`` lists the
 Nothing is written unless every file is: the folder is assembled next to ``out_dir`` (next to
 the folder it links to, where it is a symbolic link) and renamed into place, with the
 permissions the umask gives (0755 folders, 0644 files under umask 022). An ``out_dir`` inside
-a run's ``checkpoints/`` is refused.
+a run's ``checkpoints/`` is refused. The assembly folder, ``.export-<name>.<host>.<pid>-*``, is
+removed on any failure and on SIGTERM (a scheduler's stop); one left by an export that was
+killed outright (SIGKILL, a power loss) is removed by the next export to the same ``out_dir``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
+import signal
+import socket
+import sys
 import tempfile
+import threading
 
 import torch
 from safetensors.torch import save_file
@@ -109,6 +117,53 @@ def _check_out_dir(out_dir: str) -> None:
         raise ConfigError(f"out_dir: {out_dir} is not empty; export into a new folder")
 
 
+def _staging_prefix(place: str) -> str:
+    """The name start of ``place``'s assembly folders: the target, this host and process."""
+    return f".export-{os.path.basename(place)}.{socket.gethostname()}.{os.getpid()}-"
+
+
+def _remove_stale_staging(place: str) -> None:
+    """Removes the assembly folders of ``place`` whose export (on this host) is gone."""
+    parent, host = os.path.dirname(place), socket.gethostname()
+    pattern = re.compile(
+        re.escape(f".export-{os.path.basename(place)}.{host}.") + r"(\d+)-[A-Za-z0-9_]{8}"
+    )
+    for name in os.listdir(parent):
+        match = pattern.fullmatch(name)
+        if match and not _is_running(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            print(f"removed {os.path.join(parent, name)}, left by an export that was killed")
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """SIGTERM raises SystemExit(143) while the block runs, so that its cleanup runs (the
+    default action ends the process on the spot); a no-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        print("vsa2-rl export: stopped (SIGTERM); nothing was written to out_dir", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def export(config: RunConfig, targets: EvalTargets) -> str:
     """Writes the export of the one run ``targets`` names (see the module docstring) into
     ``config.out_dir``; returns the folder."""
@@ -125,13 +180,22 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
     place = os.path.realpath(config.out_dir)  # a link to an empty folder: the folder it names
     parent = os.path.dirname(place)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    _remove_stale_staging(place)
+    with _stop_on_sigterm():
+        _assemble(bundle, trained, target.checkpoint, place)
+    return config.out_dir
+
+
+def _assemble(bundle, trained: RunConfig, checkpoint: str, place: str) -> None:
+    """The export of ``bundle`` (trained with ``trained``, from ``checkpoint``) assembled next
+    to ``place`` and renamed to it; the assembly folder is removed when anything fails."""
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(place), dir=os.path.dirname(place))
     try:
         experts = _write_model(bundle.transformer, staging, trained.model.lora.enabled)
         settings = {
             "attention": dataclasses.asdict(trained.attention),
             "sparsity": dataclasses.asdict(trained.sparsity),
-            "checkpoint": os.path.abspath(target.checkpoint),
+            "checkpoint": os.path.abspath(checkpoint),
             "lora": trained.model.lora.enabled,
             **({"experts": experts} if experts else {}),
         }
@@ -144,4 +208,3 @@ def export(config: RunConfig, targets: EvalTargets) -> str:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return config.out_dir

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 GIB = 2**30
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
 H100_GIB = 79.6  # 81,559 MiB, what an H100 80GB HBM3 reports
+H200_GIB = 140.4  # 143,771 MiB, what an H200 reports: the largest GPU the plan knows
 
 # Fitted by scripts/fit_plan.py to MEMORY_MEASUREMENTS below (least squares).
 ACTIVATION_FACTOR = 1.01
@@ -292,21 +293,47 @@ def describe(memory: dict[str, float], seconds: dict[str, float], step: StepShap
     ]
 
 
+def gpu_counts(step: StepShape, counts=(2, 4, 8)) -> tuple[int, ...]:
+    """``counts`` rounded up to multiples of the sequence-parallel group (a group's GPUs share
+    each video, so a run has whole groups): 2 / 4 / 8, or 4 / 8 with groups of 4, 8 with 8."""
+    group = step.sequence_parallel
+    return tuple(sorted({-(-n // group) * group for n in counts}))
+
+
+def engine_peaks(model: ModelShape, step: StepShape, counts=(2, 4, 8)) -> dict:
+    """Peak GiB per GPU of ``step`` under each engine on each of :func:`gpu_counts`."""
+    return {
+        engine: {
+            n: memory_gib(model, dataclasses.replace(step, engine=engine, gpus=n))["peak"]
+            for n in gpu_counts(step, counts)
+        }
+        for engine in ENGINES
+    }
+
+
+def smallest_peak(model: ModelShape, step: StepShape) -> float:
+    """The least peak GiB per GPU ``step`` needs on up to 8 GPUs under any engine, with
+    gradient checkpointing (what :func:`describe_engines` offers at best)."""
+    checkpointed = dataclasses.replace(step, checkpointing=True)
+    peaks = engine_peaks(model, checkpointed)
+    return min(min(by_count.values()) for by_count in peaks.values())
+
+
 def describe_engines(model: ModelShape, step: StepShape, counts=(2, 4, 8)) -> list[str]:
-    """Peak GiB per GPU of ``step`` under each engine on ``counts`` GPUs, and on one GPU with
-    gradient checkpointing switched the other way: the plan's lines for choosing a set-up."""
-
-    def peak(**changes) -> str:
-        return f"{memory_gib(model, dataclasses.replace(step, **changes))['peak']:.1f}"
-
+    """Peak GiB per GPU of ``step`` under each engine on ``counts`` GPUs (whole
+    sequence-parallel groups, :func:`gpu_counts`), and on the step's own GPUs with gradient
+    checkpointing switched the other way: the plan's lines for choosing a set-up."""
+    peaks = engine_peaks(model, step, counts)
     engines = "; ".join(
-        f"{engine} {' / '.join(peak(engine=engine, gpus=n) for n in counts)}" for engine in ENGINES
+        f"{engine} {' / '.join(f'{peak:.1f}' for peak in by_count.values())}"
+        for engine, by_count in peaks.items()
     )
     other = "without" if step.checkpointing else "with"
+    switched = dataclasses.replace(step, checkpointing=not step.checkpointing)
+    gpus = "one GPU" if step.gpus == 1 else f"{step.gpus} GPUs"
     return [
-        f"peak GiB per GPU on {' / '.join(map(str, counts))} GPUs: {engines}",
-        f"{other} gradient checkpointing: {peak(checkpointing=not step.checkpointing)} GiB on one "
-        "GPU",
+        f"peak GiB per GPU on {' / '.join(map(str, gpu_counts(step, counts)))} GPUs: {engines}",
+        f"{other} gradient checkpointing: {memory_gib(model, switched)['peak']:.1f} GiB on {gpus}",
     ]
 
 

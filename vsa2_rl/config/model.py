@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from vsa2_rl.config.checks import _check, _check_choice, _doc, _expand_user
 
+# Bounds of a video's size, checked on the numbers before anything is allocated: a side or a
+# frame count beyond them is a typo, whose tensors would exhaust any machine's memory.
+MAX_SIDE = 16384
+MAX_VIDEO_PIXELS = 2**31 - 1
+
 
 @dataclass
 class LoraConfig:
@@ -99,6 +104,18 @@ class ModelConfig:
         for key in ("height", "width"):
             value = getattr(self, key)
             _check(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+            _check(
+                value <= MAX_SIDE,
+                f"model.{key}",
+                f"must be at most {MAX_SIDE} pixels, got {value} (Wan renders 480p and 720p)",
+            )
+        pixels = self.num_frames * self.height * self.width
+        _check(
+            pixels <= MAX_VIDEO_PIXELS,
+            "model.num_frames",
+            f"model.num_frames x model.height x model.width = {pixels:,} pixels a video, more "
+            f"than {MAX_VIDEO_PIXELS:,} (720p x 81 frames is 74,649,600); lower one of them",
+        )
         _check(
             self.num_frames >= 2,
             "model.num_frames",

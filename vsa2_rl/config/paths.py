@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 # The file a complete checkpoint folder holds (vsa2_rl.rl.checkpoint writes it last).
 COMPLETE_MARKER = "COMPLETE"
+# What training and evaluation write into out_dir besides checkpoints/ and metrics.jsonl (the
+# trainer checks those two itself): folders, then files. One of another kind found there would
+# stop the command at its first save, or after a whole evaluation.
+OUT_DIR_FOLDERS = ("samples", "text_cache", "tensorboard")
+OUT_DIR_FILES = ("config.yaml", "reward_curve.png", "eval.json", "eval.md", "eval.png")
 
 
 def _is_checkpoint(folder: str) -> bool:
@@ -83,12 +88,29 @@ def check_model_paths(config: RunConfig) -> None:
 
 def check_paths(config: RunConfig) -> None:
     """Every file and folder ``config`` names: the model's (:func:`check_model_paths`), the
-    prompt files (:func:`check_prompt_path`) and the checkpoint ``train.resume`` names
-    (:func:`check_resume_path`)."""
+    prompt files (:func:`check_prompt_path`), the checkpoint ``train.resume`` names
+    (:func:`check_resume_path`) and what is written into out_dir
+    (:func:`check_out_dir_children`)."""
     check_model_paths(config)
     for key in ("file", "eval_file"):
         check_prompt_path(config, key)
     check_resume_path(config)
+    check_out_dir_children(config.out_dir)
+
+
+def check_out_dir_children(out_dir: str) -> None:
+    """The entries of ``out_dir`` that training and evaluation write (``OUT_DIR_FOLDERS``,
+    ``OUT_DIR_FILES``) are, where they exist already, of the kind written there."""
+    for names, kind, is_kind in ((OUT_DIR_FOLDERS, "folder", os.path.isdir),
+                                 (OUT_DIR_FILES, "file", os.path.isfile)):  # fmt: skip
+        for name in names:
+            path = os.path.join(out_dir, name)
+            _check(
+                not os.path.lexists(path) or is_kind(path),
+                "out_dir",
+                f"{path} is not a {kind}, and runs write their {name} there; move it away or "
+                "give another out_dir",
+            )
 
 
 def check_prompt_path(config: RunConfig, key: str) -> None:

@@ -16,6 +16,7 @@ from vsa2_rl.config.algorithm import (
     SamplerConfig,
 )
 from vsa2_rl.config.checks import (
+    MAX_ROLLOUTS_PER_STEP,
     _check,
     _check_choice,
     _check_finite_fields,
@@ -173,6 +174,12 @@ class EvalConfig:
             self.samples_per_prompt >= 1,
             "eval.samples_per_prompt",
             f"must be >= 1, got {self.samples_per_prompt}",
+        )
+        _check(
+            self.samples_per_prompt <= MAX_ROLLOUTS_PER_STEP,
+            "eval.samples_per_prompt",
+            f"must be at most {MAX_ROLLOUTS_PER_STEP:,} videos a prompt (every sparsity makes "
+            f"them all), got {self.samples_per_prompt:,}; 1 to 8 give a steady estimate",
         )
         _check(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
         _check(

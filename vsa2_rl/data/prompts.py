@@ -4,10 +4,12 @@ condition images.
 A prompt file whose name ends in ``.jsonl`` holds one JSON object per non-empty line,
 ``{"prompt": "<text>", "image": "<path>"}`` ("image" optional, relative paths resolved against
 the file's folder; every record carries one or none does); any other file holds one prompt per
-non-empty line. :func:`load_condition_image` reads a condition image at the video size: RGB,
-resized (Lanczos, no crop: what diffusers' Wan image-to-video pipeline does). Without a prompt
-file a toy run uses the toy task's built-in prompts (:mod:`vsa2_rl.toy.prompts`); any other
-model needs one (the config refuses it without).
+non-empty line. :func:`load_condition_image` reads a condition image at the video size: RGB
+in [0, 1] whatever its bit depth (16-bit grayscale scaled by 65535; 32-bit and float images are
+refused, their range being unknown), resized (Lanczos, no crop: what diffusers' Wan
+image-to-video pipeline does). Without a prompt file a toy run uses the toy task's built-in
+prompts (:mod:`vsa2_rl.toy.prompts`); any other model needs one (the config refuses it
+without).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ JSONL_KEYS = ("prompt", "image")
 # The filter condition images are resized with. diffusers' VideoProcessor.preprocess resizes
 # the same way (straight to the size, no crop) but with Lanczos by default.
 CONDITION_RESAMPLE = Image.Resampling.LANCZOS
+SIXTEEN_BIT_MAX = 65535.0  # the white of a 16-bit image
+UNREADABLE = "cannot be read as an image, "
 _JSON_TYPE_NAMES = {
     list: "an array",
     str: "a string",
@@ -133,25 +137,59 @@ def _check_image(image: object, folder: str, where: str) -> str:
         relative = "" if os.path.isabs(image) else f" ({image} read from the prompt file's folder)"
         raise ConfigError(f"{where}: image file not found: {resolved}{relative}")
     try:
-        with Image.open(resolved) as handle:
-            handle.load()  # decodes every pixel: verify() checks only the checksums
+        open_condition_image(resolved)  # decodes every pixel: verify() checks only checksums
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    return resolved
+
+
+def open_condition_image(path: str) -> Image.Image:
+    """The condition image at ``path``, EXIF orientation applied: RGB for 8-bit images (and
+    any PIL converts to RGB), or a mode ``F`` grayscale image in [0, 1] for 16-bit grayscale
+    ones (scaled by their bit depth: PIL's RGB conversion would clip them to white). 32-bit
+    integer and float images have no range to scale by: ConfigError naming the file."""
+    try:
+        with Image.open(path) as handle:
+            image, source = ImageOps.exif_transpose(handle), handle.format
     except Exception as error:  # PIL signals a bad image with many exception types
         raise ConfigError(
-            f"{where}: image {resolved} cannot be read as an image ({error}); save it as PNG "
-            "or JPEG"
+            f"image {path} {UNREADABLE}cannot be opened ({error}); save it as PNG or JPEG"
         ) from None
-    return resolved
+    if image.mode.startswith("I;16") or (image.mode == "I" and source == "PNG"):
+        pixels = np.asarray(image, dtype=np.float32) / SIXTEEN_BIT_MAX
+        return Image.fromarray(pixels, mode="F")
+    if image.mode in ("I", "F"):
+        depth = "32-bit integer" if image.mode == "I" else "floating-point"
+        raise ConfigError(
+            f"image {path} has {depth} pixels (PIL mode {image.mode}), whose range is not "
+            "known; save it as an 8-bit or 16-bit PNG, or a JPEG"
+        )
+    return image.convert("RGB")
+
+
+def condition_rgb(path: str) -> Image.Image:
+    """The condition image at ``path`` as an 8-bit RGB image (what CLIP's processor takes),
+    16-bit ones scaled to 8 bits (see :func:`open_condition_image`)."""
+    image = open_condition_image(path)
+    if image.mode != "F":
+        return image
+    gray = np.rint(np.clip(np.asarray(image), 0.0, 1.0) * 255.0).astype(np.uint8)
+    return Image.fromarray(gray).convert("RGB")
 
 
 def load_condition_image(path: str, height: int, width: int) -> torch.Tensor:
     """The image at ``path`` as RGB float32 [3, height, width] in [0, 1]: EXIF orientation
-    applied, resized with PIL's ``CONDITION_RESAMPLE`` (Lanczos) filter straight to
-    (width, height), no crop."""
+    applied, scaled by its bit depth (:func:`open_condition_image`), resized with PIL's
+    ``CONDITION_RESAMPLE`` (Lanczos) filter straight to (width, height), no crop."""
     try:
-        with Image.open(path) as handle:
-            image = ImageOps.exif_transpose(handle).convert("RGB")
-    except Exception as error:  # PIL signals a bad image with many exception types
-        raise ValueError(f"condition image {path}: cannot be opened ({error})") from None
+        image = open_condition_image(path)
+    except ConfigError as error:
+        reason = str(error).removeprefix(f"image {path} ").removeprefix(UNREADABLE)
+        raise ValueError(f"condition image {path}: {reason}") from None
     resized = image.resize((width, height), CONDITION_RESAMPLE)
-    pixels = np.asarray(resized, dtype=np.float32) / 255.0
+    if image.mode == "F":  # 16-bit grayscale, already in [0, 1]
+        gray = np.clip(np.asarray(resized, dtype=np.float32), 0.0, 1.0)
+        pixels = np.repeat(gray[..., None], 3, axis=-1)
+    else:
+        pixels = np.asarray(resized, dtype=np.float32) / 255.0
     return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()

@@ -46,8 +46,10 @@ from vsa2_rl.config import (
     check_model_paths,
     check_target_paths,
     config_from_tree,
+    config_tree,
     load_recorded_config,
 )
+from vsa2_rl.config.loading import _flatten
 from vsa2_rl.device import resolve_device, resolve_dtype, resolve_reward_device
 from vsa2_rl.eval.agreement import VelocityAgreement
 from vsa2_rl.eval.media import condition_images_of, save_video_grid
@@ -103,6 +105,36 @@ def _checkpoint_config(checkpoint: str, command_line: RunConfig) -> RunConfig:
         file=sys.stderr,
     )
     return command_line
+
+
+# what a run folder's model is: taken from its checkpoint, never from its editable config.yaml
+_MODEL_SECTIONS = ("model.", "attention.", "sparsity.")
+
+
+def _run_config(key: str, run_dir: str, checkpoint: str, command_line: RunConfig) -> RunConfig:
+    """What the newest ``checkpoint`` of ``run_dir`` was trained with, as ``checkpoint=`` takes
+    it; where the run's config.yaml (edited since?) says otherwise about the model, attention or
+    sparsity, one line names the keys and that the checkpoint's settings are used."""
+    trained = _checkpoint_config(checkpoint, command_line)
+    saved = os.path.join(run_dir, "config.yaml")
+    try:
+        edited = _flatten(config_tree(load_recorded_config(saved, key)))
+    except ConfigError as error:
+        print(f"warning: {error}; using the settings {checkpoint} records", file=sys.stderr)
+        return trained
+    recorded = _flatten(config_tree(trained))
+    differ = [
+        name
+        for name in sorted(set(recorded) | set(edited))
+        if name.startswith(_MODEL_SECTIONS) and recorded.get(name) != edited.get(name)
+    ]
+    if differ:
+        print(
+            f"warning: {saved} differs from {checkpoint} in {', '.join(differ)}: using the "
+            "checkpoint's settings",
+            file=sys.stderr,
+        )
+    return trained
 
 
 def _recorded_tree(recorded: str) -> dict:
@@ -163,7 +195,7 @@ def resolve_targets(config: RunConfig, targets: EvalTargets | None = None) -> li
                 f"{key}: no complete checkpoint under {os.path.join(run_dir, 'checkpoints')} "
                 "(train longer or point checkpoint= at a checkpoint folder)"
             )
-        found.append((run_dir, load_recorded_config(saved, key), str(latest)))
+        found.append((run_dir, _run_config(key, run_dir, str(latest), config), str(latest)))
     if targets.checkpoint:
         trained = _checkpoint_config(targets.checkpoint, config)
         found.append((targets.checkpoint, trained, targets.checkpoint))
@@ -274,6 +306,7 @@ def sweep_model(
     reward_device: torch.device | str = "cpu",
     images: list[str | None] | None = None,
     agreement_videos: int = 0,
+    on_error: str = "stop",
 ) -> tuple[list[dict], dict[float, torch.Tensor]]:
     """ODE-samples ``prompts`` (with their condition ``images`` for image-to-video) at each
     sparsity; returns the rows and, per sparsity, the :class:`Preview` of the first (up to 8)
@@ -281,7 +314,11 @@ def sweep_model(
     device, from the callers) and find each prompt's image in ``metadata["image"]``.
     ``low_noise``: Wan2.2 A14B's second guidance scale
     (:func:`vsa2_rl.models.experts.low_noise_guidance`). ``agreement_videos``: the first this
-    many videos' trajectories measure each row's ``velocity_rel_error``; 0 = no such key."""
+    many videos' trajectories measure each row's ``velocity_rel_error``; 0 = no such key.
+    ``on_error`` (``rewards.on_error``): under "stop" a non-finite score raises, otherwise it is
+    logged and left out of its reward's mean."""
+    from vsa2_rl.rewards import evaluation_scores, finite_mean_std
+
     images = list(images) if images is not None else [None] * len(prompts)
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
@@ -324,9 +361,8 @@ def sweep_model(
         scores = [{} for _ in range(shown)]
         scored = videos.to(reward_device)
         for reward in rewards:
-            values = reward(scored, prompts, metadata)
-            row[f"reward/{reward.name}"] = values.mean().item()
-            row[f"reward/{reward.name}_std"] = values.std(correction=0).item()
+            values = evaluation_scores(reward, scored, prompts, metadata, on_error)
+            row[f"reward/{reward.name}"], row[f"reward/{reward.name}_std"] = finite_mean_std(values)
             for score, value in zip(scores, values[:shown].tolist(), strict=True):
                 score[reward.name] = value
         rows.append(row)
@@ -405,6 +441,7 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
             prompts,
             list(config.eval.sparsities),
             rewards,
+            on_error=config.rewards.on_error,
             num_steps=config.sampler.eval_num_steps,
             shift=trained.sampler.shift,
             # the evaluation's own guidance settings where it gives them, else the run's

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vsa2_rl.data.prompts import load_condition_image
+from vsa2_rl.data.prompts import condition_rgb, load_condition_image
 
 IMAGE_SCHEMES = ("channels", "first_frame")
 
@@ -137,13 +137,8 @@ def vae_scale_factors(vae_config) -> tuple[int, int]:
 def clip_image_embeds(image_encoder, image_processor, paths: list[str]) -> torch.Tensor:
     """Wan2.1 I2V's image embeddings: penultimate hidden states of the CLIP vision model on
     each image (the processor resizes and normalises), float32 [B, tokens, D]."""
-    from PIL import Image
-
     param = next(image_encoder.parameters())
-    images = []
-    for path in paths:
-        with Image.open(path) as handle:
-            images.append(handle.convert("RGB"))
+    images = [condition_rgb(path) for path in paths]  # 16-bit ones scaled, not clipped
     inputs = image_processor(images=images, return_tensors="pt").to(param.device)
     with torch.no_grad():
         hidden = image_encoder(

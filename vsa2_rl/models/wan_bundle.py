@@ -92,35 +92,116 @@ class WanVariant:
         return ("transformer", "transformer_2") if self.boundary_ratio else ("transformer",)
 
 
-def _listed(index: dict, name: str) -> bool:
-    """Whether ``model_index.json`` lists a component (``[null, null]`` means absent)."""
+def _listed(index: dict, name: str, index_file: str) -> bool:
+    """Whether ``model_index.json`` lists a component (``[null, null]`` or no entry: absent)."""
     entry = index.get(name)
-    return isinstance(entry, list) and any(part is not None for part in entry)
+    if entry is None:
+        return False
+    if not isinstance(entry, list) or len(entry) != 2:
+        raise _bad_entry(index_file, name, entry, '["<library>", "<class>"] or [null, null]')
+    return any(part is not None for part in entry)
+
+
+def _bad_entry(file: str, key: str, value, wanted: str) -> ConfigError:
+    """The error of a model-folder file whose ``key`` holds ``value`` instead of ``wanted``."""
+    return ConfigError(
+        f"model.path: {file}: {json.dumps(key)} must be {wanted}, got {json.dumps(value)}; "
+        "correct it, or restore the file from the model's download"
+    )
+
+
+def read_json_object(file: str) -> dict:
+    """The JSON object a model folder's configuration ``file`` holds; ConfigError naming it
+    when it is missing, not JSON, or JSON of another shape."""
+    try:
+        with open(file, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        reason = " ".join(str(error).split())[:160]
+        raise ConfigError(
+            f"model.path: {file} is not readable JSON ({reason}); restore it from the model's "
+            "download"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"model.path: {file} holds a JSON {type(data).__name__}, not the object "
+            "{...} of settings it should; restore it from the model's download"
+        )
+    return data
+
+
+def _flag(index: dict, key: str, index_file: str) -> bool:
+    """A true/false entry of ``model_index.json`` (absent or null: false), read by type."""
+    value = index.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad_entry(index_file, key, value, "true or false (a JSON boolean, unquoted)")
+    return value
+
+
+def _boundary_ratio(index: dict, index_file: str) -> float | None:
+    """Wan2.2 A14B's expert boundary: a number in (0, 1), or None (one transformer)."""
+    value = index.get("boundary_ratio")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise _bad_entry(
+            index_file, "boundary_ratio", value, "a number in (0, 1) (Wan2.2 A14B's: 0.875)"
+        )
+    return float(value)
 
 
 def read_wan_variant(path: str) -> WanVariant:
     """The :class:`WanVariant` of the folder at ``path`` (a folder without ``model_index.json``
-    is Wan2.1-like: one transformer, one timestep per sample)."""
+    is Wan2.1-like: one transformer, one timestep per sample). Every entry is read by type: a
+    ConfigError names the file, the key and the fix."""
     index_file = os.path.join(path, "model_index.json")
     if not os.path.isfile(index_file):
         return WanVariant()
-    try:
-        with open(index_file, encoding="utf-8") as handle:
-            index = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"model.path: {index_file} is not readable JSON ({error})") from None
-    boundary = index.get("boundary_ratio")
-    two = _listed(index, "transformer_2")
+    index = read_json_object(index_file)
+    boundary = _boundary_ratio(index, index_file)
+    two = _listed(index, "transformer_2", index_file)
     if two != (boundary is not None):
         raise ConfigError(
             f"model.path: {index_file} lists transformer_2 {'but no' if two else 'nowhere, yet a'}"
             " boundary_ratio; a Wan2.2 A14B folder has both, other Wan folders neither"
         )
     return WanVariant(
-        boundary_ratio=None if boundary is None else float(boundary),
-        expand_timesteps=bool(index.get("expand_timesteps", False)),
-        image_encoder=_listed(index, "image_encoder"),
+        boundary_ratio=boundary,
+        expand_timesteps=_flag(index, "expand_timesteps", index_file),
+        image_encoder=_listed(index, "image_encoder", index_file),
     )
+
+
+# the transformer's settings that are sizes: a positive integer each (diffusers' defaults
+# stand in for absent ones)
+TRANSFORMER_SIZES = (
+    "in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
+    "ffn_dim", "freq_dim", "text_dim", "rope_max_seq_len",
+)  # fmt: skip
+TRANSFORMER_OPTIONAL_SIZES = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def read_transformer_config(path: str, folder: str = "transformer") -> dict:
+    """The settings of the folder's ``folder`` transformer (its ``config.json``), checked by
+    type before a model is built from them: ConfigError naming the file, key and fix."""
+    file = os.path.join(path, folder, "config.json")
+    config = read_json_object(file)
+    for key in TRANSFORMER_SIZES:
+        if key in config and not _is_size(config[key]):
+            raise _bad_entry(file, key, config[key], "a positive integer")
+    for key in TRANSFORMER_OPTIONAL_SIZES:
+        if config.get(key) is not None and not _is_size(config[key]):
+            raise _bad_entry(file, key, config[key], "a positive integer or null")
+    patch = config.get("patch_size", [1, 2, 2])
+    if not isinstance(patch, list) or len(patch) != 3 or not all(map(_is_size, patch)):
+        raise _bad_entry(file, "patch_size", patch, "three positive integers, e.g. [1, 2, 2]")
+    return config
 
 
 def _read_cached(path: str) -> torch.Tensor | None:
@@ -316,12 +397,33 @@ def missing_component(path: str, component: str, message: str) -> ConfigError:
 
 
 def read_vae_config(path: str):
-    """The VAE's config of the folder at ``path`` (its ``vae/config.json``), None without vae/."""
-    from diffusers import AutoencoderKLWan
-
+    """The VAE's config of the folder at ``path`` (its ``vae/config.json``), None without vae/;
+    the entries vsa2_rl reads are checked by type (ConfigError naming file, key and fix)."""
     if not os.path.isdir(os.path.join(path, "vae")):
         return None
-    return SimpleNamespace(**AutoencoderKLWan.load_config(path, subfolder="vae"))
+    file = os.path.join(path, "vae", "config.json")
+    config = read_json_object(file)
+    z_dim = config.get("z_dim", 16)
+    if not _is_size(z_dim):
+        raise _bad_entry(file, "z_dim", z_dim, "a positive integer")
+    for key in ("latents_mean", "latents_std"):
+        value = config.get(key)
+        numbers = isinstance(value, list) and all(_is_number(v) for v in value)
+        if not numbers or len(value) != z_dim or (key == "latents_std" and 0 in value):
+            raise _bad_entry(file, key, value, f"a list of z_dim ({z_dim}) numbers")
+    scales = [config.get(f"scale_factor_{axis}") for axis in ("temporal", "spatial")]
+    if any(scale is not None and not _is_size(scale) for scale in scales):
+        raise _bad_entry(file, "scale_factor_spatial", scales[1], "a positive integer or null")
+    downsample = config.get("temperal_downsample", [False, True, True])
+    if not all(scales) and not (
+        isinstance(downsample, list) and all(isinstance(v, bool) for v in downsample)
+    ):
+        raise _bad_entry(file, "temperal_downsample", downsample, "a list of true/false")
+    return SimpleNamespace(**{"temperal_downsample": downsample, **config, "z_dim": z_dim})
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _image_scheme(transformer_config, variant: WanVariant) -> str | None:
@@ -332,15 +434,29 @@ def _image_scheme(transformer_config, variant: WanVariant) -> str | None:
     return None
 
 
+def check_channels(path: str, transformer: dict, vae_config) -> None:
+    """The transformer's channels fit its VAE and an image scheme: ``out_channels`` the VAE's
+    ``z_dim``, ``in_channels`` that (text) or twice it plus 4 mask channels (image)."""
+    file = os.path.join(path, "transformer", "config.json")
+    out = transformer.get("out_channels", 16)
+    if vae_config is not None and out != vae_config.z_dim:
+        raise _bad_entry(file, "out_channels", out, f"the VAE's z_dim ({vae_config.z_dim})")
+    wanted = (out, 2 * out + 4)
+    if transformer.get("in_channels", 16) not in wanted:
+        raise _bad_entry(
+            file, "in_channels", transformer.get("in_channels"),
+            f"{wanted[0]} (out_channels: text-to-video) or {wanted[1]} (image-to-video)",
+        )  # fmt: skip
+
+
 def read_image_scheme(path: str, variant: WanVariant) -> str | None:
     """How the model at ``path`` (of ``variant``, :func:`read_wan_variant`) takes a condition
     image, from its configuration files alone: None (text-to-video), ``channels`` (image
     required) or ``first_frame`` (image optional)."""
-    from diffusers import WanTransformer3DModel
-
     if not path or not os.path.isdir(os.path.join(path, "transformer")):
         raise missing_component(str(path), "transformer/", "has no transformer/ subfolder.")
-    config = WanTransformer3DModel.load_config(path, subfolder="transformer")
+    config = {"in_channels": 16, "out_channels": 16, **read_transformer_config(path)}
+    check_channels(path, config, read_vae_config(path))
     return _image_scheme(SimpleNamespace(**config), variant)
 
 
@@ -415,6 +531,10 @@ def load_wan_bundle(
     for component in needed_folders(variant, components):
         if not os.path.isdir(os.path.join(path, component)):
             raise missing_component(path, f"{component}/", f"has no {component}/ subfolder.")
+    for folder in variant.transformer_folders:  # damaged settings: one line, not a traceback
+        settings = read_transformer_config(path, folder)
+    vae_config = read_vae_config(path)
+    check_channels(path, settings, vae_config)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     state = sparsity_state if sparsity_state is not None else SparsityState()
@@ -424,7 +544,6 @@ def load_wan_bundle(
         return enable_vsa2(model.to(device), vsa2, state)
 
     transformer = assemble_experts(path, variant, tuple(train_experts), load)
-    vae_config = read_vae_config(path)
     text_encoder = tokenizer = vae = image_encoder = image_processor = None
     if "text_encoder" in components:
         text_encoder = UMT5EncoderModel.from_pretrained(

@@ -31,6 +31,12 @@ too (its step must be the one a ``step_N`` folder is named by: a copied or renam
 passes for a newer step), and :func:`load_latest` (what ``train.resume=auto`` uses) also falls
 back past a checkpoint whose files verify but do not load (a pickle that ``weights_only``
 refuses, planted with recomputed checksums).
+
+Resuming an older checkpoint than the newest one starts a new branch of the run:
+:func:`set_aside_branch` moves the later checkpoints and their metrics rows into
+``abandoned/after_step_N-<time>-*/`` of the run folder, so that neither a later
+``resume=auto`` nor ``train.keep_last`` mixes the two branches, and nothing of the old one is
+deleted.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -52,7 +59,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
+
+from vsa2_rl.config.checks import ConfigError
 
 COMPLETE_MARKER = "COMPLETE"
 META_FILE = "meta.json"
@@ -543,3 +553,111 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         )
     for device, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
         torch.cuda.set_rng_state(cuda_state.cpu(), device)
+
+
+def restore_point(resume: str, checkpoints_dir: str) -> tuple[str | None, dict | None]:
+    """``(checkpoint, state)`` that ``train.resume`` (``auto``, ``none`` or a checkpoint folder)
+    names, ``(None, None)`` when there is none; a checkpoint that does not verify or load is
+    one ConfigError line (``auto`` skips damaged newer ones with a warning)."""
+    try:
+        if resume == "auto":
+            return load_latest(checkpoints_dir) or (None, None)
+        if resume != "none":
+            return resume, load_checkpoint(resume)
+    except ValueError as error:
+        raise ConfigError(f"train.resume: {error}") from None
+    return None, None
+
+
+def recorded_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"config": tree}`` of the checkpoint at ``path`` where it records the config it was
+    trained with, else ``{}``, reading no other entry; raises :class:`UnusableCheckpoint` (a
+    ValueError) naming the file when the checkpoint does not verify or the entry does not load."""
+    path = Path(path)
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise UnusableCheckpoint(path, problem)
+    fmt = json.loads((path / META_FILE).read_text())["entries"].get("config")
+    return {} if fmt is None else {"config": _load_entry(path, "config", fmt, "cpu", True)}
+
+
+def trained_with(restored: dict, checkpoint: str | os.PathLike) -> dict:
+    """The config tree a checkpoint was trained with: its own record, or (checkpoints written
+    before it had one) the config.yaml of the run folder that holds it."""
+    if "config" in restored:
+        return restored["config"]
+    run_config = Path(checkpoint).parent.parent / "config.yaml"
+    if not run_config.is_file():
+        raise ConfigError(
+            f"train.resume: {checkpoint} records no config and its run folder has no "
+            "config.yaml, so what it was trained with cannot be checked; resume it from its "
+            "run folder"
+        )
+    return yaml.safe_load(run_config.read_text(encoding="utf-8"))
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, schedule: Any, lr: float) -> None:
+    """Gives a restored optimizer and its ``LambdaLR`` schedule the base learning rate ``lr``;
+    the schedule keeps its place (a warm-up goes on from where it was)."""
+    for group, base in zip(optimizer.param_groups, schedule.base_lrs, strict=True):
+        group["lr"] *= lr / base
+        group["initial_lr"] = lr
+    schedule.base_lrs = [lr] * len(schedule.base_lrs)
+    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _metrics_after(path: Path, step: int) -> tuple[list[str], list[str]]:
+    """The lines of metrics.jsonl at ``path`` that are rows of steps after ``step``, and the
+    others (rows up to it, and any line that is no row: the logger's to sort out)."""
+    later, kept = [], []
+    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+        for line in handle:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            is_later = isinstance(row, dict) and isinstance(row.get("step"), int)
+            (later if is_later and row["step"] > step else kept).append(line)
+    return later, kept
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """``lines`` into ``path``, replacing it whole (fsynced first)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as handle:
+        handle.writelines(lines)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def set_aside_branch(out_dir: str | os.PathLike, step: int) -> Path | None:
+    """Moves the checkpoints after ``step`` under ``out_dir/checkpoints`` (a branch abandoned by
+    resuming an older checkpoint, or damaged ones ``resume=auto`` skipped) with the metrics rows
+    after ``step`` into a new ``out_dir/abandoned/after_step_<step>-<time>-*/``; returns it, or
+    None when there is no later checkpoint. The rows are copied before any checkpoint moves and
+    leave metrics.jsonl last, so a crash midway loses nothing."""
+    root = Path(out_dir)
+    later = [path for found, path in list_checkpoints(root / "checkpoints") if found > step]
+    if not later:
+        return None
+    if os.path.lexists(root / "abandoned") and not (root / "abandoned").is_dir():
+        raise ConfigError(
+            f"out_dir: {root / 'abandoned'} is not a folder, and resuming step {step} sets the "
+            "later checkpoints aside there; move it away"
+        )
+    (root / "abandoned").mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = Path(tempfile.mkdtemp(prefix=f"after_step_{step}-{stamp}-", dir=root / "abandoned"))
+    os.chmod(aside, 0o755)  # mkdtemp makes it owner-only
+    (aside / "checkpoints").mkdir()
+    metrics = root / "metrics.jsonl"
+    rows, kept = _metrics_after(metrics, step) if metrics.is_file() else ([], [])
+    if rows:
+        _write_lines(aside / "metrics.jsonl", rows)
+    for path in later:
+        os.rename(path, aside / "checkpoints" / path.name)
+    _fsync_path(root / "checkpoints")
+    if rows:
+        _write_lines(metrics, kept)
+    return aside

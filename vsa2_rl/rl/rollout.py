@@ -63,9 +63,28 @@ class StepRollouts:
             chunk.advantages, chunk.valid = advantages[part], valid[part]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """The splitmix64 finaliser: a bijection on 64-bit integers that scatters every input bit."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
 def sample_seed(seed: int, step: int, index: int) -> int:
-    """A seed per (run seed, step, global sample index): independent of rank count and resume."""
-    return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
+    """A seed per (run seed, step, global sample index): independent of rank count and resume.
+
+    Each key is folded into a splitmix64 chain, so neighbouring steps, samples and run seeds
+    draw unrelated streams (a linear formula would hand step s+1's sample i the seed of one of
+    step s's samples). The result fits 63 bits, as ``torch.Generator.manual_seed`` takes it.
+    """
+    state = 0
+    for key in (seed, step, index):
+        state = _mix64(state ^ (int(key) & _MASK64))
+    return state >> 1
 
 
 def chunk_slices(n: int, size: int) -> list[slice]:

@@ -40,7 +40,6 @@ import time
 from concurrent import futures
 
 import torch
-import yaml
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
@@ -92,22 +91,6 @@ from vsa2_rl.runtime import (
 )
 
 
-def _trained_with(restored: dict, checkpoint) -> dict:
-    """The config tree a checkpoint was trained with: its own record, or (checkpoints written
-    before it had one) the config.yaml of the run folder that holds it."""
-    if "config" in restored:
-        return restored["config"]
-    run_config = os.path.join(os.path.dirname(os.path.dirname(str(checkpoint))), "config.yaml")
-    if not os.path.isfile(run_config):
-        raise ConfigError(
-            f"train.resume: {checkpoint} records no config and its run folder has no "
-            "config.yaml, so what it was trained with cannot be checked; resume it from its "
-            "run folder"
-        )
-    with open(run_config, encoding="utf-8") as handle:
-        return yaml.safe_load(handle)
-
-
 def _write_config(config: RunConfig) -> None:
     """out_dir/config.yaml, replaced whole: a run stopped while writing it (Ctrl-C, a full disk)
     leaves the previous one, which eval and export read, never an empty or cut one."""
@@ -120,7 +103,7 @@ def _write_config(config: RunConfig) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _refuse_abandoned_run(config: RunConfig) -> None:
+def refuse_abandoned_run(config: RunConfig) -> None:
     """A fresh run (``train.resume=none``) must not share its folder with an earlier run: a later
     ``resume=auto`` would continue from the abandoned run's checkpoints and metrics. Either,
     where it exists, must be what the run writes there (a folder, a file): found at the first
@@ -170,7 +153,7 @@ class _Setup:
         )
         engines.check_options(self.accelerator, config)
         folder.claim(self.accelerator)
-        _refuse_abandoned_run(config)  # under the lock: no other run adds to the folder
+        refuse_abandoned_run(config)  # under the lock: no other run adds to the folder
         self.device = self.accelerator.device
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         records = load_prompt_records(config, "train")
@@ -269,6 +252,7 @@ def _evaluate(
             progress=False,
             reward_device=setup.reward_device,
             agreement_videos=measured,
+            on_error=config.rewards.on_error,
         )
         rewards = [*setup.rewards.rewards.values(), *setup.guards]
         (row,), previews = sweep(prompts, [sparsity], rewards, images=images)
@@ -407,31 +391,36 @@ class RLTrainer:
 
     def resume(self) -> int:
         """Restores the checkpoint ``train.resume`` names (after checking it and its config),
-        writes config.yaml, opens the logger; returns the step to continue after."""
-        from vsa2_rl.rl.checkpoint import load_checkpoint, load_latest
+        sets aside a later branch it abandons, writes config.yaml, opens the logger; returns
+        the step to continue after."""
+        from vsa2_rl.rl import checkpoint
 
         config = self.config
-        resume_from, start_step = None, 0
-        try:  # a damaged checkpoint is skipped (load_latest warns) or named in one error line
-            if config.train.resume == "auto":
-                resume_from, restored = load_latest(self.checkpoints) or (None, None)
-            elif config.train.resume != "none":
-                resume_from = config.train.resume
-                restored = load_checkpoint(resume_from)
-        except ValueError as error:
-            raise ConfigError(f"train.resume: {error}") from None
+        resume_from, restored = checkpoint.restore_point(config.train.resume, self.checkpoints)
+        start_step, lowered = 0, {}
         if resume_from:
-            check_resume(_trained_with(restored, resume_from), config, str(resume_from))
+            saved = checkpoint.trained_with(restored, resume_from)
+            lowered = check_resume(saved, config, str(resume_from))
             self.policy.load_state(restored, str(resume_from))
             self.schedule.load_state_dict(restored["schedule"])  # a longer run keeps its curriculum
             self.update_rule.load_state(restored)
             start_step = int(restored["step"])
+        if "train.learning_rate" in lowered:
+            lr = config.train.learning_rate
+            checkpoint.set_learning_rate(self.policy.optimizer, self.policy.lr_schedule, lr)
         if self.is_main:
             os.makedirs(config.out_dir, exist_ok=True)
+            aside = resume_from and checkpoint.set_aside_branch(config.out_dir, start_step)
+            if aside:
+                print(f"checkpoints after step {start_step} and their metrics moved to {aside}")
             _write_config(config)
-        self.logger = MetricsLogger(config, resume_step=start_step, enabled=self.is_main)
+        # without a checkpoint the run starts over: no row, step 0's neither, is kept
+        resume_step = start_step if resume_from else -1
+        self.logger = MetricsLogger(config, resume_step=resume_step, enabled=self.is_main)
         if resume_from and self.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
+            for key, (was, now) in lowered.items():
+                print(f"{key}: lowered from {was} to {now} from step {start_step + 1} on")
         return start_step
 
     # ---- rollout ---------------------------------------------------------------------------

@@ -70,6 +70,8 @@ from vsa2_rl.toy.text import ToyTextEncoder, WordTokenizer
 
 SAMPLES_DIR = "samples"  # under the output folder: the last stage's sample grids
 GRID_PROMPTS = 8  # eval prompts per sample grid (their first seed)
+# The running build's stop request, which the sample measurements between stages poll too.
+_STOP: list[Callable[[], bool]] = [lambda: False]
 PARTIAL_FILE = "partial_stage.pt"  # under the output folder: a stopped stage's training state
 
 
@@ -235,7 +237,8 @@ def _stage_report(
     """:func:`score_samples` of ODE samples of the held-out eval prompts, dense and at each eval
     sparsity, drawn under bf16 autocast on CUDA (as the training steps run); with
     ``samples_dir``, a grid of the first seed's videos of the first ``GRID_PROMPTS`` prompts per
-    setting there (``<label>.png`` / ``.gif``)."""
+    setting there (``<label>.png`` / ``.gif``). The running build's stop request, true between
+    two settings, raises :class:`BuildStopped` (the stage's trained state is saved already)."""
     transformer, text_encoder, tokenizer = modules
     bundle = ToyBundle(
         transformer,
@@ -249,7 +252,9 @@ def _stage_report(
     if not config.report_seeds:
         return report
     prompts = toy_prompts("eval")
-    for sparsity in settings:
+    for number, sparsity in enumerate(settings):
+        if number and _STOP[0]():
+            raise BuildStopped(f"stopped while the {stage.size}px stage's samples were measured")
         if state is not None:
             state.sparsity = sparsity
         label = "dense" if sparsity is None else f"vsa2@{sparsity}"
@@ -409,12 +414,67 @@ def _save_partial(
     os.replace(written, path)
 
 
+def read_partial(path: Path) -> dict:
+    """The saved state of a stopped stage (:func:`_save_partial`); ValueError naming ``path``
+    where it is garbled, cut short or not such a state."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle, zip and EOF errors of a damaged file
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{path}: not a readable partial stage ({type(error).__name__}: {first}); delete it "
+            "to build that stage from its start"
+        ) from None
+    identity = state.get("identity") if isinstance(state, dict) else None
+    if not isinstance(identity, dict) or not {"index", "stage", "recipe"} <= set(identity):
+        raise ValueError(
+            f"{path}: not a partial stage of a toy build; delete it to build that stage from "
+            "its start"
+        )
+    return state
+
+
+def _finished_stages(folder: Path) -> list[dict]:
+    """The stages a built (or partly built) toy folder's ``config.json`` records as finished."""
+    try:
+        saved = json.loads((folder / CONFIG_FILE).read_text())["training"]
+        return [entry["stage"] for entry in saved["stages"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{folder / CONFIG_FILE}: not a toy build's record ({type(error).__name__}: {error})"
+        ) from None
+
+
+def check_resumable(out: Path, config: ToyBuildConfig, resume_from: Path | None) -> None:
+    """Before any work: ValueError where ``resume_from``'s finished stages are not ``config``'s
+    first stages, or where ``out``'s partial stage is unreadable or of another recipe."""
+    if resume_from is not None:
+        done = _finished_stages(resume_from)
+        expected = json.loads(json.dumps([asdict(s) for s in config.stages[: len(done)]]))
+        if not done or done != expected:
+            raise ValueError(
+                f"{resume_from}: its finished stages are not the first stages of this recipe "
+                f"({len(done)} done); resume with the options it was built with, or choose "
+                "another --out"
+            )
+    partial = out / PARTIAL_FILE
+    if partial.is_file():
+        saved = read_partial(partial)["identity"]
+        index = saved["index"]
+        mine = index < len(config.stages) and _stage_identity(index, config.stages[index], config)
+        if saved != mine:
+            raise ValueError(
+                f"{partial} holds stage {index} of another recipe; resume with the options "
+                "that wrote it, or delete it to build that stage from its start"
+            )
+
+
 def _load_partial(
     path: Path, identity: dict, training: dict, generator: torch.Generator
 ) -> tuple[int, list[dict]]:
     """Restores :func:`_save_partial`'s state of the stage ``identity`` into ``training`` and
     ``generator``; returns the step to continue at and the validation curve so far."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read_partial(path)
     if state["identity"] != identity:
         saved = state["identity"]
         raise ValueError(
@@ -476,6 +536,22 @@ def build_toy_model(
     measured. ``log`` receives progress lines (default: print,
     flushed). Weights train in float32 (bf16 autocast and TF32 products on CUDA).
     """
+    _STOP[0] = stop_requested  # polled between the sample measurements' settings too
+    try:
+        return _run_build(out_dir, config, log, device, resume_from, stop_requested)
+    finally:
+        _STOP[0] = lambda: False
+
+
+def _run_build(
+    out_dir: str | Path,
+    config: ToyBuildConfig | None = None,
+    log: Callable[[str], None] | None = None,
+    device: torch.device | str = "cpu",
+    resume_from: str | Path | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> dict:
+    """:func:`build_toy_model`'s work."""
     log = log or functools.partial(print, flush=True)
     config = config or ToyBuildConfig()
     device = torch.device(device)
@@ -567,6 +643,84 @@ def build_toy_model(
 # Command line
 
 
+def device_arg(text: str) -> str:
+    """argparse type of ``--device``: ``cpu``, or ``cuda[:N]`` of a GPU this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu or cuda[:N]")
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this machine has {count} CUDA device(s); use cpu or cuda:0..{count - 1}"
+            if count
+            else f"{text!r}: this machine has no CUDA device; use cpu"
+        )
+    return text
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def number_in(low: float, high: float, *, high_open: bool = False) -> Callable[[str], float]:
+    """argparse type: a number in [low, high] (``high_open``: [low, high)); ``high`` inf: any
+    finite number >= ``low`` (> ``low`` where ``high_open`` and ``low`` is 0)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        upper_ok = value < high if high_open else value <= high
+        if not (math.isfinite(value) and value >= low and upper_ok):
+            closing = ")" if high_open else "]"
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}{closing}, got {text}")
+        return value
+
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = number_in(0.0, math.inf, high_open=True)(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+SPARSITY = number_in(0.0, 1.0, high_open=True)
+BACKENDS = ("auto", "triton", "torch")  # VSA2 kernels (VSA2Config.backend)
+SHARE = number_in(0.0, 1.0)
+
+
+def out_folder(text: str) -> Path:
+    """argparse type of ``--out``: a folder, or a path one can be made at (no file on the way)."""
+    path = Path(text).expanduser()
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == path else f"lies under the file {part}"
+                raise argparse.ArgumentTypeError(f"{text}: {what}; choose a folder")
+            if not os.access(part, os.W_OK | os.X_OK):
+                raise argparse.ArgumentTypeError(f"{text}: {part} is not writable")
+            return path
+    return path
+
+
 def _table(info: dict) -> str:
     """Markdown: per stage, the validation loss and the detector's figures per attention."""
     rows = ["| stage | attention | val. loss | shape fidelity | motion score | motion match "
@@ -590,10 +744,10 @@ def _table(info: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     """The build's command line (module docstring): train, then print the per-stage table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ASSET_DIR, help="output folder")
-    parser.add_argument("--seed", type=int, default=0, help="training seed")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--out", type=out_folder, default=ASSET_DIR, help="output folder")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="training seed")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
     parser.add_argument(
         "--resume-from",
         type=Path,
@@ -602,13 +756,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--steps-scale",
-        type=float,
+        type=positive_number,
         default=1.0,
         help="multiply every stage's steps (and the rebasing ramp) by this; 1 = the recipe",
     )
     parser.add_argument(
         "--mirrored-captions",
-        type=float,
+        type=SHARE,
         default=None,
         help="share of pretraining videos moving opposite to their caption (default: recipe's)",
     )
@@ -618,7 +772,10 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated colours whose videos always move as captioned (default: none)",
     )
     parser.add_argument(
-        "--size", type=int, default=None, help="frame height = width of every stage (px)"
+        "--size",
+        type=int_at_least(1),
+        default=None,
+        help="frame height = width of every stage (px)",
     )
     parser.add_argument(
         "--no-frame-positions",
@@ -626,8 +783,6 @@ def main(argv: list[str] | None = None) -> None:
         help="ablation: no frame-position input channel (time only from the relative RoPE)",
     )
     args = parser.parse_args(argv)
-    if args.steps_scale <= 0:
-        parser.error(f"--steps-scale: must be > 0, got {args.steps_scale}")
     torch.set_num_threads(args.threads)
     config = ToyBuildConfig(seed=args.seed, frame_positions=not args.no_frame_positions)
     if args.mirrored_captions is not None:
@@ -647,6 +802,10 @@ def main(argv: list[str] | None = None) -> None:
         config.stages = [dataclasses.replace(s, steps=scaled(s.steps)) for s in config.stages]
         config.rebase_steps = scaled(config.rebase_steps)
         config.warmup_lr_steps = scaled(config.warmup_lr_steps)
+    try:
+        check_resumable(args.out, config, args.resume_from)
+    except ValueError as error:
+        parser.error(f"--resume-from/--out: {error}")
     info = build_toy_model(args.out, config, device=args.device, resume_from=args.resume_from)
     print(_table(info))
     print(json.dumps({"build_seconds": info["build_seconds"], "device": info["build_device"]}))

@@ -34,7 +34,14 @@ from pathlib import Path
 
 import torch
 
-from vsa2_rl.toy.build import flow_matching_loss
+from vsa2_rl.toy.build import (
+    BACKENDS,
+    SPARSITY,
+    device_arg,
+    flow_matching_loss,
+    int_at_least,
+    positive_number,
+)
 from vsa2_rl.toy.data import pretraining_batch, render_batch
 from vsa2_rl.toy.model import ToyBundle, pixels_to_latents
 from vsa2_rl.toy.prompts import toy_prompts
@@ -163,38 +170,59 @@ def built_video_size(toy_config: dict) -> tuple[int, int]:
     return last["size"], last["num_frames"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the gate on a toy checkpoint folder; exit 0 when it passes, 1 when it does not."""
-    from vsa2_rl.config import VSA2Config
-    from vsa2_rl.toy.model import ASSET_DIR, load_toy_bundle, read_toy_config
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, every value checked before the model loads (one ``error:`` line), with
+    the base's video size (``args.size``, ``args.frames``) read from ``--model``."""
+    from vsa2_rl.toy.model import ASSET_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ASSET_DIR, help="toy checkpoint folder")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--eval-sparsity", type=float, default=GateSettings.eval_sparsity)
-    parser.add_argument("--lr", type=float, default=GateSettings.lr)
-    parser.add_argument("--steps", type=int, default=GateSettings.steps)
-    parser.add_argument("--seed", type=int, default=GateSettings.seed, help="data seed")
-    parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
+    parser.add_argument("--eval-sparsity", type=SPARSITY, default=GateSettings.eval_sparsity)
+    parser.add_argument("--lr", type=positive_number, default=GateSettings.lr)
+    parser.add_argument("--steps", type=int_at_least(1), default=GateSettings.steps)
+    parser.add_argument("--seed", type=int_at_least(0), default=GateSettings.seed, help="data seed")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="VSA2 kernels")
     parser.add_argument(
-        "--micro-batch", type=int, default=GateSettings.micro_batch,
+        "--micro-batch", type=int_at_least(1), default=GateSettings.micro_batch,
         help="videos a forward/backward holds (same update; 8 fits the testbed on 80 GB)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    args.size, args.frames = _model_video_size(args.model, parser)
+    return args
+
+
+def _model_video_size(model: Path, parser: argparse.ArgumentParser) -> tuple[int, int]:
+    """(size, frames) the toy checkpoint at ``model`` was built for; a usage error where
+    ``model`` holds no readable toy checkpoint."""
+    from vsa2_rl.toy.model import read_toy_config
+
+    try:
+        return built_video_size(read_toy_config(model))
+    except (ValueError, OSError, KeyError, IndexError, TypeError) as error:
+        detail = str(error) if isinstance(error, ValueError) else f"{type(error).__name__} {error}"
+        parser.error(f"--model {model}: not a readable toy checkpoint ({detail})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the gate on a toy checkpoint folder; exit 0 when it passes, 1 when it does not."""
+    from vsa2_rl.config import VSA2Config
+    from vsa2_rl.toy.model import load_toy_bundle
+
+    args = _parse(argv)
     torch.set_num_threads(args.threads)
     if torch.device(args.device).type == "cuda":  # the build's TF32 products
         torch.backends.cuda.matmul.allow_tf32 = True
     base = load_toy_bundle(VSA2Config(backend=args.backend), device=args.device, path=args.model)
-    size, frames = built_video_size(read_toy_config(args.model))
     settings = GateSettings(
         eval_sparsity=args.eval_sparsity,
         lr=args.lr,
         steps=args.steps,
         seed=args.seed,
         micro_batch=args.micro_batch,
-        size=size,
-        num_frames=frames,
+        size=args.size,
+        num_frames=args.frames,
     )
     result = learnability_gate(base, settings)
     verdict = "passes" if result["passed"] else f"fails (needs a gain of >= {MIN_GAIN:.2f})"

@@ -58,11 +58,19 @@ from pathlib import Path
 
 from vsa2_rl.config import VSA2Config
 from vsa2_rl.toy.build import (
+    BACKENDS,
     PARTIAL_FILE,
+    SHARE,
+    SPARSITY,
     BuildStopped,
     ToyBuildConfig,
     ToyStage,
     build_toy_model,
+    check_resumable,
+    device_arg,
+    int_at_least,
+    out_folder,
+    positive_number,
 )
 from vsa2_rl.toy.model import ASSET_DIR, CONFIG_FILE, read_toy_config
 
@@ -248,7 +256,7 @@ def fine_tune_recipe(
 def main(argv: list[str] | None = None) -> None:
     """Build one testbed base (module docstring) into ``--out``."""
     parser = argparse.ArgumentParser(description="Build one sparsity-testbed base.")
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--out", type=out_folder, required=True, help="output folder")
     parser.add_argument(
         "--recipe", choices=("claims", "rl", "long"), default="claims",
         help="claims: the claims' bases (--attention, --mirrored-captions); rl: the 64 px RL "
@@ -257,14 +265,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention", choices=ATTENTION_SWITCHES, default=None, help="claims: default rebase"
     )
-    parser.add_argument("--sparsity", type=float, default=None, help="claims: default 0.9")
+    parser.add_argument("--sparsity", type=SPARSITY, default=None, help="claims: default 0.9")
     parser.add_argument(
         "--mirrored-captions",
-        type=float,
+        type=SHARE,
         default=None,
         help="share of pretraining videos moving opposite to their caption (claims' bases: 0.5)",
     )
-    parser.add_argument("--steps-scale", type=float, default=1.0, help="times every stage's steps")
+    parser.add_argument(
+        "--steps-scale", type=positive_number, default=1.0, help="times every stage's steps"
+    )
     parser.add_argument(
         "--low-chunks", type=int, default=None,
         help=f"rl: runs of the 32 px stage (default {RL_LOW_CHUNKS}; each reports its samples)",
@@ -280,9 +290,9 @@ def main(argv: list[str] | None = None) -> None:
         "--from", dest="start_from", type=Path, default=None,
         help="long: the built 16 px x 8 frames toy to grow (default: the shipped assets/toy)",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--backend", default="auto", help="VSA2 kernels: auto, triton, torch")
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="VSA2 kernels")
     parser.add_argument(
         "--resume", action="store_true",
         help="continue the build stopped in --out, if any (same recipe options); a SIGTERM "
@@ -341,6 +351,20 @@ def _refuse_other_recipes_options(args, parser: argparse.ArgumentParser) -> None
         parser.error(f"--from {args.start_from}: no {CONFIG_FILE} there (a built toy folder)")
 
 
+def _recorded_training(out: Path, parser: argparse.ArgumentParser) -> dict | None:
+    """The ``training`` record of the build in ``out`` (None: none there); a usage error where
+    its record is garbled."""
+    if not (out / CONFIG_FILE).is_file():
+        return None
+    try:
+        training = read_toy_config(out)["training"]
+        len(training["stages"])
+    except (ValueError, KeyError, TypeError) as error:
+        parser.error(f"--out {out}: its {CONFIG_FILE} is not a toy build's record ({error!r}); "
+                     "choose another --out")  # fmt: skip
+    return training
+
+
 def _build(
     out: Path,
     recipe: ToyBuildConfig,
@@ -351,23 +375,26 @@ def _build(
 ) -> dict | None:
     """Builds ``recipe`` into ``out``, from the finished first stages in ``start_from`` if given,
     continuing the build stopped in ``out`` with ``resume``; a SIGTERM stops it at the next step
-    with its state saved (exit code 143). Returns the build's info, or None when ``out`` already
-    holds the finished build."""
+    (or sample setting measured) with its state saved (exit code 143). Returns the build's info,
+    or None when ``out`` already holds the finished build."""
     if not resume and ((out / CONFIG_FILE).is_file() or (out / PARTIAL_FILE).is_file()):
         parser.error(f"--out {out} holds a build; pass --resume to continue it, or choose "
                      "another --out")  # fmt: skip
-    finished_stages = 0
-    if (out / CONFIG_FILE).is_file():
-        training = read_toy_config(out)["training"]
-        if "build_device" in training:
-            print(f"{out} holds the finished build: nothing to do", file=sys.stderr)
-            return None
-        finished_stages = len(training["stages"])
+    training = _recorded_training(out, parser)
+    if training is not None and "build_device" in training:
+        print(f"{out} holds the finished build: nothing to do", file=sys.stderr)
+        return None
+    finished_stages = 0 if training is None else len(training["stages"])
+    resume_from = out if finished_stages else start_from
+    try:
+        check_resumable(out, recipe, resume_from)
+    except ValueError as error:
+        parser.error(f"--resume: {error}")
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         return build_toy_model(out, recipe, device=device, stop_requested=stop.is_set,
-                               resume_from=out if finished_stages else start_from)  # fmt: skip
+                               resume_from=resume_from)  # fmt: skip
     except BuildStopped as stopped:
         print(f"{stopped}; continue with the same command and --resume", file=sys.stderr)
         raise SystemExit(143) from None
