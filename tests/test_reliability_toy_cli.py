@@ -44,7 +44,7 @@ def _usage_error(main, argv, capsys) -> str:
         (["--eval-sparsity", "1.5"], "--eval-sparsity: must be in [0, 1), got 1.5"),
         (["--eval-sparsity", "nan"], "--eval-sparsity: must be in [0, 1)"),
         (["--micro-batch", "0"], "--micro-batch: must be >= 1, got 0"),
-        (["--steps", "-1"], "--steps: must be >= 1"),
+        (["--steps", "-1"], "--steps: must be >= 0"),
         (["--lr", "inf"], "--lr: must be in"),
         (["--backend", "cuda"], "--backend: invalid choice"),
         (["--model", "/nonexistent/toy"], "--model /nonexistent/toy: not a readable toy"),

@@ -181,7 +181,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
     parser.add_argument("--eval-sparsity", type=SPARSITY, default=GateSettings.eval_sparsity)
     parser.add_argument("--lr", type=positive_number, default=GateSettings.lr)
-    parser.add_argument("--steps", type=int_at_least(1), default=GateSettings.steps)
+    parser.add_argument("--steps", type=int_at_least(0), default=GateSettings.steps)
     parser.add_argument("--seed", type=int_at_least(0), default=GateSettings.seed, help="data seed")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="VSA2 kernels")
     parser.add_argument(
