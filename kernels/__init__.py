@@ -7,7 +7,10 @@ Public entry points:
 - ``pool_tiles``: fused mean pooling of the valid tokens of each block;
 - ``route``: the VSA2 top-k / top-p router (``RouterOutput``, ``max_kv_for``);
 - ``vsa2_attention``: one layer's coarse stage + router + fine stage + gated fusion
-  (``VSA2Stats``).
+  (``VSA2Stats``);
+- ``modulated_layer_norm``, ``gated_residual_layer_norm``, ``gated_residual``,
+  ``rms_norm_rope``: a Wan block's norms, adaLN modulation, residuals, qk-norm and RoPE fused
+  (``fused_block.py``).
 
 Run from the repository root (``python -m pytest``, ``python train_rl.py``), this directory
 would also be importable as a top-level ``kernels`` package, the import name of HuggingFace's
@@ -42,6 +45,12 @@ def _bind_the_shadowed_package(name: str) -> None:
 
 
 if __name__ == "vsa2_rl.kernels":
+    from .fused_block import (
+        gated_residual,
+        gated_residual_layer_norm,
+        modulated_layer_norm,
+        rms_norm_rope,
+    )
     from .ops import block_sparse_attention
     from .pooling import pool_tiles
     from .router import RouterOutput, max_kv_for, route
@@ -53,8 +62,12 @@ __all__ = [
     "RouterOutput",
     "VSA2Stats",
     "block_sparse_attention",
+    "gated_residual",
+    "gated_residual_layer_norm",
     "max_kv_for",
+    "modulated_layer_norm",
     "pool_tiles",
+    "rms_norm_rope",
     "route",
     "vsa2_attention",
 ]

@@ -13,6 +13,10 @@ The processor needs the token grid, which an attention layer cannot infer from i
 blocks run, so any latent size works. The VSA2 parameters live in ``attn1.vsa2`` (an
 nn.Module), so state_dict, optimizers and peft see them as ``blocks.{i}.attn1.vsa2.*``.
 
+``fuse_block_kernels`` (``model.fused_kernels``) runs the blocks' norms, adaLN modulation,
+residuals, qk-norm and RoPE through the fused kernels of :mod:`vsa2_rl.kernels.fused_block`;
+``wan_block_forward`` and the processor's unfused path stay the reference.
+
 ``wan_velocity`` is the one call of a Wan transformer (or Wan2.2 A14B's pair of experts,
 :mod:`vsa2_rl.models.experts`) that the bundles make; :mod:`vsa2_rl.models.wan_bundle` loads
 local diffusers folders.
@@ -21,12 +25,19 @@ local diffusers folders.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
 
 from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
 from vsa2_rl.config import VSA2Config
+from vsa2_rl.kernels import (
+    gated_residual,
+    gated_residual_layer_norm,
+    modulated_layer_norm,
+    rms_norm_rope,
+)
 from vsa2_rl.models.conditioning import WanCondition
 from vsa2_rl.models.experts import experts_of
 
@@ -35,7 +46,8 @@ from vsa2_rl.models.experts import experts_of
 
 
 class VSA2Context:
-    """Token layout of the current call, shared by the hook and the processors of one model.
+    """Token layout of the current call, shared by the hook and the processors of one model,
+    and whether those processors run the fused qk-norm + RoPE kernel (``fuse_block_kernels``).
 
     With gradient checkpointing the blocks are recomputed in the backward pass with the layout
     recorded then, so a forward of a different grid through the same model must not come
@@ -46,6 +58,7 @@ class VSA2Context:
     def __init__(self, patch_size) -> None:
         self.patch_size = tuple(int(p) for p in patch_size)
         self.layout: TileLayout | None = None
+        self.fused_kernels = False
 
     # Eager under a compiled transformer: dynamo would trace through the layout's cache and
     # build the tile order inside the graph, every call.
@@ -109,17 +122,35 @@ class WanVSA2AttnProcessor:
                 attn.to_k(hidden_states),
                 attn.to_v(hidden_states),
             )
-        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))  # (B, N, H, D)
-        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        if rotary_emb is not None:
-            query = _rotate(query, *rotary_emb)
-            key = _rotate(key, *rotary_emb)
+        if self.context.fused_kernels and rotary_emb is not None and _has_rms_qk_norm(attn):
+            query = _fused_rms_norm_rope(attn.norm_q, query, rotary_emb, attn.heads)
+            key = _fused_rms_norm_rope(attn.norm_k, key, rotary_emb, attn.heads)
+        else:
+            query = attn.norm_q(query).unflatten(2, (attn.heads, -1))  # (B, N, H, D)
+            key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+            if rotary_emb is not None:
+                query = _rotate(query, *rotary_emb)
+                key = _rotate(key, *rotary_emb)
 
         out = attn.vsa2(query, key, value, hidden_states, layout)  # (B, N, H, D)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
+
+
+def _has_rms_qk_norm(attn: nn.Module) -> bool:
+    """Wan's ``qk_norm="rms_norm_across_heads"``: an RMSNorm with a weight over all heads."""
+    return all(
+        isinstance(norm, nn.RMSNorm) and norm.weight is not None
+        for norm in (attn.norm_q, attn.norm_k)
+    )
+
+
+def _fused_rms_norm_rope(norm: nn.RMSNorm, x, rotary_emb, heads: int) -> torch.Tensor:
+    """``_rotate(norm(x))`` as (B, N, H, D), in one kernel (``rms_norm_rope``)."""
+    eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
+    return rms_norm_rope(x, norm.weight, *rotary_emb, heads, eps)
 
 
 def enable_vsa2(transformer: nn.Module, vsa2_config: VSA2Config, state: SparsityState) -> nn.Module:
@@ -277,6 +308,57 @@ def wan_block_forward(
     return (hidden_states.float() + ff_output.float() * ffn_gate).type_as(hidden_states)
 
 
+def fused_wan_block_forward(
+    block: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """:func:`wan_block_forward` with the norms, adaLN modulation and gated residuals in fused
+    kernels: norm1 and norm3 with their shift / scale, attn1's gated residual with norm2 (the
+    cross-attention norm), the feed-forward's gated residual. The attention layers, the
+    cross-attention's plain residual and the feed-forward are unchanged."""
+    shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = _modulation(block, temb)
+    norm_hidden_states = modulated_layer_norm(hidden_states, shift, scale, block.norm1.eps)
+    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
+    norm2 = block.norm2
+    if isinstance(norm2, nn.LayerNorm) and norm2.weight is not None and norm2.bias is not None:
+        hidden_states, norm_hidden_states = gated_residual_layer_norm(
+            hidden_states, attn_output, gate, norm2.weight, norm2.bias, norm2.eps
+        )
+    else:  # cross_attn_norm=False: norm2 is nn.Identity
+        hidden_states = gated_residual(hidden_states, attn_output, gate)
+        norm_hidden_states = norm2(hidden_states.float()).type_as(hidden_states)
+    hidden_states = hidden_states + block.attn2(
+        norm_hidden_states, encoder_hidden_states, None, None
+    )
+    norm_hidden_states = modulated_layer_norm(hidden_states, ffn_shift, ffn_scale, block.norm3.eps)
+    return gated_residual(hidden_states, block.ffn(norm_hidden_states), ffn_gate)
+
+
+def fuse_block_kernels(transformer: nn.Module) -> nn.Module:
+    """Run every VSA2 block through :func:`fused_wan_block_forward` and its self-attention's
+    qk-norm + RoPE through ``rms_norm_rope`` (``model.fused_kernels``); returns the same
+    transformer.
+
+    The kernels run on CUDA tensors (and on CPU under ``TRITON_INTERPRET=1``); elsewhere, for
+    float64 and under ``torch.compile`` the same functions run their pure-torch reference, the
+    unfused math. ``compile_blocks`` leaves the fusion to inductor instead: the trainer applies
+    one or the other, never both. Blocks without VSA2 (a dense model) keep diffusers' forward.
+    A deep copy (full fine-tuning's frozen reference) runs fused as well.
+    """
+    for expert in experts_of(transformer):
+        context = getattr(expert, "_vsa2_context", None)
+        if context is None:
+            continue
+        context.fused_kernels = True
+        for block in expert.blocks:
+            if hasattr(block.attn1, "vsa2"):
+                block.forward = functools.partial(fused_wan_block_forward, block)
+    return transformer
+
+
 class _CompiledBlockForward:
     """A VSA2 block's forward: ``wan_block_forward`` compiled (every block compiles the same
     function, so they share its compiled code, as in regional compilation). A deep copy (the
@@ -361,6 +443,8 @@ __all__ = [
     "compile_blocks",
     "enable_sequence_parallel",
     "enable_vsa2",
+    "fuse_block_kernels",
+    "fused_wan_block_forward",
     "input_dtype",
     "vsa2_parameters",
     "wan_block_forward",
