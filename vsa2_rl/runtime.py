@@ -100,6 +100,7 @@ def build_bundle(
         bundle = load_wan_bundle(
             model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache,
             train_experts=tuple(model.train_experts), variant=facts.variant if facts else None,
+            vae_decode_dtype=model.vae_decode_dtype,
         )  # fmt: skip
     try:
         bundle.latent_shape(model.num_frames, model.height, model.width)

@@ -72,6 +72,13 @@ class ModelConfig:
         "(off) is kept when false.",
         default=False,
     )
+    vae_decode_dtype: str = _doc(
+        "kind=wan: dtype the VAE decodes rollout and evaluation videos in: float32 or bfloat16 "
+        "(a bfloat16 copy of the decoder, 147 MB more for Wan2.1's VAE; image conditions are "
+        "still encoded in float32). benchmarks/bench_vae_decode.py measures its time, PSNR "
+        "and reward differences against float32. The toy has no VAE: float32 only.",
+        default="float32",
+    )
     num_frames: int = _doc("Frames per generated video (pixel space).", default=8)
     height: int = _doc("Video height in pixels.", default=32)
     width: int = _doc("Video width in pixels.", default=32)
@@ -88,6 +95,14 @@ class ModelConfig:
         "(vsa2_rl.models.wan.compile_blocks says how).",
         default=False,
     )
+    fused_kernels: bool = _doc(
+        "Uncompiled VSA2 blocks run their LayerNorms, adaLN shift/scale/gate, residuals, RMS "
+        "qk-norm and RoPE as fused Triton kernels (vsa2_rl.kernels.fused_block) on CUDA; CPU "
+        "and float64 keep the unfused math. Not with compile_blocks=true (inductor fuses the "
+        "same ops). One Wan-1.3B block at 480p x 81 on an H100: 1.29x forward, 1.17x "
+        "forward+backward against unfused eager (benchmarks/bench_block_kernels.py).",
+        default=False,
+    )
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -101,6 +116,13 @@ class ModelConfig:
             f"names an expert twice: {list(self.train_experts)}",
         )
         _check_choice(self.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
+        _check_choice(self.vae_decode_dtype, "model.vae_decode_dtype", ("float32", "bfloat16"))
+        _check(
+            not (self.fused_kernels and self.compile_blocks),
+            "model.fused_kernels",
+            "is for uncompiled blocks, and model.compile_blocks=true fuses the same work with "
+            "inductor: set one of them",
+        )
         for key in ("height", "width"):
             value = getattr(self, key)
             _check(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
@@ -132,6 +154,11 @@ class ModelConfig:
             self.kind == "wan" or not self.train_experts,
             "model.train_experts",
             "the toy model has one transformer; leave it empty",
+        )
+        _check(
+            self.kind == "wan" or self.vae_decode_dtype == "float32",
+            "model.vae_decode_dtype",
+            "the toy model has no VAE (its latents are pixels); leave it at float32",
         )
 
 

@@ -14,11 +14,15 @@ folder is comes from its ``model_index.json`` (:func:`read_wan_variant`):
 The conventions are the Wan pipelines': UMT5 prompt embeddings trimmed to the prompt length and
 zero-padded to 512 tokens, timestep = sigma * 1000 (flow-matching Euler scheduler), latents
 de-normalised with the VAE's ``latents_mean`` / ``latents_std`` before decoding; images as
-:mod:`vsa2_rl.models.conditioning` prepares them.
+:mod:`vsa2_rl.models.conditioning` prepares them. The VAE runs as the pipelines' memory-saving
+settings make it (tiles, one video at a time) and encodes in float32; it decodes in float32 or,
+with ``model.vae_decode_dtype=bfloat16``, through a bfloat16 copy of its decoder
+(:func:`decoding_vae`).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -238,6 +242,7 @@ class WanBundle:
     text_encoder: nn.Module | None = None
     tokenizer: Any = None
     vae: nn.Module | None = None
+    decode_vae: nn.Module | None = None  # decodes (:func:`decoding_vae`); None: ``vae`` does
     text_cache_dir: str | None = None
     cache_key: str = ""  # identifies the text encoder in cache file names
     text_len: int = WAN_TEXT_LEN
@@ -373,18 +378,56 @@ class WanBundle:
         )
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Wan VAE decode: de-normalise, decode, map [-1, 1] -> [0, 1]; [B, T, C, H, W] float32."""
+        """:func:`decode_latents` with ``decode_vae`` (``vae`` where that is None)."""
         if self.vae is None:
             raise ValueError("this bundle was loaded without a vae")
-        vae_param = next(self.vae.parameters())
-        shape = (1, -1, 1, 1, 1)
-        mean = torch.tensor(self.vae.config.latents_mean, device=vae_param.device).view(shape)
-        std = torch.tensor(self.vae.config.latents_std, device=vae_param.device).view(shape)
-        latents = latents.to(device=vae_param.device, dtype=torch.float32) * std + mean
-        with torch.no_grad():
-            video = self.vae.decode(latents.to(vae_param.dtype), return_dict=False)[0]
-        video = (video.float() * 0.5 + 0.5).clamp(0.0, 1.0)  # (B, C, T, H, W)
-        return video.permute(0, 2, 1, 3, 4).contiguous()
+        return decode_latents(self.vae if self.decode_vae is None else self.decode_vae, latents)
+
+
+def prepare_vae(vae: nn.Module, device: torch.device | str) -> nn.Module:
+    """``vae`` as a bundle runs it: frozen, on ``device``, in spatial tiles (diffusers' 256-pixel
+    tiles at a 192-pixel stride, blended) and one video of a batch at a time."""
+    vae = vae.to(device).eval().requires_grad_(False)
+    vae.enable_tiling()
+    vae.enable_slicing()
+    return vae
+
+
+def decoding_vae(vae: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The VAE that decodes in ``dtype`` (``model.vae_decode_dtype``): ``vae`` itself where its
+    decoder has that dtype, else a copy whose decoding modules (``post_quant_conv``,
+    ``decoder``) are in ``dtype`` and whose encoding modules are ``vae``'s own, shared.
+
+    A copy of the decoder rather than ``torch.autocast``: autocast casts a frozen weight anew at
+    every call (it caches only casts of weights that require grad), and a tiled decode calls the
+    decoder once per tile and latent frame (315 times for a 480p x 81 video); and its float32
+    ops (the RMS norms' products with their float32 gains) would turn the activations back to
+    float32 between convolutions. The copy costs the decoder's weights once more in ``dtype``
+    (Wan2.1's VAE: 73M parameters, 147 MB in bfloat16), and diffusers' Wan VAE is written to run
+    in bfloat16 (its RMS norms and upsampling compute in float32 inside). The encoder is not
+    copied: image-to-video conditioning encodes with ``vae``, in float32.
+    """
+    if next(vae.decoder.parameters()).dtype == dtype:
+        return vae
+    shared = {id(vae.encoder): vae.encoder, id(vae.quant_conv): vae.quant_conv}
+    copied = copy.deepcopy(vae, memo=shared)  # deepcopy's memo: these are taken, not copied
+    copied.post_quant_conv.to(dtype)
+    copied.decoder.to(dtype)
+    return copied
+
+
+def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """Wan VAE decode: de-normalise (float32), decode in the dtype of ``vae``'s decoder, map
+    [-1, 1] -> [0, 1]; [B, T, C, H, W] float32."""
+    param = next(vae.decoder.parameters())
+    shape = (1, -1, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=param.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=param.device).view(shape)
+    latents = latents.to(device=param.device, dtype=torch.float32) * std + mean
+    with torch.no_grad():
+        video = vae.decode(latents.to(param.dtype), return_dict=False)[0]
+    video = (video.float() * 0.5 + 0.5).clamp(0.0, 1.0)  # (B, C, T, H, W)
+    return video.permute(0, 2, 1, 3, 4).contiguous()
 
 
 def missing_component(path: str, component: str, message: str) -> ConfigError:
@@ -498,6 +541,7 @@ def load_wan_bundle(
     sparsity_state: SparsityState | None = None,
     train_experts: tuple[str, ...] = (),
     variant: WanVariant | None = None,
+    vae_decode_dtype: torch.dtype | str = "float32",
 ) -> WanBundle:
     """Load a local diffusers Wan folder as a ``WanBundle`` with VSA2 self-attention.
 
@@ -505,7 +549,8 @@ def load_wan_bundle(
         path: the folder (config key ``model.path``); never downloads.
         vsa2: attention settings; ``vsa2.enabled = False`` keeps dense attention.
         device, dtype: where and in which dtype the transformer(s), text and image encoders run
-            ("auto": bf16 on CUDA, fp32 on CPU). The VAE runs in float32 with tiling and slicing.
+            ("auto": bf16 on CUDA, fp32 on CPU). The VAE runs with tiling and slicing
+            (:func:`prepare_vae`) and encodes in float32.
         text_cache_dir: folder for per-prompt embedding files; None = in-memory cache only.
         components: subfolders to load; "transformer" is required (Wan2.2 A14B's
             ``transformer_2`` comes with it; a CLIP image encoder comes with the vae).
@@ -514,6 +559,8 @@ def load_wan_bundle(
             two-expert folder has any to name.
         variant: the folder's :class:`WanVariant` where the caller read it already (the
             trainer's pre-flight); None reads its ``model_index.json``.
+        vae_decode_dtype: the dtype the VAE decodes in (``model.vae_decode_dtype``): float32,
+            or bfloat16 through a copy of the decoder (:func:`decoding_vae`).
     """
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -544,7 +591,7 @@ def load_wan_bundle(
         return enable_vsa2(model.to(device), vsa2, state)
 
     transformer = assemble_experts(path, variant, tuple(train_experts), load)
-    text_encoder = tokenizer = vae = image_encoder = image_processor = None
+    text_encoder = tokenizer = vae = decode_vae = image_encoder = image_processor = None
     if "text_encoder" in components:
         text_encoder = UMT5EncoderModel.from_pretrained(
             path, subfolder="text_encoder", torch_dtype=dtype
@@ -554,9 +601,8 @@ def load_wan_bundle(
         tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
     if "vae" in components:
         vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-        vae = vae.to(device).eval().requires_grad_(False)
-        vae.enable_tiling()
-        vae.enable_slicing()
+        vae = prepare_vae(vae, device)
+        decode_vae = decoding_vae(vae, resolve_dtype(vae_decode_dtype, device))
         if variant.image_encoder:
             image_encoder, image_processor = _load_image_encoder(path, device, dtype)
     config = experts_of(transformer)[0].config
@@ -567,6 +613,7 @@ def load_wan_bundle(
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         vae=vae,
+        decode_vae=decode_vae,
         text_cache_dir=text_cache_dir,
         cache_key=os.path.abspath(path),
         vae_scale=vae_scale_factors(vae_config) if vae_config is not None else (4, 8),
@@ -591,7 +638,10 @@ __all__ = [
     "VideoDiTBundle",
     "WanBundle",
     "WanVariant",
+    "decode_latents",
+    "decoding_vae",
     "load_wan_bundle",
+    "prepare_vae",
     "read_image_scheme",
     "read_wan_variant",
 ]

@@ -57,7 +57,7 @@ class Policy:
     """
 
     def __init__(self, bundle, acc, config: RunConfig):
-        from vsa2_rl.models.wan import compile_blocks
+        from vsa2_rl.models.wan import compile_blocks, fuse_block_kernels
 
         self.acc, self.config = acc, config
         transformer = bundle.transformer
@@ -66,6 +66,8 @@ class Policy:
         params = trainable_parameters(transformer, config)
         if config.model.compile_blocks:  # after LoRA adapters are in place; compiles on first use
             compile_blocks(transformer)
+        elif config.model.fused_kernels:  # compiled blocks leave the fusion to inductor
+            fuse_block_kernels(transformer)
         train = config.train
         optimizer = torch.optim.AdamW(
             params, lr=train.learning_rate, weight_decay=train.weight_decay
