@@ -211,6 +211,20 @@ class RLConfig:
         "reward before the advantages (as in RLHF PPO), needs rewards.aggregation=reward.",
         default="loss",
     )
+    kl_reference: str = _doc(
+        "Reference of the KL term (rl.algorithm=nft, rl.kl_beta > 0): 'base' = the start of "
+        "training (LoRA: adapters off; full fine-tuning: a frozen copy); 'ema' = an EMA of the "
+        "trained weights (rl.kl_reference_decay) after each optimizer step, starting equal to "
+        "base (LoRA: float32 EMA of the trainable tensors, swapped in; full fine-tuning: a "
+        "float32 EMA written into a frozen copy): an anchor that limits how fast the policy "
+        "moves rather than how far it gets from the start.",
+        default="base",
+    )
+    kl_reference_decay: float = _doc(
+        "Decay of rl.kl_reference=ema: ema <- decay * ema + (1 - decay) * theta after each "
+        "optimizer step, an averaging horizon of about 1 / (1 - decay) steps.",
+        default=0.99,
+    )
     timestep_fraction: float = _doc(
         "Fraction of the stochastic steps trained per rollout (a random subset of each "
         "trained expert's steps).",
@@ -269,6 +283,7 @@ class RLConfig:
         )
         _check(self.kl_beta >= 0, "rl.kl_beta", f"must be >= 0, got {self.kl_beta}")
         _check_choice(self.kl_mode, "rl.kl_mode", ("loss", "reward"))
+        self._check_kl_reference()
         _check(
             0 < self.timestep_fraction <= 1,
             "rl.timestep_fraction",
@@ -283,6 +298,34 @@ class RLConfig:
             self.train_batch_size >= 1,
             "rl.train_batch_size",
             f"must be >= 1, got {self.train_batch_size}",
+        )
+
+    def _check_kl_reference(self) -> None:
+        _check_choice(self.kl_reference, "rl.kl_reference", ("base", "ema"))
+        _check_finite(self.kl_reference_decay, "rl.kl_reference_decay")
+        _check(
+            0 < self.kl_reference_decay < 1,
+            "rl.kl_reference_decay",
+            f"must be in (0, 1), got {self.kl_reference_decay}",
+        )
+        if self.kl_reference == "base":
+            _check(
+                self.kl_reference_decay == RLConfig.kl_reference_decay,
+                "rl.kl_reference_decay",
+                "is only read with rl.kl_reference=ema; set that or leave the decay at its default",
+            )
+            return
+        _check(
+            self.algorithm == "nft",
+            "rl.kl_reference",
+            "'ema' is implemented for rl.algorithm=nft (its KL is a velocity MSE); use 'base' "
+            "with flow_grpo",
+        )
+        _check(
+            self.kl_beta > 0,
+            "rl.kl_reference",
+            "'ema' is the reference of the KL term, which rl.kl_beta=0 turns off; set "
+            "rl.kl_beta > 0 or rl.kl_reference=base",
         )
 
 
@@ -341,6 +384,20 @@ class NFTConfig:
         "difference. false = independent noise per sample, as the paper.",
         default=False,
     )
+    trust_region: float = _doc(
+        "Radius of a trust region on each optimizer step, in the units of "
+        "train/old_deviation (mean squared velocity); 0 = off. After the step, the velocity on "
+        "the step's first training pass (one chunk at one noise level) is run again (one "
+        "forward without gradient) and D, its mean squared change, measured over all ranks; a "
+        "step with D > radius is scaled back to sqrt(radius / D) of itself, which meets the "
+        "radius to first order (a small step changes the velocity linearly, D quadratically), "
+        "as TRPO's line search shrinks a step to its KL bound. A step, not a penalty: a "
+        "penalty on |v_theta - v_old|^2 has no gradient where the step starts (theta = "
+        "theta_old up to nft.eta's lag). Logged as train/step_deviation (D) and "
+        "train/trust_region_scale; not with train.ema_decay (its EMA would see the unscaled "
+        "step) nor DeepSpeed (its float32 master weights would undo the scaling).",
+        default=0.0,
+    )
     adaptive_weighting: bool = _doc(
         "Self-normalised x0 regression (the paper's adaptive loss weighting): each sample's "
         "|x0_hat - x0|^2 divided by its detached mean |x0_hat - x0|; false = the plain "
@@ -349,7 +406,9 @@ class NFTConfig:
     )
 
     def __post_init__(self) -> None:
-        for key in ("beta", "advantage_scale", "eta_rate", "eta_max", "timestep_fraction"):
+        for key in (
+            "beta", "advantage_scale", "eta_rate", "eta_max", "timestep_fraction", "trust_region"
+        ):  # fmt: skip
             _check_finite(getattr(self, key), f"nft.{key}")
         _check(self.beta > 0, "nft.beta", f"must be > 0, got {self.beta}")
         _check(
@@ -363,6 +422,11 @@ class NFTConfig:
             self.eta_delay_steps >= 0,
             "nft.eta_delay_steps",
             f"must be >= 0, got {self.eta_delay_steps}",
+        )
+        _check(
+            self.trust_region >= 0,
+            "nft.trust_region",
+            f"must be >= 0 (0 turns the trust region off), got {self.trust_region}",
         )
         _check_choice(self.timestep_sampling, "nft.timestep_sampling", ("schedule", "uniform"))
         _check(

@@ -18,6 +18,12 @@ repository's convention ``x_sigma = (1 - sigma) x0 + sigma eps``, velocity ``v =
 - after every RL step the old policy follows the trained one by a soft update
   ``theta_old <- eta theta_old + (1 - eta) theta`` with a growing eta (``NFTConfig.eta``).
 
+Two anchors against drift beyond the paper, both off by default: ``nft.trust_region`` scales
+back an optimizer step that moved the velocity more than a radius (:func:`limit_step`, the
+shrinking of a step to its bound that TRPO's line search does, Schulman et al. 2015), and
+``rl.kl_reference=ema`` takes the KL term's reference from an EMA of the trained weights
+(:class:`EMAReference`) instead of the start of training.
+
 :class:`OldPolicy` holds theta_old (LoRA runs: float32 copies of the trained tensors, swapped in
 while it runs; full fine-tuning: a frozen copy of the model) and :class:`NFTUpdate` is this
 rule behind the trainer's :class:`vsa2_rl.rl.update.UpdateRule`; rollout, rewards, advantages,
@@ -28,6 +34,7 @@ guards, the sparsity schedule, engines and checkpoints are the trainer's own
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -39,6 +46,7 @@ from vsa2_rl.config import ConfigError, NFTConfig, RLConfig, RunConfig
 from vsa2_rl.models.experts import frozen_copy, trained_sigma_range
 from vsa2_rl.models.wan_bundle import with_transformer
 from vsa2_rl.rl import engines
+from vsa2_rl.rl.ema import EMA
 from vsa2_rl.rl.policy import Policy
 from vsa2_rl.rl.rollout import Rollout, RolloutSampler, StepRollouts
 from vsa2_rl.rl.update import UpdateResult
@@ -117,6 +125,85 @@ def nft_loss(
     loss_positive = _regression(positive, target, sigma, adaptive_weighting)
     loss_negative = _regression(negative, target, sigma, adaptive_weighting)
     return (r * loss_positive + (1.0 - r) * loss_negative) / beta
+
+
+@torch.no_grad()
+def limit_step(
+    params: list[Tensor], before: list[Tensor], deviation: float, radius: float
+) -> float:
+    """Scales back the optimizer step that took ``before`` to ``params`` (in place) when it moved
+    the velocity by a mean square ``deviation`` beyond ``radius``; returns the scale applied.
+
+    A small step changes the velocity linearly in its size, so the mean squared change is
+    quadratic in it: ``params <- before + s (params - before)`` with ``s = sqrt(radius /
+    deviation)`` brings the change to ``radius`` (exactly for a velocity linear in the weights).
+    A step whose deviation is not finite is undone (s = 0).
+    """
+    if not radius > 0:
+        raise ValueError(f"radius must be > 0, got {radius!r}")
+    if deviation <= radius:
+        return 1.0
+    scale = math.sqrt(radius / deviation) if math.isfinite(deviation) else 0.0
+    for param, start in zip(params, before, strict=True):
+        param.copy_(torch.lerp(start, param, scale))
+    return scale
+
+
+class EMAReference:
+    """The KL term's reference with ``rl.kl_reference=ema``: an EMA of the trained weights
+    (:class:`vsa2_rl.rl.ema.EMA`, float32, of the parameters that train), updated after each
+    optimizer step; equal to the start of training until the first.
+
+    LoRA runs (``lora=True``) swap the EMA tensors into the model while the reference runs, as
+    :class:`OldPolicy` does; full fine-tuning keeps a frozen copy of the model in its dtype into
+    which the float32 EMA is written after each update, so that no weights move per call.
+    Same interface as :class:`vsa2_rl.rl.policy.ReferencePolicy` (``active``).
+    """
+
+    def __init__(self, bundle, model: torch.nn.Module, *, decay: float, lora: bool):
+        self.bundle = bundle
+        self.ema = EMA(model, decay=decay)
+        self.frozen, self.copies = None, {}
+        if not lora:
+            self.frozen = with_transformer(bundle, frozen_copy(model))
+            frozen = dict(self.frozen.transformer.named_parameters())
+            self.copies = {name: frozen[name] for name in self.ema.params}
+
+    def update(self) -> None:
+        """``ema <- decay * ema + (1 - decay) * theta``; call after each optimizer step."""
+        self.ema.update()
+        self._write_copy()
+
+    @torch.no_grad()
+    def _write_copy(self) -> None:
+        for name, copy in self.copies.items():
+            copy.copy_(self.ema.shadow[name])
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator:
+        """Yields the bundle that computes the reference's velocity (call it under no_grad)."""
+        if self.frozen is not None:
+            yield self.frozen
+            return
+        with self.ema.swapped():
+            yield self.bundle
+
+    def state_dict(self) -> dict:
+        return self.ema.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state)
+        self._write_copy()
+
+
+class _Probe(NamedTuple):
+    """A training pass's input and the velocity the policy gave it before the optimizer step:
+    what ``nft.trust_region`` measures the step's change on."""
+
+    x: Tensor
+    sigma: Tensor
+    condition: object
+    velocity: Tensor  # detached, float32
 
 
 class OldPolicy:
@@ -255,6 +342,23 @@ class NFTUpdate:
             self.num_levels = min(self.num_levels, len(self.levels))
         lora = policy.config.model.lora.enabled
         self.old = OldPolicy(policy.bundle, policy.unwrapped, copy_model=not lora)
+        if settings.trust_region and policy.ema is not None:
+            raise ConfigError(
+                "nft.trust_region: scales a step back after train.ema_decay's EMA has averaged "
+                "it; set train.ema_decay=0 or nft.trust_region=0"
+            )
+        if settings.trust_region and engines.uses_deepspeed(policy.acc):
+            raise ConfigError(
+                "nft.trust_region: scales the model's weights back, which DeepSpeed overwrites "
+                "from its own float32 master copy at the next step; use DDP or "
+                "nft.trust_region=0"
+            )
+        self.ema_reference = None
+        if rl.kl_reference == "ema":
+            self.ema_reference = EMAReference(
+                policy.bundle, policy.unwrapped, decay=rl.kl_reference_decay, lora=lora
+            )
+        self.reference = self.ema_reference or policy.reference  # of the KL term
 
     @classmethod
     def from_config(cls, policy: Policy, sampler: RolloutSampler, config: RunConfig) -> NFTUpdate:
@@ -270,10 +374,21 @@ class NFTUpdate:
         return self.old.active()
 
     def state_entries(self) -> dict:
-        return {"old_policy": self.old.state_dict()}
+        entries = {"old_policy": self.old.state_dict()}
+        if self.ema_reference is not None:
+            entries["kl_reference"] = self.ema_reference.state_dict()
+        return entries
 
     def load_state(self, restored: dict) -> None:
         self.old.load_state_dict(restored["old_policy"])
+        if self.ema_reference is None:
+            return
+        if "kl_reference" not in restored:
+            raise ConfigError(
+                "rl.kl_reference: the checkpoint holds no EMA reference (it was written with "
+                "rl.kl_reference=base); resume it with rl.kl_reference=base"
+            )
+        self.ema_reference.load_state_dict(restored["kl_reference"])
 
     def update(self, step: int, rollouts: StepRollouts) -> UpdateResult:
         """``rl.num_inner_epochs`` optimizer steps on the step's rollouts and their loss
@@ -282,9 +397,9 @@ class NFTUpdate:
         names = ("loss/policy", "loss/kl", "train/old_deviation", "train/r_mean")
         sums = {name: [] for name in names}
         epochs = self.rl.num_inner_epochs if weight else 0
-        grad_norms, skipped = [], 0
+        grad_norms, skipped, limits = [], 0, []
         for epoch in range(epochs):
-            stepped, grad_norm = self._epoch(step, epoch, rollouts, weight, sums)
+            stepped, grad_norm = self._epoch(step, epoch, rollouts, weight, sums, limits)
             skipped += not stepped  # a NaN/inf never reaches the weights
             grad_norms.append(grad_norm)
         eta = self.settings.eta(step)
@@ -293,10 +408,17 @@ class NFTUpdate:
         processes = self.policy.acc.num_processes
         metrics = self._means(sums, epochs * processes / weight if epochs else 1)
         metrics["train/old_policy_eta"] = eta
+        if limits:  # (deviation, scale) of each optimizer step nft.trust_region measured
+            metrics["train/step_deviation"] = sum(d for d, _ in limits) / len(limits)
+            metrics["train/trust_region_scale"] = sum(s for _, s in limits) / len(limits)
         return UpdateResult(grad_norms, skipped, metrics)
 
-    def _epoch(self, step: int, epoch: int, rollouts, weight: float, sums: dict) -> tuple:
-        """One optimizer step over every (chunk, noise level) pass; ``(stepped, grad norm)``."""
+    def _epoch(
+        self, step: int, epoch: int, rollouts, weight: float, sums: dict, limits: list
+    ) -> tuple:
+        """One optimizer step over every (chunk, noise level) pass, limited to
+        ``nft.trust_region`` (its ``(deviation, scale)`` appended to ``limits``) and followed by
+        the EMA reference's update; ``(stepped, grad norm)``."""
         policy, kl_beta = self.policy, self.rl.kl_beta
         keys = _chunk_draw_keys(rollouts, by_group=self.settings.group_noise)
         draws = [self._draws(step, epoch, chunk_keys) for chunk_keys in keys]
@@ -313,12 +435,30 @@ class NFTUpdate:
                 engines.accumulation_context(policy.acc, policy.model, last),
                 record_function("vsa2_rl/update/forward_backward"),
             ):
-                losses = self._pass_losses(chunk, draws, level)
+                losses, pass_probe = self._pass_losses(chunk, draws, level)
+                if index == 0:  # the pass nft.trust_region measures the step on
+                    probe = pass_probe
                 total = ((losses[0] + kl_beta * losses[1]) * kept).sum() * weight
                 engines.backward(policy.acc, total, last)
             for name, value in zip(sums, losses, strict=True):
                 sums[name].append((value.detach() * kept).sum())
-        return policy.optimizer_step(sums["loss/policy"])
+        radius = self.settings.trust_region
+        before = [p.detach().clone() for p in policy.params] if radius else None
+        stepped, grad_norm = policy.optimizer_step(sums["loss/policy"])
+        if stepped and radius:
+            deviation = self._step_deviation(probe)
+            limits.append((deviation, limit_step(policy.params, before, deviation, radius)))
+        if stepped and self.ema_reference is not None:
+            self.ema_reference.update()
+        return stepped, grad_norm
+
+    @torch.no_grad()
+    def _step_deviation(self, probe: _Probe) -> float:
+        """Mean squared change of the velocity on ``probe`` that the optimizer step made, the
+        mean over ranks (every rank then scales its step alike)."""
+        velocity = self.policy.bundle.velocity(probe.x, probe.sigma, probe.condition).float()
+        deviation = (velocity - probe.velocity).square().mean()
+        return float(self.policy.acc.reduce(deviation, reduction="mean"))
 
     def _draws(self, step: int, epoch: int, indices: list[int]) -> _Draws:
         """The noise levels of a chunk's samples (global indices ``indices``) and their noise
@@ -340,9 +480,10 @@ class NFTUpdate:
             ]
         return _Draws(torch.stack(rows).float().to(self.policy.acc.device), generators)
 
-    def _pass_losses(self, chunk, draws: _Draws, level: int) -> tuple[Tensor, ...]:
+    def _pass_losses(self, chunk, draws: _Draws, level: int) -> tuple[tuple[Tensor, ...], _Probe]:
         """Per sample of the chunk at its ``level``-th noise level: the NFT loss, the velocity
-        MSE to the reference (0 without one), the squared distance of v_theta to v_old and r."""
+        MSE to the KL's reference (0 without one), the squared distance of v_theta to v_old and
+        r; and the pass as a :class:`_Probe`."""
         policy, settings = self.policy, self.settings
         x0 = chunk.latents[-1]  # [b, C, T, H, W] float32, the rollouts' clean samples
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws.generators])
@@ -359,11 +500,12 @@ class NFTUpdate:
         )  # fmt: skip
         dims = tuple(range(1, x0.ndim))
         kl = torch.zeros_like(loss)
-        if policy.reference is not None:
-            with torch.no_grad(), policy.reference.active() as reference:
+        if self.reference is not None:
+            with torch.no_grad(), self.reference.active() as reference:
                 v_reference = reference.velocity(x, sigma, chunk.condition).float()
             kl = (v_theta - v_reference).square().mean(dims)
-        return loss, kl, (v_theta.detach() - v_old).square().mean(dims), r
+        losses = loss, kl, (v_theta.detach() - v_old).square().mean(dims), r
+        return losses, _Probe(x, sigma, chunk.condition, v_theta.detach())
 
     def _sample_weight(self, chunks: list) -> float:
         """The factor of a pass's summed loss that makes the update the mean over every kept
