@@ -78,7 +78,7 @@ def test_an_out_dir_that_cannot_be_written_stops_before_any_model_loads(
 ):
     out_dir = _unwritable(kind, tmp_path)
     monkeypatch.setattr("vsa2_rl.runtime.build_bundle", _no_model)
-    monkeypatch.setattr("vsa2_rl.rl.trainer.build_bundle", _no_model)
+    monkeypatch.setattr("vsa2_rl.rl.setup.build_bundle", _no_model)
     source = [f"run_dir={trained_run}"] if command == "export" else []
     assert main([command, *TINY, *source, f"out_dir={out_dir}"]) == 2
     line = _error_line(capsys)

@@ -194,7 +194,7 @@ def test_a_file_or_folder_where_the_run_writes_is_refused_before_any_step(tmp_pa
 
 
 def test_a_resume_stopped_while_writing_config_yaml_leaves_the_old_one(tmp_path, monkeypatch):
-    from vsa2_rl.rl import trainer as trainer_module
+    from vsa2_rl.rl import setup as setup_module
 
     train(_config(tmp_path, "train.num_steps=1"))
     before = (tmp_path / "run" / "config.yaml").read_text()
@@ -202,7 +202,7 @@ def test_a_resume_stopped_while_writing_config_yaml_leaves_the_old_one(tmp_path,
     def interrupted(config):
         raise KeyboardInterrupt  # Ctrl-C (or a full disk) while config.yaml is being written
 
-    monkeypatch.setattr(trainer_module, "to_yaml", interrupted)
+    monkeypatch.setattr(setup_module, "to_yaml", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train(_config(tmp_path, "train.num_steps=2"))
     assert (tmp_path / "run" / "config.yaml").read_text() == before  # eval and export read it

@@ -134,7 +134,7 @@ def _check_run_start(config: RunConfig, report: Report) -> None:
     """What the trainer refuses when it starts, by its own checks: a device this machine lacks,
     a fresh run in a folder holding one, a resume whose checkpoint was trained otherwise."""
     from vsa2_rl.device import resolve_device
-    from vsa2_rl.rl.trainer import refuse_abandoned_run
+    from vsa2_rl.rl.setup import refuse_abandoned_run
 
     with report.checking():
         resolve_device(config.device)

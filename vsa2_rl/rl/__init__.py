@@ -1,8 +1,9 @@
-"""RL post-training building blocks: GRPO math, sparsity schedule, checkpoints, EMA.
+"""RL post-training building blocks: group advantages and the PPO-clip loss, sparsity schedule,
+checkpoints, EMA.
 
-The trainer loop lives in ``vsa2_rl.rl.trainer``, its update rules behind
-``vsa2_rl.rl.update.UpdateRule`` in ``flow_grpo`` and ``nft``; the samplers with per-step
-log-probs live in ``vsa2_rl.sampling`` because evaluation uses them too.
+The trainer loop lives in ``vsa2_rl.rl.trainer``, its two update rules behind
+``vsa2_rl.rl.update.UpdateRule``: Flow-GRPO (``flow_grpo``) and DiffusionNFT (``nft``); the
+samplers with per-step log-probs live in ``vsa2_rl.sampling`` because evaluation uses them too.
 """
 
 from vsa2_rl.rl.checkpoint import (

@@ -54,6 +54,7 @@ class StepRollouts:
     stochastic: torch.Tensor  # bool [N]: the steps that drew noise (and may be trained)
     pending: list  # rewards.async_scoring: each chunk's future RewardOutput, in order
     seconds: float  # the rollout phase's wall time (for the step's throughput)
+    metrics: dict  # the rollout phase's: perf/rollout_s, perf/rollout_evals, attn/density
 
     def set_scores(self, advantages: torch.Tensor, valid: torch.Tensor, chunk_size: int) -> None:
         """Hands each chunk its samples' ``advantages`` and ``valid`` flags (each [n]), which

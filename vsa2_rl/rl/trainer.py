@@ -34,7 +34,6 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 from concurrent import futures
@@ -43,28 +42,14 @@ import torch
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from vsa2_rl.config import (
-    ConfigError,
-    RunConfig,
-    check_paths,
-    check_resume,
-    config_tree,
-    to_yaml,
-)
-from vsa2_rl.eval.agreement import agreement_metrics, rollout_warning
-from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns, sweep_model
+from vsa2_rl.config import RunConfig, check_paths, check_resume, config_tree
+from vsa2_rl.eval.agreement import rollout_warning
 from vsa2_rl.models.conditioning import encode_condition
-from vsa2_rl.models.experts import low_noise_guidance
-from vsa2_rl.preflight import (
-    ModelFacts,
-    check_data_parallel,
-    check_prompt_count,
-    check_second_guidance,
-    model_facts,
-)
+from vsa2_rl.preflight import ModelFacts
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
 from vsa2_rl.rl import engines
+from vsa2_rl.rl.evaluation import evaluate_policy
 from vsa2_rl.rl.grpo import GroupedPromptSampler
 from vsa2_rl.rl.policy import Policy
 from vsa2_rl.rl.rollout import (
@@ -76,57 +61,9 @@ from vsa2_rl.rl.rollout import (
 from vsa2_rl.rl.run_folder import RunFolder
 from vsa2_rl.rl.schedule import SparsitySchedule
 from vsa2_rl.rl.scoring import StepScores, step_advantages
+from vsa2_rl.rl.setup import RunSetup, write_config
 from vsa2_rl.rl.tracking import MetricsLogger, plot_reward_curve, read_metrics
 from vsa2_rl.rl.update import build_update_rule, check_rollouts
-from vsa2_rl.runtime import (
-    build_bundle,
-    check_condition_images,
-    check_output_dir,
-    image_scheme,
-    load_prompt_records,
-    prompt_file_key,
-    resolve_device,
-    resolve_dtype,
-    resolve_reward_device,
-)
-
-
-def _write_config(config: RunConfig) -> None:
-    """out_dir/config.yaml, replaced whole: a run stopped while writing it (Ctrl-C, a full disk)
-    leaves the previous one, which eval and export read, never an empty or cut one."""
-    path = os.path.join(config.out_dir, "config.yaml")
-    text = to_yaml(config)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def refuse_abandoned_run(config: RunConfig) -> None:
-    """A fresh run (``train.resume=none``) must not share its folder with an earlier run: a later
-    ``resume=auto`` would continue from the abandoned run's checkpoints and metrics. Either,
-    where it exists, must be what the run writes there (a folder, a file): found at the first
-    save, a file named checkpoints would stop the run after its first steps."""
-    for name, kind, is_kind in (("checkpoints", "folder", os.path.isdir),
-                                ("metrics.jsonl", "file", os.path.isfile)):  # fmt: skip
-        path = os.path.join(config.out_dir, name)
-        if os.path.lexists(path) and not is_kind(path):
-            raise ConfigError(
-                f"out_dir: {path} is not a {kind}, and the run writes its {name} there; move "
-                "it away or give another out_dir"
-            )
-    held = [
-        name
-        for name in ("checkpoints", "metrics.jsonl")
-        if os.path.exists(os.path.join(config.out_dir, name))
-        and (name != "checkpoints" or os.listdir(os.path.join(config.out_dir, name)))
-    ]
-    if config.train.resume == "none" and held:
-        raise ConfigError(
-            f"out_dir: {config.out_dir} holds a run ({' and '.join(held)}); use "
-            "train.resume=auto to continue it, or a new out_dir for a fresh run"
-        )
 
 
 def _score_in_range(rewards: RewardMixer, videos, prompts: list, metadata: list) -> RewardOutput:
@@ -134,154 +71,6 @@ def _score_in_range(rewards: RewardMixer, videos, prompts: list, metadata: list)
     range of its own: it overlaps the main thread's sampling."""
     with record_function("vsa2_rl/score/rewards_thread"):
         return rewards(videos, prompts, metadata)
-
-
-class _Setup:
-    """Everything the loop needs, built before any file of the run is written (``folder`` is
-    locked first, so that no other run writes there meanwhile). ``facts``: the model folder's,
-    where the caller read them already (``vsa2-rl train``'s pre-flight)."""
-
-    def __init__(self, config: RunConfig, folder: RunFolder, facts: ModelFacts | None):
-        from accelerate import Accelerator
-
-        check_output_dir(config.out_dir)
-        self.config = config
-        facts = facts or model_facts(config)  # the model folder's model_index.json, read once
-        self.accelerator = Accelerator(
-            cpu=resolve_device(config.device).type == "cpu",
-            kwargs_handlers=_ddp_options(config, facts),
-        )
-        engines.check_options(self.accelerator, config)
-        folder.claim(self.accelerator)
-        refuse_abandoned_run(config)  # under the lock: no other run adds to the folder
-        self.device = self.accelerator.device
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
-        records = load_prompt_records(config, "train")
-        self.prompts, self.images = [r.text for r in records], [r.image for r in records]
-        records = config.eval.select_prompts(load_prompt_records(config, "eval"))
-        self.eval_prompts, self.eval_images = [r.text for r in records], [r.image for r in records]
-        scheme = image_scheme(config, facts)  # before any weight loads
-        check_second_guidance(config, facts)
-        check_condition_images(scheme, self.images, prompt_file_key(config, "train"))
-        check_condition_images(scheme, self.eval_images, prompt_file_key(config, "eval"))
-        self.sequence_parallel = _sequence_parallel_group(self.accelerator, config)
-        sp_size = config.parallel.sequence_parallel_size
-        # data-parallel ranks: sequence-parallel groups share their samples
-        self.dp_world = self.accelerator.num_processes // sp_size
-        self.dp_rank = self.accelerator.process_index // sp_size
-        check_prompt_count(config, len(self.prompts))
-        check_data_parallel(config, self.dp_world)
-        try:
-            self.rewards = RewardMixer.from_config(config.rewards)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        self.reward_device = resolve_reward_device(config, self.device)
-        self.guards = reward_fns(config.eval.guard_rewards, "eval.guard_rewards", GUARD_PREFIX)
-        with engines.whole_model_loading(self.accelerator):
-            self.bundle = build_bundle(config, self.device, self.dtype, facts)
-        engines.check_trained_experts(self.accelerator, self.bundle.transformer, config)
-        if self.sequence_parallel is not None:
-            from vsa2_rl.models.wan import enable_sequence_parallel
-
-            try:
-                enable_sequence_parallel(self.bundle.transformer, self.sequence_parallel)
-            except ValueError as error:
-                raise ConfigError(f"parallel.sequence_parallel_size: {error}") from None
-
-
-def _ddp_options(config: RunConfig, facts: ModelFacts) -> list:
-    """DDP's settings: a Wan2.2 A14B run that trains both experts leaves one of them without
-    gradients in every Flow-GRPO backward (a chunk's transition is one noise level), which DDP
-    must be told to expect."""
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    if not facts.two_experts or len(config.model.train_experts) == 1:
-        return []
-    return [DistributedDataParallelKwargs(find_unused_parameters=True)]
-
-
-def _sequence_parallel_group(acc, config: RunConfig):
-    """This rank's :class:`SequenceParallel` group (consecutive ranks), or None when off."""
-    size = config.parallel.sequence_parallel_size
-    if size == 1:
-        return None
-    key = "parallel.sequence_parallel_size"
-    if acc.num_processes % size:
-        raise ConfigError(
-            f"{key}: {size} must divide the number of processes ({acc.num_processes})"
-        )
-    if engines.uses_deepspeed(acc):
-        raise ConfigError(f"{key}: sequence parallelism runs under DDP or FSDP2, not DeepSpeed")
-    if not config.attention.enabled:
-        raise ConfigError(f"{key}: sequence parallelism runs through VSA2 (attention.enabled)")
-    import torch.distributed as dist
-
-    from vsa2_rl.parallel import SequenceParallel
-
-    groups = [
-        dist.new_group(list(range(start, start + size)))  # every rank creates every group
-        for start in range(0, acc.num_processes, size)
-    ]
-    return SequenceParallel(groups[acc.process_index // size])
-
-
-def _evaluate(
-    setup: _Setup, policy: Policy, sparsity: float, rollout: float, step: int, logger
-) -> dict:
-    """ODE rewards on the fixed evaluation prompts at ``sparsity`` (EMA weights if kept) and the
-    velocity agreement there and at ``rollout`` (vsa2_rl.eval.agreement), on the unwrapped model
-    of this process (no collectives but ZeRO-3's weight gathers), as ``eval/*`` metrics; the main
-    process also writes the first videos as ``samples/eval_step_<step>.{png,gif,mp4}`` and hands
-    them to the trackers, each with its prompt and rewards as caption."""
-    config = setup.config
-    prompts, images, measured = setup.eval_prompts, setup.eval_images, config.eval.agreement_videos
-    with policy.evaluation() as bundle:
-        sweep = functools.partial(
-            sweep_model,
-            bundle,
-            num_steps=config.sampler.eval_num_steps,
-            shift=config.sampler.shift,
-            guidance_scale=config.eval_guidance_scale,
-            low_noise=low_noise_guidance(
-                bundle.transformer, config.eval_guidance_scale_2, "eval.guidance_scale_2"
-            ),
-            negative_prompt=config.sampler.negative_prompt,
-            seed=config.eval.seed,
-            batch_size=config.rl.train_batch_size,
-            shape=(config.model.num_frames, config.model.height, config.model.width),
-            progress=False,
-            reward_device=setup.reward_device,
-            agreement_videos=measured,
-            on_error=config.rewards.on_error,
-        )
-        rewards = [*setup.rewards.rewards.values(), *setup.guards]
-        (row,), previews = sweep(prompts, [sparsity], rewards, images=images)
-        agreement = agreement_metrics(sweep, prompts, images, rollout, row, measured)
-    if setup.accelerator.is_main_process:
-        _save_eval_videos(setup, previews[sparsity], step, logger)
-    total = setup.rewards.weighted_total({n: row[f"reward/{n}"] for n in setup.rewards.names})
-    metrics = {"eval/reward": total, "eval/density": row["density"], **agreement}
-    for key, value in row.items():  # reward/<name> -> eval/reward/<name>, guards eval/guard/<name>
-        if key.startswith("reward/" + GUARD_PREFIX):
-            metrics["eval/" + key[len("reward/") :]] = value
-        elif key.startswith("reward/"):
-            metrics[f"eval/{key}"] = value
-    return metrics
-
-
-def _save_eval_videos(setup: _Setup, preview, step: int, logger) -> None:
-    """The evaluation's first videos as a grid (captions: prompt and rewards), to the trackers."""
-    from vsa2_rl.eval.media import condition_images_of, save_video_grid
-
-    prompts = setup.eval_prompts[: len(preview.videos)]
-    images = condition_images_of(setup.eval_images[: len(prompts)], preview.videos.shape[-2:])
-    prefix = os.path.join(setup.config.out_dir, "samples", f"eval_step_{step}")
-    png, gif = save_video_grid(preview.videos, prefix, titles=prompts, condition_images=images)
-    captions = [
-        f"{prompt} | " + ", ".join(f"{name} {value:.3f}" for name, value in scores.items())
-        for prompt, scores in zip(prompts, preview.scores, strict=True)
-    ]
-    logger.log_videos(step, "eval/videos", gif, png, captions)
 
 
 class RLTrainer:
@@ -306,7 +95,7 @@ class RLTrainer:
         """Every check and all loading, before anything of the run is written (``folder`` is
         locked first, so that no other run writes there meanwhile)."""
         config = self.config
-        self.setup = setup = _Setup(config, folder, self.facts)
+        self.setup = setup = RunSetup(config, folder, self.facts)
         self.acc, self.device = setup.accelerator, setup.device
         self.is_main = self.acc.is_main_process
         self.video_size = (config.model.num_frames, config.model.height, config.model.width)
@@ -363,7 +152,8 @@ class RLTrainer:
         metrics: dict = {f"sparsity/{k}": v for k, v in sparsities._asdict().items()}
         state = self.bundle.sparsity_state  # rollout and update share the step's value
         with state.at(sparsities.rollout), self.update_rule.sampling_policy() as bundle:
-            rollouts = self.rollout(step, metrics, bundle)
+            rollouts = self.rollout(step, bundle)
+        metrics.update(rollouts.metrics)
         scores = self.score(step, rollouts)
         if scores is None:  # a reward asked to skip the step
             self.logger.log(step, {**metrics, "train/skipped_reward": 1})
@@ -413,7 +203,7 @@ class RLTrainer:
             aside = resume_from and checkpoint.set_aside_branch(config.out_dir, start_step)
             if aside:
                 print(f"checkpoints after step {start_step} and their metrics moved to {aside}")
-            _write_config(config)
+            write_config(config)
         # without a checkpoint the run starts over: no row, step 0's neither, is kept
         resume_step = start_step if resume_from else -1
         self.logger = MetricsLogger(config, resume_step=resume_step, enabled=self.is_main)
@@ -432,10 +222,10 @@ class RLTrainer:
         images = [self.setup.images[i] for i in prompt_indices]
         return encode_condition(self.setup.bundle, prompts, images, self.video_size)
 
-    def rollout(self, step: int, metrics: dict, bundle) -> StepRollouts:
+    def rollout(self, step: int, bundle) -> StepRollouts:
         """This rank's rollouts of the step from ``bundle`` (the sampling policy), at the
-        sparsity the caller set; with ``rewards.async_scoring`` each chunk is scored while the
-        next ones are sampled."""
+        sparsity the caller set, with the rollout phase's metrics; with
+        ``rewards.async_scoring`` each chunk is scored while the next ones are sampled."""
         t0 = time.perf_counter()
         batch = self.prompt_sampler.batch(step - 1)
         indices = batch.prompt_indices
@@ -462,13 +252,16 @@ class RLTrainer:
                 chunk.kl_penalty = self.update_rule.kl_penalty(chunk, sampled.stochastic)
         self._refuse_nonfinite_videos(step, sampled.videos, global_index)
         evaluations = torch.tensor([float(sampled.evaluations)], device=self.device)
-        metrics["perf/rollout_evals"] = float(self.acc.reduce(evaluations, "sum").item())
         density = bundle.sparsity_state.pop_density()
-        metrics["attn/density"] = density if density is not None else 1.0
-        metrics["perf/rollout_s"] = seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        metrics = {
+            "perf/rollout_evals": float(self.acc.reduce(evaluations, "sum").item()),
+            "attn/density": density if density is not None else 1.0,
+            "perf/rollout_s": seconds,
+        }
         return StepRollouts(
             indices, batch.group_ids, prompts, global_index, sampled.chunks,
-            torch.cat(sampled.videos).float(), sampled.stochastic, pending, seconds,
+            torch.cat(sampled.videos).float(), sampled.stochastic, pending, seconds, metrics,
         )  # fmt: skip
 
     def _refuse_nonfinite_videos(self, step: int, videos: list, global_index: list) -> None:
@@ -574,7 +367,7 @@ class RLTrainer:
         sparsity (``eval/*``); step 0's warns once above ``sparsity.max_rollout_velocity_error``."""
         rollout = self.schedule(step).rollout
         with record_function("vsa2_rl/eval"):
-            metrics = _evaluate(self.setup, self.policy, sparsity, rollout, step, self.logger)
+            metrics = evaluate_policy(self.setup, self.policy, sparsity, rollout, step, self.logger)
         warning = rollout_warning(metrics, self.config.sparsity.max_rollout_velocity_error, rollout)
         if step == 0 and self.is_main and warning:
             tqdm.write(warning)
