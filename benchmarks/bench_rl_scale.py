@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
 import time
 
@@ -108,9 +109,14 @@ def build(state, lora: bool, model_name: str, compiled: bool = False):
     return compile_blocks(model) if compiled else model
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls after one warm-up call."""
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(median seconds of ``fn`` over ``reps`` calls, seconds of the warm-up call before them:
+    with compiled blocks its compilation included)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     fn()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -118,11 +124,12 @@ def timed(fn, reps: int) -> float:
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), first
 
 
-def part_times(model, grid: str, reps: int, with_forward: bool = True) -> tuple[float, float]:
-    """(no-grad forward s, forward+backward s) of one video at ``grid``; the forward is not
+def part_times(model, grid: str, reps: int, with_forward: bool = True) -> dict[str, float]:
+    """Seconds of one video at ``grid``: ``forward`` (no grad) and ``train`` (forward+backward)
+    medians, ``first forward`` and ``first train`` their warm-up calls; the forward is not
     timed (nan) unless ``with_forward``."""
     frames, height, width = latent_shape(grid)
     x = torch.randn(1, 16, frames, height, width, device="cuda", dtype=torch.bfloat16)
@@ -138,11 +145,16 @@ def part_times(model, grid: str, reps: int, with_forward: bool = True) -> tuple[
         out.float().square().mean().backward()
 
     model.eval()
-    seconds_forward = timed(forward, reps) if with_forward else float("nan")
+    forward_s, first_forward_s = timed(forward, reps) if with_forward else (math.nan, math.nan)
     model.train()
-    seconds_train = timed(train, reps)
+    train_s, first_train_s = timed(train, reps)
     model.zero_grad(set_to_none=True)
-    return seconds_forward, seconds_train
+    return {
+        "forward": forward_s,
+        "first forward": first_forward_s,
+        "train": train_s,
+        "first train": first_train_s,
+    }
 
 
 def optimizer_seconds(model, reps: int) -> float:
@@ -151,7 +163,7 @@ def optimizer_seconds(model, reps: int) -> float:
     for parameter in trained:
         parameter.grad = torch.randn_like(parameter)
     optimizer = torch.optim.AdamW(trained, lr=1e-6)
-    seconds = timed(optimizer.step, reps)
+    seconds, _ = timed(optimizer.step, reps)
     model.zero_grad(set_to_none=True)
     del optimizer
     return seconds
@@ -228,11 +240,12 @@ def main() -> None:
         handle.write(title + HEADER)
     print(title + HEADER, end="", flush=True)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        peaks = measure_grids(models, optimizer, state, args)
+        peaks, first_calls = measure_grids(models, optimizer, state, args)
         if args.check:
             check_iteration(models["lora"], state, args)
     with open(args.out, "a", encoding="utf-8") as handle:
         handle.write(f"\nPeak GPU memory, GiB (the models of every training mode held): {peaks}\n")
+        handle.write(f"\nFirst call of each part, s (compiled: with compiling): {first_calls}\n")
 
 
 def settings(args) -> list[tuple[float, int | None, str]]:
@@ -262,10 +275,11 @@ def setting_label(sparsity: float, kv_block: int | None, mode: str, args) -> str
 
 def measure_grids(models, optimizer, state, args) -> str:
     """Every grid and setting's row written to ``args.out`` (an ``out of memory`` row where
-    the GPU cannot hold it); returns each measured setting's peak GPU memory."""
+    the GPU cannot hold it); returns each measured setting's peak GPU memory and the seconds
+    of its parts' first calls (with compiled blocks: what compiling them cost, plus one call)."""
     from vsa2_rl.models.wan import enable_vsa2
 
-    peaks, router_now = [], (MODELS[args.model][2], "topp")  # build()'s
+    peaks, first_calls, router_now = [], [], (MODELS[args.model][2], "topp")  # build()'s
     for grid in args.grids:
         dense: dict[str, float] = {}
         for sparsity, kv_block, mode in settings(args):
@@ -285,21 +299,26 @@ def measure_grids(models, optimizer, state, args) -> str:
                 write_out_of_memory(grid, label, args.out)
                 continue
             peaks.append(f"{grid} {label} {torch.cuda.max_memory_allocated() / 2**30:.1f}")
+            first_calls.append(
+                f"{grid} {label}: forward {row['first forward']:.1f}, "
+                + ", ".join(f"{mode} train {row[f'{mode} first train']:.1f}" for mode in models)
+            )
             if sparsity == 0:
                 dense = row
             write_row(grid, label, row, dense, args.out)
         torch.cuda.empty_cache()
-    return ", ".join(peaks)
+    return ", ".join(peaks), "; ".join(first_calls)
 
 
 def measure_row(models, optimizer, grid: str, args) -> dict[str, float]:
     """Forward, train and iteration seconds at the current sparsity, per training mode."""
     row: dict[str, float] = {}
     for mode, model in models.items():  # LoRA first: its forward is the recipe's
-        forward, train = part_times(model, grid, args.reps, with_forward="forward" not in row)
-        row.setdefault("forward", forward)
-        row[f"{mode}_train"] = train
-        row[mode] = iteration_seconds(row["forward"], train, optimizer[mode], args)
+        parts = part_times(model, grid, args.reps, with_forward="forward" not in row)
+        row.setdefault("forward", parts["forward"])
+        row.setdefault("first forward", parts["first forward"])
+        row[f"{mode}_train"], row[f"{mode} first train"] = parts["train"], parts["first train"]
+        row[mode] = iteration_seconds(row["forward"], parts["train"], optimizer[mode], args)
     return row
 
 
@@ -356,8 +375,8 @@ def check_iteration(model, state, args) -> None:
         whole = statistics.median(
             sum(bench_rl_step.iteration(model, velocity, run)) for _ in range(args.reps)
         )
-        forward, train = part_times(model, grid, args.reps)
-        parts = iteration_seconds(forward, train, optimizer, sum_args)
+        times = part_times(model, grid, args.reps)
+        parts = iteration_seconds(times["forward"], times["train"], optimizer, sum_args)
         lines.append(
             f"check {grid} sparsity {sparsity} kv{args.kv_blocks[-1]}: whole iteration "
             f"{whole:.2f} s, sum of parts {parts:.2f} s\n"

@@ -2,7 +2,8 @@
 64 with top-k (VSA's router), at each density the router claim measured.
 
 Quality is the sparsity testbed's validation loss after rebasing at that density (the router
-claim's runs, ``benchmarks/sparsity_claims.py claim1``: mean and standard deviation over seeds);
+claim's runs, ``benchmarks/sparsity_claims.py claim1``, as its ``report`` records them in
+``--claims``'s ``runs.jsonl``: mean and standard deviation over seeds);
 speed is the full VSA2 op at the Wan-14B 720p shape against cuDNN in the same run
 (``bench_attention.py --out``: forward and forward+backward) and, with ``--rl``, the Wan-1.3B
 shape's RL iteration against dense in the same run (``bench_rl_scale.py --out``, LoRA: the
@@ -60,14 +61,25 @@ class Setting:
         return statistics.stdev(self.losses) if len(self.losses) > 1 else 0.0
 
 
-def claim_losses(claims: Path, router: str, density: float) -> list[float]:
+RUNS_FILE = "runs.jsonl"  # sparsity_claims.py report's record of the claims' runs
+
+
+def claim1_runs(claims: Path) -> dict[str, dict]:
+    """The router claim's runs in ``claims``'s :data:`RUNS_FILE` (one JSON object a line), by
+    folder name (``<router>_d<density>_s<seed>``)."""
+    path = claims / RUNS_FILE
+    if not path.is_file():
+        raise SystemExit(f"error: --claims {claims}: no {RUNS_FILE} there (write it with "
+                         "benchmarks/sparsity_claims.py report --out CLAIMS)")  # fmt: skip
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["run"].removeprefix("claim1/"): r for r in records if r["run"].startswith("claim1/")}
+
+
+def claim_losses(runs: dict[str, dict], router: str, density: float) -> list[float]:
     """Validation losses at the router's density of every seed the router claim ran."""
-    folder_part = ROUTERS[router][0]
-    losses = []
-    for config in sorted((claims / "claim1").glob(f"{folder_part}_d{density}_s*/config.json")):
-        stages = json.loads(config.read_text())["training"]["stages"]
-        losses.append(stages[-1]["validation"][f"vsa2@{1 - density:g}"])
-    return losses
+    prefix = f"{ROUTERS[router][0]}_d{density}_s"
+    return [runs[name]["validation"][f"vsa2@{1 - density:g}"]
+            for name in sorted(runs) if name.startswith(prefix)]  # fmt: skip
 
 
 def op_speedups(attention_md: Path) -> dict[tuple[str, float, str], float]:
@@ -92,18 +104,19 @@ def rl_speedups(rl_md: Path) -> dict[str, float]:
     return speedups
 
 
-def claim_densities(claims: Path) -> list[float]:
-    names = {path.name.rsplit("_s", 1)[0] for path in (claims / "claim1").glob("*_d*_s*")}
+def claim_densities(runs: dict[str, dict]) -> list[float]:
+    names = {name.rsplit("_s", 1)[0] for name in runs}
     return sorted({float(name.rsplit("_d", 1)[1]) for name in names}, reverse=True)
 
 
 def gather(claims: Path, attention_md: Path, rl_md: Path | None = None) -> list[Setting]:
     speedups = op_speedups(attention_md)
     rl = rl_speedups(rl_md) if rl_md else {}
+    runs = claim1_runs(claims)
     settings = []
-    for density in claim_densities(claims):
+    for density in claim_densities(runs):
         for router, (_, method) in ROUTERS.items():
-            losses = claim_losses(claims, router, density)
+            losses = claim_losses(runs, router, density)
             if not losses:
                 continue
             sparsity = round(1 - density, 6)

@@ -4,11 +4,11 @@
 # project's own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`).
 #   bash benchmarks/gpu_session.sh [tests] [attention] [attention_all] [rl] [e2e] [e2e_all]
 #     [e2e_compiled] [rl_compiled] [rl_scale] [rl_growth] [testbed_bases] [testbed_rl_base]
-#     [long_toy] [sparse_rollouts] [toy_sweep] [frontier] [frontier_rl] [rl_720p] [rl_scale_14b] [profile_rl] [ddp]
+#     [long_toy] [sparse_rollouts] [toy_sweep] [drift] [frontier] [frontier_rl] [rl_720p] [rl_scale_14b] [profile_rl] [ddp]
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
-#     [layout]
+#     [layout] [block_kernels] [vae_decode] [rl_recipe]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -54,6 +54,12 @@ for part in "${parts[@]}"; do
         --out "$OUT/attention.md" 2>&1 | tail -60 ;;
     layout)  # the tile layout's permutation against index_select (bench_layout.py)
       timeout 90 python3 -P benchmarks/bench_layout.py --out "$OUT/layout.md" 2>&1 | tail -6 ;;
+    block_kernels)  # fused norm/modulation/residual/qk-norm+RoPE kernels vs eager and compiled
+      # torch, and one Wan block fused vs unfused, Wan-1.3B 480p x 81 (bench_block_kernels.py)
+      timeout 150 python3 -P benchmarks/bench_block_kernels.py --out "$OUT/block_kernels.md" 2>&1 | tail -16 ;;
+    vae_decode)  # the Wan2.1 VAE (random weights) decoding 480p x 81 and x 33 in float32 and
+      # bfloat16 (model.vae_decode_dtype): seconds, PSNR, weight-free rewards (bench_vae_decode.py)
+      timeout 150 python3 -P benchmarks/bench_vae_decode.py --out "$OUT/vae_decode.md" 2>&1 | tail -50 ;;
     wan22_ti2v)  # Wan2.2 TI2V-5B RL iteration at 704x1280x121, dense vs VSA2 (bench_wan22.py)
       timeout 190 python3 benchmarks/bench_wan22.py --model ti2v_5b --out "$OUT/wan22_ti2v.md" 2>&1 | tail -8 ;;
     wan22_a14b)  # Wan2.2 A14B I2V RL iteration at 480p x 81, dense vs VSA2 (about 8 minutes)
@@ -132,6 +138,7 @@ for part in "${parts[@]}"; do
       # vsa2_rl/ (the kernels live in the installed package)
       PYTHONSAFEPATH=1 timeout ${SWEEP_S:-470} python3 benchmarks/sparse_rollouts.py run --base "$(readlink -f $base)" --out $sweep \
         --sparsities ${SWEEP_SPARSITIES:-0 0.5 0.75 0.9} --parallel ${SWEEP_PARALLEL:-19} --warmup-steps ${SWEEP_WARMUP:-0} \
+        --seeds ${SWEEP_SEEDS:-0 1 2} \
         >> "$sweep.log" 2>&1 && { [ -f $sweep/seconds_per_step.json ] || PYTHONSAFEPATH=1 timeout ${SWEEP_TIME_S:-150} python3 \
         benchmarks/sparse_rollouts.py time --base "$(readlink -f $base)" --out $sweep --steps 3 \
         --sparsities ${SWEEP_SPARSITIES:-0 0.5 0.75 0.9} > "$OUT/sparse_rollouts_time.log" 2>&1; }
@@ -151,6 +158,17 @@ for part in "${parts[@]}"; do
       cp "$sweep.log" "$OUT/toy_sweep_run.log"; tail -4 "$sweep.log"
       PYTHONSAFEPATH=1 python3 benchmarks/sparse_rollouts.py report --out $sweep --eval-sparsity 0.25 2>&1 | tail -3
       sweep_rows toy_sweep ;;
+    drift)  # remedies for the toy default's and its control's drift (drift_remedies.py): each
+      # variant of DRIFT_VARIANTS at seeds DRIFT_SEEDS, DRIFT_PARALLEL runs at once, at the
+      # toy_sweep's settings; call again until every run is done (finished runs are skipped,
+      # cut ones resume from their last checkpoint, every 5 steps); the report of what is done
+      sweep=/tmp/drift
+      PYTHONSAFEPATH=1 timeout ${DRIFT_S:-470} python3 benchmarks/drift_remedies.py run --out $sweep \
+        ${DRIFT_VARIANTS:+--variants $DRIFT_VARIANTS} ${DRIFT_SEEDS:+--seeds $DRIFT_SEEDS} \
+        --parallel ${DRIFT_PARALLEL:-20} >> "$sweep.log" 2>&1
+      cp "$sweep.log" "$OUT/drift_run.log"; tail -4 "$sweep.log"
+      PYTHONSAFEPATH=1 python3 benchmarks/drift_remedies.py report --out $sweep 2>&1 | tail -8
+      sweep_rows drift ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
       # (its two routers only: kv16 top-p, kv64 top-k), then frontier.py's table and choice
       for router in 16:topp 64:topk; do
@@ -167,6 +185,13 @@ for part in "${parts[@]}"; do
       (cd benchmarks && timeout ${FRONTIER_RL_S:-420} python3 bench_rl_scale.py --grids 720p:81 \
         --compile --sparsities 0 0.875 0.9375 --kv-blocks 16 64 --router-modes topp topk --reps 2 \
         --out "$OUT/frontier_rl.md" > "$OUT/frontier_rl.log" 2>&1; grep "^|" "$OUT/frontier_rl.log" | tail -5) ;;
+    rl_recipe)  # the recipes' router (kv64 top-k 0.875) against dense at 480p x 81 and 720p x 81,
+      # compiled blocks (the first calls say what compiling costs), and the whole iteration
+      # against its sum of parts at 480p x 81 (--check); RL_RECIPE_ARGS adds options
+      (cd benchmarks && timeout ${RL_RECIPE_S:-450} python3 bench_rl_scale.py --grids 480p:81 720p:81 \
+        --compile --sparsities 0 0.875 --kv-blocks 64 --router-modes topk --reps 2 --check \
+        ${RL_RECIPE_ARGS:-} --out "$OUT/rl_recipe.md" > "$OUT/rl_recipe.log" 2>&1
+       grep "^|\|^check\|^First" "$OUT/rl_recipe.md" | tail -9) ;;
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;

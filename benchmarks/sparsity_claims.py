@@ -20,10 +20,12 @@ again:
   steps, each evaluated at sparsity 0, 0.5, 0.75 and 0.9 on the held-out prompts: validation
   loss, shape fidelity, share of videos moving the prompted way, speed error; the sparse-trained
   model at each sparsity is judged against the dense-trained one with full attention;
-- ``report``: ``claims.md`` (tables, the verdict rules and their results, and each run's
-  float32 stage-end validation loss against the same under the training's bf16 kernels) with
-  ``claim1.png``, ``claim2.png`` and ``claim3.png`` (plots) and ``claim2_samples.png`` and
-  ``claim3_samples.png`` (sample grids of the first seed's runs).
+- ``report``: ``runs.jsonl`` (one line a finished run: the figures the tables read, gathered
+  from the runs' folders under ``--out`` into those already there) and, from it, ``claims.md``
+  (tables, the verdict rules and their results, and each run's float32 stage-end validation
+  loss against the same under the training's bf16 kernels) with ``claim1.png``, ``claim2.png``
+  and ``claim3.png`` (plots) and ``claim2_samples.png`` and ``claim3_samples.png`` (sample grids
+  of the first seed's runs, where their folders are there).
 
 ::
 
@@ -43,8 +45,9 @@ steps a second), and each run ends with its evaluation (validation loss, then OD
 scored at each evaluation sparsity). One session of 30 GPU minutes does one part with the
 bases it needs (``base`` for claim 3, ``claim2``, or ``claim1``).
 ``benchmarks/gpu_session.sh claims`` brings back each finished run's ``config.json`` and sample
-grids (``claims_runs.tar`` in 15 MiB pieces, no weights), and the ``report`` of a folder
-gathering them all writes the tables::
+grids (``claims_runs.tar`` in 15 MiB pieces, no weights); the ``report`` of the results folder
+adds their figures to its ``runs.jsonl`` and writes the tables from all of them, after which the
+run folders need not be kept::
 
     cat claims_runs.tar.part* | tar -x -C benchmarks/results/claims   # each session's runs
     python benchmarks/sparsity_claims.py report --out benchmarks/results/claims
@@ -85,6 +88,7 @@ CLAIM2_TRAIN = {"sparse 0.9": 0.9, "dense": 0.0}
 TITLE_HEIGHT = 16  # pixels above each grid of a sample sheet
 STOP_GRACE_S = 60  # how long a stopped worker may take to save its stage's state
 STOPPED_EXIT_CODE = 3  # a worker's exit code after saving a stopped stage's state
+RUNS_FILE = "runs.jsonl"  # under --out: one line a finished run, the figures the report reads
 
 
 def _info(folder: Path) -> dict | None:
@@ -339,6 +343,76 @@ def _run_in_workers(pending: list[Run], args) -> dict[Path, str]:
 
 # ---- report -------------------------------------------------------------------------------
 
+# the sample measures the tables read (claims 2 and 3)
+SAMPLE_MEASURES = ("shape_fidelity", "direction_match", "speed_error")
+
+
+def run_record(info: dict, curve: bool = False) -> dict:
+    """What the report reads of a finished run's training info (its ``config.json``), all from
+    its last stage: the float32 validation figures and, where recorded, their bf16 twins; the
+    :data:`SAMPLE_MEASURES` of its samples at each attention; its training sparsity (None:
+    dense) and the last point of its validation curve at it. With ``curve`` (claim 3's bases),
+    also the validation curve of the whole build at its training attention, ``[step, loss]``
+    with steps counted from the build's start, and each stage's step count."""
+    stage = info["stages"][-1]
+    sparsity = info["recipe"]["target_sparsity"] if stage["stage"]["vsa2"] else None
+    key = "dense" if sparsity is None else f"vsa2@{sparsity}"
+    record = {
+        "sparsity": sparsity,
+        "validation": stage["validation"],
+        "samples": {
+            attention: {name: figures[name] for name in SAMPLE_MEASURES if name in figures}
+            for attention, figures in stage.get("samples", {}).items()
+        },
+        "curve_end": (stage.get("curve") or [{}])[-1].get(key),
+    }
+    if "validation_bf16" in stage:
+        record["validation_bf16"] = stage["validation_bf16"]
+    if curve:
+        points, offset = [], 0
+        for built in info["stages"]:
+            points += [[offset + point["step"], point.get("dense", point.get("vsa2@0.9"))]
+                       for point in built.get("curve", [])]  # fmt: skip
+            offset += built["stage"]["steps"]
+        record |= {"curve": points, "stage_steps": [s["stage"]["steps"] for s in info["stages"]]}
+    return record
+
+
+def _is_base(name: str) -> bool:
+    """Whether the run ``name`` (a folder under --out) is a base (:func:`base_folder`)."""
+    return "/" not in name and name.startswith("base_")
+
+
+def read_runs(out: Path) -> dict[str, dict]:
+    """The records of ``out``'s :data:`RUNS_FILE`, by run (its folder under ``out``)."""
+    path = out / RUNS_FILE
+    lines = path.read_text().splitlines() if path.is_file() else []
+    records = [json.loads(line) for line in lines if line.strip()]
+    return {record.pop("run"): record for record in records}
+
+
+def gather_runs(out: Path) -> dict[str, dict]:
+    """Every finished run's :func:`run_record`, by run: those of ``out``'s :data:`RUNS_FILE`,
+    added to or replaced by those of the finished runs' folders under ``out`` (their
+    ``config.json``); the file is rewritten when a folder gave one."""
+    runs = read_runs(out)
+    found = {}
+    for path in out.rglob(CONFIG_FILE):
+        info = _info(path.parent)
+        if info is not None:
+            name = path.parent.relative_to(out).as_posix()
+            found[name] = run_record(info, curve=_is_base(name))
+    if found:
+        runs |= found
+        lines = [json.dumps({"run": name, **runs[name]}) for name in sorted(runs, key=Path)]
+        (out / RUNS_FILE).write_text("\n".join(lines) + "\n")
+    return runs
+
+
+def _run(runs: dict[str, dict], out: Path, folder: Path) -> dict | None:
+    """The record of the run in ``folder`` (None if it has not finished)."""
+    return runs.get(folder.relative_to(out).as_posix())
+
 
 def _stats(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
@@ -375,13 +449,13 @@ def _difference_cell(values: list[float]) -> str:
     return f"{mean:+.2e} ± {spread:.2e} (n={len(values)})"
 
 
-def _claim1_losses(out: Path, router: str, density: float, seeds) -> dict[int, tuple]:
+def _claim1_losses(args, runs: dict, router: str, density: float) -> dict[int, tuple]:
     """Per seed that has run: (validation loss, measured density) at the router's density."""
     found = {}
-    for seed in seeds:
-        info = _info(claim1_folder(out, router, density, seed))
-        if info is not None:
-            validation = info["stages"][-1]["validation"]
+    for seed in args.seeds:
+        run = _run(runs, args.out, claim1_folder(args.out, router, density, seed))
+        if run is not None:
+            validation = run["validation"]
             sparsity = 1.0 - density
             found[seed] = (validation[f"vsa2@{sparsity}"], validation[f"density@{sparsity}"])
     return found
@@ -403,13 +477,13 @@ def _router_differences(found: dict, args, ratio: int, claim: str) -> list[str]:
     return lines
 
 
-def claim1_report(args) -> list[str]:
+def claim1_report(args, runs: dict[str, dict]) -> list[str]:
     lines = ["## Claim 1: the fine-grained router at half the attention of VSA's", "",
              "Validation flow-matching loss at each density after the same rebasing and "
              "fine-tuning from the dense base (measured density: keys kept / keys).", "",
              "| density | " + " | ".join(f"{r} loss | {r} measured density" for r in ROUTERS)
              + " |", "|---" * (1 + 2 * len(ROUTERS)) + "|"]  # fmt: skip
-    found = {(r, d): _claim1_losses(args.out, r, d, args.seeds) for r in ROUTERS
+    found = {(r, d): _claim1_losses(args, runs, r, d) for r in ROUTERS
              for d in args.densities}  # fmt: skip
     for density in args.densities:
         cells = []
@@ -462,29 +536,29 @@ CLAIM2_MEASURES = (
 )
 
 
-def _claim2_measures(args) -> dict[tuple[str, float], dict[int, dict[str, float]]]:
+def _claim2_measures(args, runs: dict) -> dict[tuple[str, float], dict[int, dict[str, float]]]:
     """Per (trained, evaluation sparsity): per seed that has run, its :data:`CLAIM2_MEASURES`."""
     measures = {}
     for trained in CLAIM2_TRAIN:
-        runs = {s: _info(claim2_folder(args.out, trained, s)) for s in args.seeds}
-        stages = {s: info["stages"][-1] for s, info in runs.items() if info}
+        found = {s: _run(runs, args.out, claim2_folder(args.out, trained, s)) for s in args.seeds}
+        found = {s: run for s, run in found.items() if run}
         for sparsity in testbed.EVAL_SPARSITIES:
             key = f"vsa2@{sparsity}"
             measures[trained, sparsity] = {
-                s: {name: stage["validation"][key] if name == "validation"
-                    else stage["samples"][key][name] for name, _, _ in CLAIM2_MEASURES}
-                for s, stage in stages.items()
+                s: {name: run["validation"][key] if name == "validation"
+                    else run["samples"][key][name] for name, _, _ in CLAIM2_MEASURES}
+                for s, run in found.items()
             }  # fmt: skip
     return measures
 
 
-def claim2_report(args) -> list[str]:
+def claim2_report(args, runs: dict[str, dict]) -> list[str]:
     lines = ["## Claim 2: hard-to-easy (trained at 0.9, evaluated easier)", "",
              "The rebase base fine-tuned at sparsity 0.9 and with dense attention for the same "
              "steps; held-out prompts, ODE samples (2 per prompt) and the validation set.", "",
              "| evaluated at | trained | " + " | ".join(h for _, h, _ in CLAIM2_MEASURES) + " |",
              "|---" * (2 + len(CLAIM2_MEASURES)) + "|"]  # fmt: skip
-    measures = _claim2_measures(args)
+    measures = _claim2_measures(args, runs)
     for sparsity in testbed.EVAL_SPARSITIES:
         for trained in CLAIM2_TRAIN:
             runs = measures[trained, sparsity].values()
@@ -557,22 +631,22 @@ CLAIM3_MEASURES = (
 )
 
 
-def _base_figures(info: dict, attention: str) -> dict[str, float]:
+def _base_figures(run: dict, attention: str) -> dict[str, float]:
     """A built base's :data:`CLAIM3_MEASURES` (samples at its training attention)."""
-    final, own = info["stages"][-1], _at_own_attention(attention)
-    validation = final["validation"]
-    figures = {name: final["samples"][own][name] for name, _, _ in CLAIM2_MEASURES[1:]}
+    own = _at_own_attention(attention)
+    validation = run["validation"]
+    figures = {name: run["samples"][own][name] for name, _, _ in CLAIM2_MEASURES[1:]}
     dense = validation.get("dense", validation.get("vsa2@0.0"))
     return {"own_loss": validation[own], "dense_loss": dense, **figures}
 
 
-def _claim3_measures(args) -> dict[str, dict[int, dict[str, float]]]:
+def _claim3_measures(args, runs: dict) -> dict[str, dict[int, dict[str, float]]]:
     """Per variant, per seed whose base has been built: its :data:`CLAIM3_MEASURES`."""
     measures: dict[str, dict[int, dict[str, float]]] = {}
     for attention in testbed.ATTENTION_SWITCHES:
-        infos = {seed: _info(base_folder(args.out, attention, seed)) for seed in args.seeds}
+        found = {s: _run(runs, args.out, base_folder(args.out, attention, s)) for s in args.seeds}
         measures[attention] = {
-            seed: _base_figures(info, attention) for seed, info in infos.items() if info
+            seed: _base_figures(run, attention) for seed, run in found.items() if run
         }
     return measures
 
@@ -597,22 +671,24 @@ def _claim3_verdicts(measures: dict) -> list[str]:
     return lines
 
 
-def claim3_report(args) -> list[str]:
+def claim3_report(args, runs: dict[str, dict]) -> list[str]:
     lines = ["## Claim 3: sparse rebasing at the resolution change", "",
              "Validation loss at 64 px at the end of pretraining (32 px, then 64 px), each "
              "variant at its training attention and dense (sparsity 0); held-out samples (ODE) "
              "at its training attention; mean ± standard deviation over seeds.", "",
              "| variant | " + " | ".join(heading for _, heading, _ in CLAIM3_MEASURES) + " |",
              "|---" * (1 + len(CLAIM3_MEASURES)) + "|"]  # fmt: skip
-    measures = _claim3_measures(args)
-    for attention, runs in measures.items():
-        cells = [_cell([run[name] for run in runs.values()], 4 if "loss" in name else 3)
+    measures = _claim3_measures(args, runs)
+    for attention, by_seed in measures.items():
+        cells = [_cell([run[name] for run in by_seed.values()], 4 if "loss" in name else 3)
                  for name, _, _ in CLAIM3_MEASURES]  # fmt: skip
         lines.append(f"| {attention} | " + " | ".join(cells) + " |")
     lines += _claim3_verdicts(measures)
     first = args.seeds[0]
-    curves = {attention: info["stages"] for attention in testbed.ATTENTION_SWITCHES
-              if (info := _info(base_folder(args.out, attention, first)))}  # fmt: skip
+    bases = {attention: base_folder(args.out, attention, first)
+             for attention in testbed.ATTENTION_SWITCHES}  # fmt: skip
+    curves = {attention: run for attention, folder in bases.items()
+              if (run := _run(runs, args.out, folder))}  # fmt: skip
     if curves:
         _plot_claim3(args, curves)
     sheets = [(f"{attention}, seed {first}, at its attention",
@@ -643,21 +719,17 @@ def _sample_sheet(grids: list[tuple[str, Path]], path: Path) -> list[str]:
             "rows are in each run's samples/*.txt."]  # fmt: skip
 
 
-def _plot_claim3(args, curves: dict) -> None:
+def _plot_claim3(args, curves: dict[str, dict]) -> None:
+    """``claim3.png``: each base's validation curve (its record's ``curve``) over pretraining."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4))
-    for attention, stages in curves.items():
-        x, y, offset = [], [], 0
-        for stage in stages:
-            x += [offset + point["step"] for point in stage["curve"]]
-            y += [point.get("dense", point.get("vsa2@0.9")) for point in stage["curve"]]
-            offset += stage["stage"]["steps"]
-        axis.plot(x, y, label=attention)
-    switch = next(iter(curves.values()))[0]["stage"]["steps"]
+    for attention, run in curves.items():
+        axis.plot([x for x, _ in run["curve"]], [y for _, y in run["curve"]], label=attention)
+    switch = next(iter(curves.values()))["stage_steps"][0]
     axis.axvline(switch, color="grey", linestyle=":", label="32 px -> 64 px")
     axis.set_yscale("log")
     axis.set_xlabel("pretraining step")
@@ -668,34 +740,32 @@ def _plot_claim3(args, curves: dict) -> None:
     plt.close(figure)
 
 
-def precision_report(args) -> list[str]:
+def precision_report(args, runs: dict[str, dict]) -> list[str]:
     """Each finished run's last stage at its training sparsity: the float32 stage-end validation
     loss against the same under bf16 autocast (the training's kernels, recorded on CUDA) and
     the last point of its validation curve (bf16, the weights before the EMA is swapped in)."""
     lines = ["## Measurement check: float32 against the training's bf16 kernels", "",
              "| run | sparsity | float32 | bf16 autocast | curve's last point (live weights) |",
              "|---|---|---|---|---|"]  # fmt: skip
-    for path in sorted(args.out.rglob(CONFIG_FILE)):
-        info = _info(path.parent)
-        if info is None or "validation_bf16" not in info["stages"][-1]:
+    for name in sorted(runs, key=Path):
+        run = runs[name]
+        if "validation_bf16" not in run:
             continue
-        stage = info["stages"][-1]
-        sparsity = info["recipe"]["target_sparsity"] if stage["stage"]["vsa2"] else None
+        sparsity = run["sparsity"]
         key = "dense" if sparsity is None else f"vsa2@{sparsity}"
-        last = (stage.get("curve") or [{}])[-1].get(key)
-        cells = [stage["validation"].get(key), stage["validation_bf16"].get(key), last]
+        cells = [run["validation"].get(key), run["validation_bf16"].get(key), run["curve_end"]]
         cells = ["-" if value is None else f"{value:.4f}" for value in cells]
-        run = path.parent.relative_to(args.out)
-        lines.append(f"| {run} | {sparsity or 0.0} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {sparsity or 0.0} | " + " | ".join(cells) + " |")
     return lines if len(lines) > 4 else []
 
 
 def run_report(args) -> None:
     lines = ["# VSA2's quality claims on the sparsity testbed", "",
-             f"Steps scale {args.steps_scale}; seeds {args.seeds}; every run's figures are in "
-             "its folder's config.json.", ""]  # fmt: skip
+             f"Steps scale {args.steps_scale}; seeds {args.seeds}; the figures of every run are "
+             f"in {RUNS_FILE}.", ""]  # fmt: skip
+    runs = gather_runs(args.out)
     for part in (claim1_report, claim2_report, claim3_report, precision_report):
-        lines += [*part(args), ""]
+        lines += [*part(args, runs), ""]
     (args.out / "claims.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

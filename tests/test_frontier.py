@@ -1,7 +1,9 @@
-"""benchmarks/frontier.py on the router claim's recorded runs and a hand-written op table: the
-losses are the recorded ones, the frontier and the recipe rule's choice are those worked out by
-hand below."""
+"""benchmarks/frontier.py on the router claim's recorded runs (benchmarks/results/claims/
+runs.jsonl) and a hand-written op table: the losses are the recorded ones, the frontier and the
+recipe rule's choice are those worked out by hand below; on a made-up runs.jsonl, the losses
+are its claim-1 lines' own."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -69,6 +71,34 @@ def test_without_vsas_own_setting_no_setting_is_chosen(settings):
     ]
     assert frontier.recipe_choice(rest) is None
     assert "no setting qualifies" in frontier.report(rest)
+
+
+def test_losses_come_from_the_claim1_lines_of_runs_jsonl(tmp_path):
+    def line(run, validation):
+        return json.dumps({"run": run, "sparsity": 0.75, "validation": validation}) + "\n"
+
+    (tmp_path / "runs.jsonl").write_text(
+        line("base_dense", {"dense": 0.5})  # not a claim-1 run: ignored
+        + line("claim1/kv16_top-p_d0.25_s0", {"vsa2@0.75": 0.020, "density@0.75": 0.25})
+        + line("claim1/kv16_top-p_d0.25_s1", {"vsa2@0.75": 0.024, "density@0.75": 0.25})
+        + line("claim1/kv64_top-k_d0.25_s0", {"vsa2@0.75": 0.030, "density@0.75": 0.25})
+        + line("claim2/dense_s0", {"vsa2@0.75": 0.9})
+    )
+    table = tmp_path / "attention.md"
+    table.write_text(OP_TABLE)
+    settings = {(s.router, s.density): s for s in frontier.gather(tmp_path, table)}
+    assert sorted(settings) == [("kv16 top-p", 0.25), ("kv64 top-k", 0.25)]
+    kv16 = settings[("kv16 top-p", 0.25)]
+    assert kv16.losses == [0.020, 0.024]
+    assert (kv16.loss, kv16.loss_sd) == pytest.approx((0.022, 0.004 / 2**0.5))
+    assert settings[("kv64 top-k", 0.25)].losses == [0.030]
+
+
+def test_claims_without_runs_jsonl_are_refused_by_name(tmp_path):
+    table = tmp_path / "attention.md"
+    table.write_text(OP_TABLE)
+    with pytest.raises(SystemExit, match=r"--claims .*: no runs.jsonl there"):
+        frontier.main(["--claims", str(tmp_path), "--attention", str(table)])
 
 
 def test_a_missing_op_table_is_refused_by_name(tmp_path):

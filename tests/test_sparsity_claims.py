@@ -1,13 +1,15 @@
 """benchmarks/sparsity_claims.py at a tiny scale on the CPU: every part runs from the one
 before it, the measured densities of VSA's router are its closed-form budget, runs in worker
 processes give the figures of runs in one, a failed run skips only the runs that continue it,
-the verdict rule judges paired differences against their spread, and bad arguments are
-refused by name before anything is written."""
+the verdict rule judges paired differences against their spread, the report reads the runs'
+compact record (runs.jsonl) alone as it read their folders, and bad arguments are refused by
+name before anything is written."""
 
 import argparse
 import dataclasses
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,16 +55,35 @@ def test_verdict_compares_the_mean_difference_with_its_spread():
     assert verdict([-0.3, -0.1], "lower", "matches").startswith("reproduced (better")
 
 
+def _write_run(folder: Path, stage: dict, sparsity: float | None = 0.9) -> None:
+    """A finished run's config.json in ``folder``: one stage, ``stage``'s figures, trained at
+    ``sparsity`` (None: dense)."""
+    stage = {"stage": {"steps": 4, "vsa2": sparsity is not None}, **stage}
+    training = {"build_device": "cpu", "recipe": {"target_sparsity": sparsity or 0.9},
+                "stages": [stage]}  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"transformer": {}, "training": training}))
+
+
+def _compacted(out: Path) -> dict[str, dict]:
+    """The runs of ``out`` as the report reads them once their folders are gone: gathered into
+    runs.jsonl, every run folder removed, read back from runs.jsonl alone."""
+    gathered = sparsity_claims.gather_runs(out)
+    for config in list(out.rglob("config.json")):
+        shutil.rmtree(config.parent)
+    runs = sparsity_claims.read_runs(out)
+    assert runs == gathered
+    return runs
+
+
 def _write_claim2_run(out: Path, trained: str, seed: int, losses: dict[float, float]) -> None:
-    """A finished claim-2 run's config.json with the validation ``losses`` per evaluation
-    sparsity and fixed sample figures."""
-    samples = {"shape_fidelity": 0.9, "direction_match": 0.25, "speed_error": 0.5}
+    """A finished claim-2 run with the validation ``losses`` per evaluation sparsity and fixed
+    sample figures."""
+    samples = {"shape_fidelity": 0.9, "direction_match": 0.25, "speed_error": 0.5,
+               "prompt_motion": 0.6}  # fmt: skip
     stage = {"validation": {f"vsa2@{s}": loss for s, loss in losses.items()},
              "samples": {f"vsa2@{s}": samples for s in losses}}  # fmt: skip
-    folder = sparsity_claims.claim2_folder(out, trained, seed)
-    folder.mkdir(parents=True)
-    info = {"training": {"build_device": "cpu", "stages": [stage]}}
-    (folder / "config.json").write_text(json.dumps(info))
+    _write_run(sparsity_claims.claim2_folder(out, trained, seed), stage)
 
 
 def test_claim2_judges_the_sparse_trained_model_against_dense_training_at_full_attention(
@@ -82,7 +103,7 @@ def test_claim2_judges_the_sparse_trained_model_against_dense_training_at_full_a
             {s: (0.030 if s == 0.0 else 0.015) + shift for s in sparsities},
         )
     args = argparse.Namespace(out=tmp_path, seeds=[0, 1])
-    lines = sparsity_claims.claim2_report(args)
+    lines = sparsity_claims.claim2_report(args, _compacted(tmp_path))
     verdicts = {line.split(":")[0]: line for line in lines if "validation loss:" in line}
     assert verdicts["- at 0.0, validation loss"].endswith(
         "+1.00e-02 ± 0.00e+00 (n=2): not reproduced"
@@ -102,14 +123,13 @@ def test_claim1_judges_half_density_and_equal_density_separately(tmp_path):
     for seed, shift in ((0, 0.0), (1, 0.0005)):
         for (router, density), loss in losses.items():
             folder = sparsity_claims.claim1_folder(tmp_path, router, density, seed)
-            folder.mkdir(parents=True)
             sparsity = 1.0 - density
             stage = {"validation": {f"vsa2@{sparsity}": loss + shift,
-                                    f"density@{sparsity}": density}}  # fmt: skip
-            info = {"training": {"build_device": "cpu", "stages": [stage]}}
-            (folder / "config.json").write_text(json.dumps(info))
+                                    f"density@{sparsity}": density}, "samples": {}}  # fmt: skip
+            _write_run(folder, stage, sparsity)
     args = argparse.Namespace(out=tmp_path, seeds=[0, 1], densities=[0.25, 0.125])
-    judged = [line for line in sparsity_claims.claim1_report(args) if line.startswith("- ")]
+    lines = sparsity_claims.claim1_report(args, _compacted(tmp_path))
+    judged = [line for line in lines if line.startswith("- ")]
     assert judged == [
         "- kv16 top-p at 0.125 vs kv64 top-k at 0.25: +2.00e-03 ± 0.00e+00 (n=2): not reproduced",
         "- kv16 top-p at 0.25 vs kv64 top-k at 0.25: -1.00e-03 ± 0.00e+00 (n=2): reproduced",
@@ -119,24 +139,23 @@ def test_claim1_judges_half_density_and_equal_density_separately(tmp_path):
 
 
 def _write_base(out, attention: str, seed: int, loss: float, fidelity: float) -> None:
-    """A built base's config.json: ``loss`` and ``fidelity`` at its training attention."""
+    """A built base: ``loss`` and ``fidelity`` at its training attention."""
     own = sparsity_claims._at_own_attention(attention)
     samples = {"shape_fidelity": fidelity, "direction_match": 0.25, "speed_error": 0.5}
     validation = {own: loss, "vsa2@0.0": 0.033} if own != "dense" else {own: loss}
     # a sparse base's dense samples are worse: the table must not show them
-    stage = {"validation": validation, "stage": {"steps": 4},
+    stage = {"validation": validation,
              "samples": {own: samples, "vsa2@0.0": {**samples, "shape_fidelity": 0.5}},
              "curve": [{"step": 2, own: loss}]}  # fmt: skip
     folder = sparsity_claims.base_folder(out, attention, seed)
-    folder.mkdir()
-    info = {"training": {"build_device": "cpu", "stages": [stage]}}
-    (folder / "config.json").write_text(json.dumps(info))
+    _write_run(folder, stage, None if attention == "dense" else 0.9)
 
 
 def test_claim3_puts_each_bases_loss_beside_its_samples_at_its_training_attention(tmp_path):
     _write_base(tmp_path, "dense", 0, 0.020, 0.97)
     _write_base(tmp_path, "rebase", 0, 0.019, 0.86)
-    lines = sparsity_claims.claim3_report(argparse.Namespace(out=tmp_path, seeds=[0]))
+    args = argparse.Namespace(out=tmp_path, seeds=[0])
+    lines = sparsity_claims.claim3_report(args, _compacted(tmp_path))
     rows = [line for line in lines if line.startswith(("| dense", "| rebase", "| sparse"))]
     one = "± 0.0000 (n=1)"
     assert rows == [
@@ -156,7 +175,8 @@ def test_claim3_pairs_each_seeds_bases_and_judges_them_by_the_spread(tmp_path):
         _write_base(tmp_path, "dense", seed, 0.0200 + seed / 1000, dense)
         _write_base(tmp_path, "rebase", seed, 0.0190 + seed / 1000 - seed / 5000, rebase)
         _write_base(tmp_path, "sparse", seed, 0.0224, sparse)
-    lines = sparsity_claims.claim3_report(argparse.Namespace(out=tmp_path, seeds=[0, 1]))
+    args = argparse.Namespace(out=tmp_path, seeds=[0, 1])
+    lines = sparsity_claims.claim3_report(args, _compacted(tmp_path))
     assert "| dense | 0.0205 ± 0.0007 (n=2) | 0.0205 ± 0.0007 (n=2) | 0.975 ± 0.007 (n=2) |" \
         in " ".join(lines)  # fmt: skip
     verdicts = {line.split(":")[0]: line.rsplit(": ", 1)[1] for line in lines if line[:2] == "- "}
@@ -177,28 +197,71 @@ def test_claim3_pairs_each_seeds_bases_and_judges_them_by_the_spread(tmp_path):
 def test_a_claim_without_finished_runs_gets_no_plot(tmp_path):
     _write_claim2_run(tmp_path, "dense", 0, dict.fromkeys(testbed.EVAL_SPARSITIES, 0.02))
     args = argparse.Namespace(out=tmp_path, seeds=[0], densities=[0.25, 0.125])
+    runs = _compacted(tmp_path)
     for report in (sparsity_claims.claim1_report, sparsity_claims.claim3_report):
-        assert any("not run" in line for line in report(args))
-    sparsity_claims.claim2_report(args)
+        assert any("not run" in line for line in report(args, runs))
+    sparsity_claims.claim2_report(args, runs)
     assert sorted(path.name for path in tmp_path.glob("*.png")) == ["claim2.png"]
 
 
 def test_the_precision_check_lists_each_run_with_both_stage_end_figures_and_its_curve(tmp_path):
-    stage = {"stage": {"vsa2": True}, "validation": {"vsa2@0.9": 0.0278, "vsa2@0.0": 0.03},
+    stage = {"validation": {"vsa2@0.9": 0.0278, "vsa2@0.0": 0.03},
              "validation_bf16": {"vsa2@0.9": 0.0213, "vsa2@0.0": 0.029},
              "curve": [{"step": 400, "vsa2@0.9": 0.0211}]}  # fmt: skip
-    info = {"build_device": "cuda", "recipe": {"target_sparsity": 0.9}, "stages": [stage]}
-    folder = tmp_path / "claim2" / "sparse_0.9_s0"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"training": info}))
-    unrecorded = tmp_path / "base_low"  # a CPU build records no bf16 figure: not listed
-    unrecorded.mkdir()
-    stage = {"stage": {"vsa2": False}, "validation": {"dense": 0.03}}
-    info = {"build_device": "cpu", "recipe": {"target_sparsity": 0.9}, "stages": [stage]}
-    (unrecorded / "config.json").write_text(json.dumps({"training": info}))
-    lines = sparsity_claims.precision_report(argparse.Namespace(out=tmp_path))
+    _write_run(tmp_path / "claim2" / "sparse_0.9_s0", stage)
+    # a CPU build records no bf16 figure: not listed
+    _write_run(tmp_path / "base_low", {"validation": {"dense": 0.03}}, None)
+    runs = _compacted(tmp_path)
+    lines = sparsity_claims.precision_report(argparse.Namespace(out=tmp_path), runs)
     rows = [line for line in lines if line.startswith("| claim2") or line.startswith("| base")]
     assert rows == ["| claim2/sparse_0.9_s0 | 0.9 | 0.0278 | 0.0213 | 0.0211 |"]
+
+
+def test_runs_jsonl_keeps_only_what_the_report_reads_and_takes_in_fresh_runs(tmp_path):
+    samples = {"shape_fidelity": 0.9, "direction_match": 0.25, "speed_error": 0.5,
+               "prompt_motion": 0.6, "group_std": 0.2}  # fmt: skip
+    stage = {"validation": {"vsa2@0.9": 0.02}, "validation_bf16": {"vsa2@0.9": 0.021},
+             "samples": {"vsa2@0.9": samples},
+             "curve": [{"step": 2, "vsa2@0.9": 0.03}, {"step": 4, "vsa2@0.9": 0.025}]}  # fmt: skip
+    _write_run(tmp_path / "base_rebase", stage)
+    _write_run(tmp_path / "claim2" / "dense_s0", {**stage, "validation": {"vsa2@0.9": 0.04}})
+    runs = _compacted(tmp_path)
+    assert [json.loads(line)["run"] for line in (tmp_path / "runs.jsonl").open()] == [
+        "base_rebase", "claim2/dense_s0"
+    ]  # fmt: skip
+    shared = {"sparsity": 0.9, "validation_bf16": {"vsa2@0.9": 0.021}, "curve_end": 0.025,
+              "samples": {"vsa2@0.9": {"shape_fidelity": 0.9, "direction_match": 0.25,
+                                       "speed_error": 0.5}}}  # fmt: skip
+    # a base keeps its curve over the whole build (claim 3's plot), other runs its last point
+    curve = {"curve": [[2, 0.03], [4, 0.025]], "stage_steps": [4]}
+    assert runs["base_rebase"] == {**shared, "validation": {"vsa2@0.9": 0.02}, **curve}
+    assert runs["claim2/dense_s0"] == {**shared, "validation": {"vsa2@0.9": 0.04}}
+    # a fresh run's folder (a GPU session's, brought back) is added; one of the same name
+    # replaces its record; runs only recorded stay
+    _write_run(tmp_path / "claim2" / "dense_s1", {**stage, "validation": {"vsa2@0.9": 0.05}})
+    _write_run(tmp_path / "claim2" / "dense_s0", {**stage, "validation": {"vsa2@0.9": 0.03}})
+    runs = _compacted(tmp_path)
+    assert sorted(runs) == ["base_rebase", "claim2/dense_s0", "claim2/dense_s1"]
+    assert runs["claim2/dense_s0"]["validation"] == {"vsa2@0.9": 0.03}
+    assert runs["claim2/dense_s1"]["validation"] == {"vsa2@0.9": 0.05}
+
+
+def test_the_report_from_runs_jsonl_alone_is_the_report_from_the_run_folders(tmp_path):
+    for seed in (0, 1):
+        _write_claim2_run(tmp_path, "dense", seed, dict.fromkeys(testbed.EVAL_SPARSITIES, 0.02))
+        _write_claim2_run(tmp_path, "sparse 0.9", seed,
+                          dict.fromkeys(testbed.EVAL_SPARSITIES, 0.01 + seed / 100))  # fmt: skip
+        for attention, loss in (("dense", 0.020), ("rebase", 0.019), ("sparse", 0.022)):
+            _write_base(tmp_path, attention, seed, loss + seed / 1000, 0.9)
+    args = argparse.Namespace(out=tmp_path, seeds=[0, 1], densities=[0.25], steps_scale=1.0)
+    sparsity_claims.run_report(args)  # from the folders
+    from_folders = {p.name: p.read_bytes() for p in tmp_path.glob("claim*.*")}
+    _compacted(tmp_path)
+    sparsity_claims.run_report(args)  # from runs.jsonl alone
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("claim*.*")} == from_folders
+    report = from_folders["claims.md"].decode()
+    assert "| 0.0 | dense | 0.020 ± 0.000 (n=2) | 0.900 ± 0.000 (n=2) |" in report
+    assert "| rebase | 0.0195 ± 0.0007 (n=2) | 0.0330 ± 0.0000 (n=2) |" in report
 
 
 @pytest.fixture
