@@ -62,18 +62,18 @@ def test_the_plan_of_the_1_3b_recipe(folders):
     assert plan["model"] == (
         f"Wan2.1, text-to-video: one transformer of {_tiny_parameters(16):,} parameters"
     )
-    # 33 frames -> (33 - 1) / 4 + 1 = 9 latent frames; 480x832 / 8 (VAE) / 2 (patch) = 30x52
-    assert "-> 14,040 tokens (9x30x52), 220 query tiles of 64" in plan["video"]
+    # 81 frames -> (81 - 1) / 4 + 1 = 21 latent frames; 480x832 / 8 (VAE) / 2 (patch) = 30x52
+    assert "-> 32,760 tokens (21x30x52), 512 query tiles of 64" in plan["video"]
     # rank 32 on q, k, v, out of self- and cross-attention (64 -> 64), 2 layers:
     # 2 x 8 x 32 x (64 + 64) = 65,536; VSA2 per layer: 2 head alphas + 2 gates of 64 x 64 + 64
     assert plan["trains"] == (
         "LoRA rank 32, alpha 32 on to_q, to_k, to_v, to_out.0: 65,536, and the VSA2 router and "
         "gates: 16,644"
     )
-    # 14,040 tokens in segments of 64: 220 (rounded up); 12.5% of them, rounded up: 28; 25%: 55
+    # 32,760 tokens in segments of 64: 512 (rounded up); 12.5% of them: 64; 25%: 128
     assert plan["sparsity"] == (
-        "rollout = train: 0.875: at most 28 of 220 key segments at every step; eval 0.75: at most "
-        "55 of 220 key segments"
+        "rollout = train: 0.875: at most 64 of 512 key segments at every step; eval 0.75: at "
+        "most 128 of 512 key segments"
     )
     assert plan["prompts"] == (
         "train 400 (configs/prompts/wan_motion_train.txt); eval 100 "
@@ -118,7 +118,7 @@ def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
     # the recipe: 4 x 8 videos of 16 SDE steps with guidance 5, half of the 8 stochastic steps
     # trained, KL 0.004, EMA, LoRA, gradient checkpointing, rollouts at 0.875, one GPU
     step = StepShape(
-        tokens=14_040, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
+        tokens=32_760, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
         guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.875,
     )  # fmt: skip
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
