@@ -163,11 +163,12 @@ for part in "${parts[@]}"; do
       # toy_sweep's settings; call again until every run is done (finished runs are skipped,
       # cut ones resume from their last checkpoint, every 5 steps); the report of what is done
       sweep=/tmp/drift
-      PYTHONSAFEPATH=1 timeout ${DRIFT_S:-470} python3 benchmarks/drift_remedies.py run --out $sweep \
+      # benchmarks/ on the path: drift_remedies imports sparse_rollouts (PYTHONSAFEPATH drops it)
+      PYTHONPATH=$PYTHONPATH:$PWD/benchmarks PYTHONSAFEPATH=1 timeout ${DRIFT_S:-470} python3 benchmarks/drift_remedies.py run --out $sweep \
         ${DRIFT_VARIANTS:+--variants $DRIFT_VARIANTS} ${DRIFT_SEEDS:+--seeds $DRIFT_SEEDS} \
         --parallel ${DRIFT_PARALLEL:-20} >> "$sweep.log" 2>&1
       cp "$sweep.log" "$OUT/drift_run.log"; tail -4 "$sweep.log"
-      PYTHONSAFEPATH=1 python3 benchmarks/drift_remedies.py report --out $sweep 2>&1 | tail -8
+      PYTHONPATH=$PYTHONPATH:$PWD/benchmarks PYTHONSAFEPATH=1 python3 benchmarks/drift_remedies.py report --out $sweep 2>&1 | tail -8
       sweep_rows drift ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
       # (its two routers only: kv16 top-p, kv64 top-k), then frontier.py's table and choice

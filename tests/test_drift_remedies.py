@@ -247,5 +247,17 @@ def test_the_report_lists_every_seed_and_judges_each_criterion(tmp_path):
     assert baseline[5].startswith("FAIL (worst 0.080)") and baseline[-1].strip(" |") == "no"
     assert low_lr[5:9] == ["pass (worst 0.000)", "pass (worst 0.005)",
                            "pass (100% of the baseline's)", "pass (worst 0.020)"]  # fmt: skip
-    assert low_lr[-1].strip(" |") == "**ships**"
+    assert low_lr[-1].strip(" |") == "passes so far (2 of 5 seeds)"  # ships at 5 seeds
     assert trust_region[-1].strip(" |") == "incomplete"
+
+
+def test_a_remedy_ships_only_over_all_five_seeds(tmp_path):
+    for seed in drift_remedies.SEEDS:
+        for variant in ("baseline", "low_lr"):
+            _write_run(tmp_path, variant, "reward", seed, (0.6, 0.65, 0.7), (0.9, 0.9, 0.9))
+            _write_run(tmp_path, variant, "control", seed, (0.6, 0.6, 0.605), (0.9, 0.9, 0.9))
+    assert drift_remedies.main(["report", "--out", str(tmp_path)]) == 0
+    verdicts = [line.split(" | ")[-1].strip(" |")
+                for line in (tmp_path / "report.md").read_text().splitlines()
+                if line.startswith("| low_lr")]  # fmt: skip
+    assert verdicts == ["**ships**"]
