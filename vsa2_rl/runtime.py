@@ -89,19 +89,9 @@ def build_bundle(
     model: ModelConfig = config.model
     if model.allow_tf32 and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    if model.kind == "toy":
-        from vsa2_rl.toy.model import load_toy_bundle
+    from vsa2_rl.models.family import family_of
 
-        bundle = load_toy_bundle(config.attention, device=device, dtype=dtype, path=model.path)
-    else:
-        from vsa2_rl.models.wan_bundle import load_wan_bundle
-
-        cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
-        bundle = load_wan_bundle(
-            model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache,
-            train_experts=tuple(model.train_experts), variant=facts.variant if facts else None,
-            vae_decode_dtype=model.vae_decode_dtype,
-        )  # fmt: skip
+    bundle = family_of(model.kind).load_bundle(config, device, dtype, facts)
     try:
         bundle.latent_shape(model.num_frames, model.height, model.width)
     except ValueError as error:

@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 from vsa2_rl.config import ConfigError, RunConfig
 from vsa2_rl.models.experts import frozen_copy
+from vsa2_rl.models.family import family_of
 from vsa2_rl.models.wan_bundle import with_transformer
 from vsa2_rl.rl import engines
 from vsa2_rl.rl.ema import EMA
@@ -57,17 +58,16 @@ class Policy:
     """
 
     def __init__(self, bundle, acc, config: RunConfig):
-        from vsa2_rl.models.wan import compile_blocks, fuse_block_kernels
-
         self.acc, self.config = acc, config
+        family = family_of(config.model.kind)
         transformer = bundle.transformer
         if config.model.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         params = trainable_parameters(transformer, config)
         if config.model.compile_blocks:  # after LoRA adapters are in place; compiles on first use
-            compile_blocks(transformer)
+            family.compile_blocks(transformer)
         elif config.model.fused_kernels:  # compiled blocks leave the fusion to inductor
-            fuse_block_kernels(transformer)
+            family.fuse_block_kernels(transformer)
         train = config.train
         optimizer = torch.optim.AdamW(
             params, lr=train.learning_rate, weight_decay=train.weight_decay

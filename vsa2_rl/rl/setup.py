@@ -8,6 +8,7 @@ import os
 
 from vsa2_rl.config import ConfigError, RunConfig, to_yaml
 from vsa2_rl.eval.sweep import GUARD_PREFIX, reward_fns
+from vsa2_rl.models.family import family_of
 from vsa2_rl.preflight import (
     ModelFacts,
     check_data_parallel,
@@ -114,10 +115,9 @@ class RunSetup:
             self.bundle = build_bundle(config, self.device, self.dtype, facts)
         engines.check_trained_experts(self.accelerator, self.bundle.transformer, config)
         if self.sequence_parallel is not None:
-            from vsa2_rl.models.wan import enable_sequence_parallel
-
+            family = family_of(config.model.kind)
             try:
-                enable_sequence_parallel(self.bundle.transformer, self.sequence_parallel)
+                family.enable_sequence_parallel(self.bundle.transformer, self.sequence_parallel)
             except ValueError as error:
                 raise ConfigError(f"parallel.sequence_parallel_size: {error}") from None
 

@@ -1,0 +1,97 @@
+"""Model families: what the run-time needs of a family of base models, keyed by ``model.kind``.
+
+A :class:`ModelFamily` gathers a family's functions: loading the ``VideoDiTBundle`` of a run's
+config and, on its transformer, swapping the attention to VSA2, finding the VSA2 parameters,
+compiling or fusing the blocks and splitting them for sequence parallelism. The run-time looks a
+family up with :func:`family_of` and calls these, never a family's module directly.
+
+Two families share Wan's transformer functions (:mod:`vsa2_rl.models.wan`): ``wan`` (local
+diffusers Wan folders, :mod:`vsa2_rl.models.wan_bundle`) and ``toy``, whose transformer is a
+small diffusers ``WanTransformer3DModel`` but whose checkpoint, text encoder and pixel-space
+"latents" are its own (:mod:`vsa2_rl.toy.model`); the two differ only in how they load.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from vsa2_rl.config import ConfigError, RunConfig
+from vsa2_rl.models import wan
+
+if TYPE_CHECKING:
+    from vsa2_rl.models.wan_bundle import VideoDiTBundle
+    from vsa2_rl.preflight import ModelFacts
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family of base models: each field is a function the run-time calls.
+
+    ``load_bundle(config, device, dtype, facts)`` returns the ``VideoDiTBundle`` of
+    ``config.model`` with VSA2 per ``config.attention`` (``facts``: the model folder's, or None
+    where the caller has not read them). The others take the bundle's transformer, change it in
+    place and return it (``vsa2_parameters`` returns the parameters): ``enable_vsa2(transformer,
+    vsa2_config, state)``, ``compile_blocks`` (``model.compile_blocks``), ``fuse_block_kernels``
+    (``model.fused_kernels``) and ``enable_sequence_parallel(transformer, group)`` (a
+    ``ValueError`` for a group that cannot split the model).
+    """
+
+    kind: str  # the model.kind that selects it
+    load_bundle: Callable[[RunConfig, torch.device, torch.dtype, ModelFacts | None], VideoDiTBundle]
+    enable_vsa2: Callable[..., nn.Module]
+    vsa2_parameters: Callable[[nn.Module], list[nn.Parameter]]
+    compile_blocks: Callable[[nn.Module], nn.Module]
+    fuse_block_kernels: Callable[[nn.Module], nn.Module]
+    enable_sequence_parallel: Callable[[nn.Module, object], nn.Module]
+
+
+def _load_wan_bundle(config: RunConfig, device, dtype, facts: ModelFacts | None):
+    from vsa2_rl.models.wan_bundle import load_wan_bundle
+
+    model = config.model
+    cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
+    return load_wan_bundle(
+        model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache,
+        train_experts=tuple(model.train_experts), variant=facts.variant if facts else None,
+        vae_decode_dtype=model.vae_decode_dtype,
+    )  # fmt: skip
+
+
+def _load_toy_bundle(config: RunConfig, device, dtype, facts: ModelFacts | None):
+    from vsa2_rl.toy.model import load_toy_bundle
+
+    return load_toy_bundle(config.attention, device=device, dtype=dtype, path=config.model.path)
+
+
+WAN = ModelFamily(
+    kind="wan",
+    load_bundle=_load_wan_bundle,
+    enable_vsa2=wan.enable_vsa2,
+    vsa2_parameters=wan.vsa2_parameters,
+    compile_blocks=wan.compile_blocks,
+    fuse_block_kernels=wan.fuse_block_kernels,
+    enable_sequence_parallel=wan.enable_sequence_parallel,
+)
+TOY = replace(WAN, kind="toy", load_bundle=_load_toy_bundle)
+
+FAMILIES: dict[str, ModelFamily] = {family.kind: family for family in (TOY, WAN)}
+
+
+def family_of(kind: str) -> ModelFamily:
+    """The family that ``model.kind = kind`` selects; a ConfigError naming the known kinds for
+    any other."""
+    family = FAMILIES.get(kind)
+    if family is None:
+        raise ConfigError(
+            f"model.kind: no model family {kind!r}; known kinds: {', '.join(sorted(FAMILIES))}"
+        )
+    return family
+
+
+__all__ = ["FAMILIES", "TOY", "WAN", "ModelFamily", "family_of"]
