@@ -5,7 +5,8 @@ For each video size (``--grids``, e.g. ``720p:81`` = 81 frames at 720 x 1280) an
 setting (sparsity 0 is the stock dense model, cuDNN / FlashAttention SDPA; others run VSA2 with
 top-p 0.9 at the recipe's kv_block, 16 for 1.3B and 64 for 14B, or at each of ``--kv-blocks``)
 it times, on one model with random bf16 weights (``--compile``: its blocks under torch.compile,
-as ``model.compile_blocks=true`` in training):
+as ``model.compile_blocks=true`` in training; ``--fused``: through the fused Triton kernels, as
+``model.fused_kernels=true``):
 
 - ``forward``: one no-grad denoising forward of one video (a rollout step; also the KL
   reference's forward);
@@ -32,8 +33,8 @@ setting is listed under the table.
         --compile
 
 A row's setting reads ``dense``, the sparsity (the recipe's kv_block), or the sparsity and its
-kv_block (``0.95 kv64``); rows of compiled blocks end in ``compiled``, and their ``x dense`` is
-against the compiled dense row.
+kv_block (``0.95 kv64``); rows of compiled or fused blocks end in ``compiled`` or ``fused``, and
+their ``x dense`` is against the dense row run the same way.
     python benchmarks/bench_rl_scale.py --plot scale.png --tables benchmarks/results/rl_scale/*.md
 
 ``--plot`` draws seconds per iteration (LoRA) against tokens per video from written tables, one
@@ -78,15 +79,15 @@ def vsa2_config(kv_block: int, mode: str = "topp"):
     return VSA2Config(kv_block=kv_block, mode=mode, top_p=0.9, backend="triton")
 
 
-def build(state, lora: bool, model_name: str, compiled: bool = False):
+def build(state, lora: bool, model_name: str, blocks: str = "eager"):
     """The ``model_name``-shaped model (:data:`MODELS`) with VSA2 layers sharing ``state``
     (sparsity 0 = dense) at its recipe's kv_block, gradient checkpointing, either LoRA rank
-    32 (+ VSA2's router and gates) or every weight trained, and its blocks compiled if
-    ``compiled``."""
+    32 (+ VSA2's router and gates) or every weight trained, and its blocks run ``blocks``:
+    ``eager``, ``compiled`` (torch.compile) or ``fused`` (the fused Triton kernels)."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
-    from vsa2_rl.models.wan import compile_blocks, enable_vsa2
+    from vsa2_rl.models.wan import compile_blocks, enable_vsa2, fuse_block_kernels
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -106,7 +107,9 @@ def build(state, lora: bool, model_name: str, compiled: bool = False):
         for name, parameter in model.named_parameters():
             if "lora_" in name or ".vsa2." in name:
                 parameter.requires_grad_(True)
-    return compile_blocks(model) if compiled else model
+    if blocks == "compiled":
+        return compile_blocks(model)
+    return fuse_block_kernels(model) if blocks == "fused" else model
 
 
 def timed(fn, reps: int) -> tuple[float, float]:
@@ -190,7 +193,9 @@ def main() -> None:
         "--router-modes", nargs="+", choices=("topp", "topk"), default=["topp"],
         help="router of each --kv-blocks entry, in the same order (one: for all of them)",
     )  # fmt: skip
-    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks")
+    blocks = parser.add_mutually_exclusive_group()
+    blocks.add_argument("--compile", action="store_true", help="torch.compile the blocks")
+    blocks.add_argument("--fused", action="store_true", help="the blocks' fused Triton kernels")
     parser.add_argument("--full", action="store_true", help="also time full fine-tuning")
     parser.add_argument("--steps", type=int, default=16, help="sampler steps (recipe: 16)")
     parser.add_argument("--trained", type=int, default=4, help="trained steps a video (recipe)")
@@ -219,7 +224,7 @@ def main() -> None:
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     state = SparsityState(sparsity=0.0)
     modes = [("lora", True)] + ([("full", False)] if args.full else [])
-    models = {mode: build(state, lora, args.model, args.compile) for mode, lora in modes}
+    models = {mode: build(state, lora, args.model, blocks_of(args)) for mode, lora in modes}
     optimizer = {mode: optimizer_seconds(model, args.reps) for mode, model in models.items()}
     routers = ", ".join(
         dict.fromkeys(
@@ -231,7 +236,7 @@ def main() -> None:
     title = (
         f"RL iteration of the {name} shape from its parts: {args.videos} videos x "
         f"{args.steps} steps, {args.trained} trained, cfg x{args.cfg}, KL reference pass; "
-        f"VSA2 {routers}; blocks {'compiled' if args.compile else 'uncompiled'}; "
+        f"VSA2 {routers}; blocks {BLOCKS[blocks_of(args)]}; "
         f"AdamW step LoRA {optimizer['lora']:.3f} s"
         + (f", full {optimizer['full']:.3f} s" if args.full else "")
         + f"; median of {args.reps}; {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
@@ -270,7 +275,15 @@ def setting_label(sparsity: float, kv_block: int | None, mode: str, args) -> str
         label += f" kv{kv_block}"
     if sparsity and mode == "topk":
         label += " top-k"
-    return label + (" compiled" if args.compile else "")
+    return label + {"eager": "", "compiled": " compiled", "fused": " fused"}[blocks_of(args)]
+
+
+BLOCKS = {"eager": "uncompiled", "compiled": "compiled", "fused": "fused kernels, uncompiled"}
+
+
+def blocks_of(args) -> str:
+    """How the blocks run: ``compiled`` (--compile), ``fused`` (--fused) or ``eager``."""
+    return "compiled" if args.compile else "fused" if args.fused else "eager"
 
 
 def measure_grids(models, optimizer, state, args) -> str:

@@ -196,59 +196,68 @@ def cell(values: dict[int, float]) -> str:
 
 
 def bound(worst: dict[int, float], limit: float, complete: bool) -> str:
-    """Pass when every seed's largest deviation is within ``limit``."""
+    """Pass when every seed's largest deviation is within ``limit``; a seed beyond it fails
+    the criterion whatever the seeds still to run."""
     if not worst:
         return "-"
     largest = max(worst.values())
-    verdict = "pass" if largest <= limit else "FAIL"
-    return f"{verdict if complete else 'incomplete'} (worst {largest:.3f})"
+    verdict = "FAIL" if largest > limit else "pass" if complete else "incomplete"
+    return f"{verdict} (worst {largest:.3f})"
 
 
-def variant_row(runs: dict, variant: str, seeds: list[int], baseline_gain: float | None) -> list:
-    """One variant's table cells and whether every criterion passed (None: incomplete)."""
+def kept_gain(gains: dict[int, float], baseline: dict[int, float], complete: bool) -> str:
+    """C3: the mean gain against the baseline's over the same seeds."""
+    seeds = [seed for seed in gains if seed in baseline]
+    if not seeds:
+        return "incomplete (no baseline run)" if gains else "-"
+    baseline_gain = mean_sd([baseline[seed] for seed in seeds]).mean
+    if baseline_gain <= 0:
+        return f"FAIL (the baseline gained {baseline_gain:+.3f})"
+    kept = mean_sd([gains[seed] for seed in seeds]).mean / baseline_gain
+    verdict = ("pass" if kept >= KEPT_GAIN else "FAIL") if complete else "incomplete"
+    return f"{verdict} ({kept:.0%} of the baseline's)"
 
-    def of(kind: str, name: str, field: str) -> dict[int, float]:
+
+def variant_row(runs: dict, variant: str, seeds: list[int]) -> list:
+    """One variant's table cells and its verdict: no when a criterion failed, ships when all
+    passed over the issue's five seeds, else incomplete or passing so far."""
+
+    def of(variant: str, kind: str, name: str, field: str) -> dict[int, float]:
         return {seed: getattr(runs[variant, kind, seed][name], field) for seed in seeds
                 if (variant, kind, seed) in runs}  # fmt: skip
 
-    complete = all((variant, kind, seed) in runs for kind in CONFIGS for seed in seeds)
-    gains = of("reward", REWARD, "last")
+    complete = all((v, kind, seed) in runs for v in (variant, "baseline") for kind in CONFIGS
+                   for seed in seeds)  # fmt: skip
+    gains = of(variant, "reward", REWARD, "last")
     checks = [
-        bound(of("control", FIDELITY, "worst"), CONTROL_FIDELITY, complete),
-        bound(of("control", REWARD, "worst"), CONTROL_REWARD, complete),
-        "incomplete (no baseline run)" if gains else "-",
-        bound(of("reward", FIDELITY, "worst"), OWN_FIDELITY, complete),
+        bound(of(variant, "control", FIDELITY, "worst"), CONTROL_FIDELITY, complete),
+        bound(of(variant, "control", REWARD, "worst"), CONTROL_REWARD, complete),
+        kept_gain(gains, of("baseline", "reward", REWARD, "last"), complete),
+        bound(of(variant, "reward", FIDELITY, "worst"), OWN_FIDELITY, complete),
     ]
-    complete = complete and baseline_gain is not None
-    if gains and baseline_gain is not None and baseline_gain <= 0:
-        checks[2] = f"FAIL (the baseline gained {baseline_gain:+.3f})"
-    elif gains and baseline_gain is not None:
-        kept = mean_sd(list(gains.values())).mean / baseline_gain
-        verdict = "pass" if kept >= KEPT_GAIN else "FAIL"
-        checks[2] = f"{verdict if complete else 'incomplete'} ({kept:.0%} of the baseline's)"
     scales = [runs[key]["scale"] for key in runs if key[0] == variant and runs[key]["scale"]]
     name = variant + (f" (mean step scale {sum(scales) / len(scales):.2f})" if scales else "")
     cells = [
         name,
         cell(gains),
-        cell(of("reward", FIDELITY, "last")),
-        cell(of("control", REWARD, "last")),
-        cell(of("control", FIDELITY, "last")),
+        cell(of(variant, "reward", FIDELITY, "last")),
+        cell(of(variant, "control", REWARD, "last")),
+        cell(of(variant, "control", FIDELITY, "last")),
+        *checks,
     ]
-    cells += checks
-    passed = all(check.startswith("pass") for check in checks) if complete else None
-    if passed and len(seeds) < len(SEEDS):  # the criteria hold over the issue's five seeds
+    if any(check.startswith("FAIL") for check in checks):
+        return [*cells, "no"]
+    if not complete:
+        return [*cells, "incomplete"]
+    if len(seeds) < len(SEEDS):  # the criteria hold over the issue's five seeds
         return [*cells, f"passes so far ({len(seeds)} of {len(SEEDS)} seeds)"]
-    return [*cells, {True: "**ships**", False: "no", None: "incomplete"}[passed]]
+    return [*cells, "**ships**"]
 
 
 def command_report(args) -> int:
     runs = read_runs(args.out)
     variants = [v for v in VARIANTS if any(key[0] == v for key in runs)]
     seeds = sorted({key[2] for key in runs})
-    baseline = [runs["baseline", "reward", s][REWARD].last for s in seeds
-                if ("baseline", "reward", s) in runs]  # fmt: skip
-    baseline_gain = mean_sd(baseline).mean if baseline else None
     info = args.out / "run_info.json"
     device = json.loads(info.read_text()) if info.is_file() else {}
     lines = [
@@ -264,7 +273,7 @@ def command_report(args) -> int:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant in variants:
-        lines.append("| " + " | ".join(variant_row(runs, variant, seeds, baseline_gain)) + " |")
+        lines.append("| " + " | ".join(variant_row(runs, variant, seeds)) + " |")
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(variants) - 2 :]))
     print(f"wrote {args.out / 'report.md'}", flush=True)

@@ -8,7 +8,7 @@
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
-#     [layout] [block_kernels] [vae_decode] [rl_recipe]
+#     [layout] [block_kernels] [vae_decode] [rl_recipe] [rl_fused]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -193,6 +193,13 @@ for part in "${parts[@]}"; do
         --compile --sparsities 0 0.875 --kv-blocks 64 --router-modes topk --reps 2 --check \
         ${RL_RECIPE_ARGS:-} --out "$OUT/rl_recipe.md" > "$OUT/rl_recipe.log" 2>&1
        grep "^|\|^check\|^First" "$OUT/rl_recipe.md" | tail -9) ;;
+    rl_fused)  # the recipes' router against dense at 480p x 81, blocks eager (as before fusion)
+      # and through the fused kernels: what model.fused_kernels buys an RL iteration
+      (cd benchmarks && for blocks in "" --fused; do
+         timeout ${RL_FUSED_S:-250} python3 bench_rl_scale.py --grids 480p:81 $blocks \
+           --sparsities 0 0.875 --kv-blocks 64 --router-modes topk --reps 2 \
+           --out "$OUT/rl_fused${blocks:+_fused}.md" >> "$OUT/rl_fused.log" 2>&1
+       done; grep -h "^|" "$OUT"/rl_fused*.md | grep -v "^|--\|^| grid") ;;
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;

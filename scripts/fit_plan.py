@@ -1,8 +1,9 @@
 """Fit the constants of vsa2_rl/plan.py to the measurements and print them.
 
-Time: the forward's seconds per unit of each ``plan.forward_terms`` entry, by least squares on
-relative errors over the dense and sparsity-0.9 rows of benchmarks/results/rl_scale/*.md
-(``forward s``), and ``TRAIN_FACTOR`` as the mean ratio ``LoRA train s / forward s`` there.
+Time, once for uncompiled and once for compiled blocks (``plan.TIME_FITS``): the forward's
+seconds per unit of each ``plan.forward_terms`` entry, by least squares on relative errors over
+the rows of benchmarks/results/rl_scale/*.md at the fit's setting and sparsities (``forward
+s``), and its ``train_factor`` as the mean ratio ``LoRA train s / forward s`` there.
 Memory: ``ACTIVATION_FACTOR``, least squares of each measured peak of
 ``plan.MEMORY_MEASUREMENTS`` minus the weights, gradients and optimizer states it holds.
 Paste the printed values into vsa2_rl/plan.py after the tables change; ``--table`` prints each
@@ -33,41 +34,56 @@ WAN_1_3B = plan.ModelShape(params=1_560_647_080, trained_params=0, layers=30, hi
 TRAINER = dict(tokens=14040, videos=4, sampler_steps=4, trained_steps=2, lora=False, sparsity=0.9)
 TRAINER_PEAKS = (("ddp", 1, 16.1), ("ddp", 2, 18.7), ("zero2", 2, 19.2), ("zero3", 2, 19.3))
 TERMS = ("linear", "dense attention", "vsa2 attention", "vsa2 overhead")
+# compiled: the recipes' router measured at one sparsity cannot tell VSA2's per-token overhead
+# from its attention (a free overhead term fits negative), so the attention term carries both
+FITTED = {False: TERMS, True: TERMS[:3]}
 
 
-def read_rows(paths=TABLES) -> list[dict]:
-    """Every row of the tables at the recipe's attention, uncompiled (the plan's): tokens,
-    sparsity (0 dense), forward s and LoRA train s. Rows of another kv_block or of compiled
-    blocks (a setting such as ``0.95 kv64`` or ``dense compiled``) are left out."""
+# a row's setting cell per fit (plan.TIME_FITS): uncompiled blocks at the 1.3B shape's
+# kv_block 16, top-p (``dense``, ``0.9``); compiled blocks at the recipes' router, kv64 top-k
+# (``dense compiled``, ``0.875 kv64 top-k compiled``)
+SETTINGS = {
+    False: re.compile(r"(?P<sparsity>dense|[\d.]+)"),
+    True: re.compile(r"(?P<sparsity>dense|[\d.]+ kv64 top-k) compiled"),
+}
+
+
+def read_rows(paths=TABLES, compiled: bool = False) -> list[dict]:
+    """Every row of the tables at the setting of ``compiled``'s fit (:data:`SETTINGS`):
+    tokens, sparsity (0 dense), forward s and LoRA train s. Rows of other kv_blocks, routers
+    or block modes are left out."""
     rows = []
     for path in paths:
         for line in Path(path).read_text().splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]
             if len(cells) < 5 or not re.fullmatch(r"\d+", cells[1]):
                 continue
-            if not re.fullmatch(r"dense|[\d.]+", cells[2]):
+            setting = SETTINGS[compiled].fullmatch(cells[2])
+            if setting is None:
                 continue
-            sparsity = 0.0 if cells[2] == "dense" else float(cells[2])
+            sparsity = setting["sparsity"].split()[0]
+            sparsity = 0.0 if sparsity == "dense" else float(sparsity)
             rows.append(dict(tokens=int(cells[1]), sparsity=sparsity, forward=float(cells[3]),
                              train=float(cells[4])))  # fmt: skip
     return rows
 
 
-def calibrated(rows: list[dict]) -> list[dict]:
-    """The rows at the sparsities the constants are fitted at."""
-    return [r for r in rows if r["sparsity"] in plan.CALIBRATED_SPARSITIES]
+def calibrated(rows: list[dict], compiled: bool = False) -> list[dict]:
+    """The rows at the sparsities the constants of ``compiled``'s fit are fitted at."""
+    return [r for r in rows if r["sparsity"] in plan.TIME_FITS[compiled].sparsities]
 
 
-def fit_time(rows: list[dict]) -> tuple[dict[str, float], float]:
-    """(seconds per unit of each forward term, TRAIN_FACTOR) from ``rows``."""
-    rows = calibrated(rows)
+def fit_time(rows: list[dict], compiled: bool = False) -> tuple[dict[str, float], float]:
+    """(seconds per unit of each forward term, train_factor) of ``compiled``'s fit from
+    ``rows``."""
+    rows, names = calibrated(rows, compiled), FITTED[compiled]
     terms = [plan.forward_terms(WAN_1_3B, r["tokens"], r["sparsity"]) for r in rows]
     a = np.array(
-        [[t[name] / r["forward"] for name in TERMS] for t, r in zip(terms, rows, strict=True)]
+        [[t[name] / r["forward"] for name in names] for t, r in zip(terms, rows, strict=True)]
     )
     scale = a.max(axis=0)  # columns of ~1 for a well-conditioned solve
     solution, *_ = np.linalg.lstsq(a / scale, np.ones(len(rows)), rcond=None)
-    seconds = dict(zip(TERMS, (solution / scale).tolist(), strict=True))
+    seconds = dict.fromkeys(TERMS, 0.0) | dict(zip(names, (solution / scale).tolist(), strict=True))
     train_factor = float(np.mean([r["train"] / r["forward"] for r in rows]))
     return seconds, train_factor
 
@@ -101,11 +117,14 @@ def print_table() -> None:
             )
         )
     print("\n| 1.3B, tokens, sparsity | measured s | estimate s | off |\n|---|---|---|---|")
-    for r in read_rows():
-        forward = plan.forward_seconds(WAN_1_3B, r["tokens"], r["sparsity"])
-        print(_row(f"{r['tokens']} at {r['sparsity']:g}, forward", r["forward"], forward))
-        train = plan.TRAIN_FACTOR * forward
-        print(_row(f"{r['tokens']} at {r['sparsity']:g}, LoRA train", r["train"], train))
+    for compiled in (False, True):
+        blocks = "compiled" if compiled else "uncompiled"
+        for r in read_rows(compiled=compiled):
+            forward = plan.forward_seconds(WAN_1_3B, r["tokens"], r["sparsity"], compiled)
+            name = f"{r['tokens']} at {r['sparsity']:g}, {blocks}"
+            print(_row(f"{name}, forward", r["forward"], forward))
+            train = plan.TIME_FITS[compiled].train_factor * forward
+            print(_row(f"{name}, LoRA train", r["train"], train))
 
 
 def main() -> None:
@@ -114,13 +133,13 @@ def main() -> None:
     if parser.parse_args().table:
         print_table()
         return
-    seconds, train_factor = fit_time(read_rows())
     print(f"ACTIVATION_FACTOR = {fit_memory():.3g}")
-    print("SECONDS_PER = {")
-    for name, value in seconds.items():
-        print(f'    "{name}": {value:.3e},')
-    print("}")
-    print(f"TRAIN_FACTOR = {train_factor:.3g}")
+    for compiled in (False, True):
+        seconds, train_factor = fit_time(read_rows(compiled=compiled), compiled)
+        print(f"TIME_FITS[{compiled}]: seconds_per={{")
+        for name, value in seconds.items():
+            print(f'    "{name}": {value:.3e},')
+        print(f"}}, train_factor={train_factor:.3g}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def test_rows_are_dense_once_then_every_kv_block_at_every_sparsity_named_apart()
         kv_blocks=[16, 64],
         router_modes=["topp"],
         compile=False,
+        fused=False,
     )
     rows = bench_rl_scale.settings(args)
     assert rows == [
@@ -52,6 +53,8 @@ def test_rows_are_dense_once_then_every_kv_block_at_every_sparsity_named_apart()
     args.compile, args.model = True, "14b"  # 14B's recipe is kv64
     assert bench_rl_scale.setting_label(0.9, 64, "topp", args) == "0.9 compiled"
     assert bench_rl_scale.setting_label(0.0, None, "topp", args) == "dense compiled"
+    args.compile, args.fused = False, True
+    assert bench_rl_scale.setting_label(0.875, 64, "topk", args) == "0.875 top-k fused"
     only_sparse = argparse.Namespace(sparsities=[0.9], kv_blocks=[64], router_modes=["topp"])
     assert bench_rl_scale.settings(only_sparse) == [(0.9, 64, "topp")]
 
@@ -63,6 +66,7 @@ def test_each_kv_block_runs_its_own_router_and_top_k_rows_say_so():
         kv_blocks=[16, 64],
         router_modes=["topp", "topk"],
         compile=True,
+        fused=False,
     )
     rows = bench_rl_scale.settings(args)
     assert rows == [

@@ -116,10 +116,12 @@ def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
         ffn=TRANSFORMER["ffn_dim"],
     )
     # the recipe: 4 x 8 videos of 16 SDE steps with guidance 5, half of the 8 stochastic steps
-    # trained, KL 0.004, EMA, LoRA, gradient checkpointing, rollouts at 0.875, one GPU
+    # trained, KL 0.004, EMA, LoRA, gradient checkpointing, rollouts at 0.875, compiled blocks,
+    # one GPU
     step = StepShape(
         tokens=32_760, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
         guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.875,
+        compiled=True,
     )  # fmt: skip
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
     assert (_plan(report)["memory"], _plan(report)["time"]) == (memory, time)
@@ -145,6 +147,7 @@ def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
          {"guidance": False, "kl": False, "ema": False}),
         (["attention.enabled=false", "model.lora.enabled=false"],
          {"sparsity": 0.0, "lora": False}),
+        (["model.compile_blocks=false"], {"compiled": False}),
     ],
 )  # fmt: skip
 def test_a_recipes_step_shape_follows_its_config(overrides, changed):
@@ -155,6 +158,7 @@ def test_a_recipes_step_shape_follows_its_config(overrides, changed):
     recipe = StepShape(
         tokens=100, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
         guidance=True, kl=True, ema=True, lora=True, checkpointing=True, sparsity=0.875,
+        compiled=True,
     )  # fmt: skip
     assert step_shape(config, 100) == dataclasses.replace(recipe, **changed)
 

@@ -261,3 +261,21 @@ def test_a_remedy_ships_only_over_all_five_seeds(tmp_path):
                 for line in (tmp_path / "report.md").read_text().splitlines()
                 if line.startswith("| low_lr")]  # fmt: skip
     assert verdicts == ["**ships**"]
+
+
+def test_a_failed_bound_is_final_and_kept_gain_compares_the_same_seeds(tmp_path):
+    # the baseline at seeds 11 (gain 0.20) and 12 (gain 0.10); the remedy at seed 12 only
+    for seed, gain in ((11, 0.20), (12, 0.10)):
+        _write_run(tmp_path, "baseline", "reward", seed, (0.6, 0.6, 0.6 + gain), (0.9, 0.9, 0.9))
+        _write_run(tmp_path, "baseline", "control", seed, (0.6, 0.6, 0.6), (0.9, 0.9, 0.9))
+    _write_run(tmp_path, "low_lr", "reward", 12, (0.6, 0.6, 0.695), (0.9, 0.9, 0.9))
+    # its control's held-out reward strays 0.03 at step 8: C2 fails with seed 11 still to run
+    _write_run(tmp_path, "low_lr", "control", 12, (0.6, 0.63, 0.6), (0.9, 0.9, 0.9))
+    assert drift_remedies.main(["report", "--out", str(tmp_path)]) == 0
+    row = next(line.split(" | ") for line in (tmp_path / "report.md").read_text().splitlines()
+               if line.startswith("| low_lr"))  # fmt: skip
+    assert row[5] == "incomplete (worst 0.000)"
+    assert row[6] == "FAIL (worst 0.030)"
+    # 0.095 against seed 12's 0.10, not against the two seeds' mean of 0.15
+    assert row[7] == "incomplete (95% of the baseline's)"
+    assert row[-1].strip(" |") == "no"

@@ -100,21 +100,45 @@ def test_unknown_engine_is_refused():
         dataclasses.replace(STEP, engine="zero1")
 
 
-def test_constants_are_the_fit():
-    seconds, train_factor = FIT.fit_time(ROWS)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_constants_are_the_fit(compiled):
+    seconds, train_factor = FIT.fit_time(FIT.read_rows(compiled=compiled), compiled)
+    fit = plan.TIME_FITS[compiled]
     for name, value in seconds.items():
-        assert plan.SECONDS_PER[name] == pytest.approx(value, rel=1e-3), name
-    assert abs(plan.TRAIN_FACTOR / train_factor - 1) < 1e-2
+        assert fit.seconds_per[name] == pytest.approx(value, rel=1e-3), name
+    assert abs(fit.train_factor / train_factor - 1) < 1e-2
     assert abs(plan.ACTIVATION_FACTOR / FIT.fit_memory() - 1) < 1e-2
 
 
 @pytest.mark.parametrize(
-    "row", FIT.calibrated(ROWS), ids=lambda r: f"{r['tokens']}-{r['sparsity']}"
+    "compiled, row",
+    [(c, r) for c in (False, True) for r in FIT.calibrated(FIT.read_rows(compiled=c), c)],
+    ids=lambda v: v if isinstance(v, bool) else f"{v['tokens']}-{v['sparsity']}",
 )
-def test_forward_and_train_reproduce_the_tables(row):
-    forward = plan.forward_seconds(FIT.WAN_1_3B, row["tokens"], row["sparsity"])
+def test_forward_and_train_reproduce_the_tables(compiled, row):
+    forward = plan.forward_seconds(FIT.WAN_1_3B, row["tokens"], row["sparsity"], compiled)
     assert forward == pytest.approx(row["forward"], rel=0.06)
-    assert plan.TRAIN_FACTOR * forward == pytest.approx(row["train"], rel=0.2)
+    train_factor = plan.TIME_FITS[compiled].train_factor
+    assert train_factor * forward == pytest.approx(row["train"], rel=0.2)
+
+
+def test_compiled_rows_are_read_at_the_recipes_router_only():
+    rows = FIT.read_rows(compiled=True)
+    assert {(r["tokens"], r["sparsity"]) for r in rows} == {
+        (32760, 0.0), (32760, 0.875), (75600, 0.0), (75600, 0.875)
+    }  # fmt: skip
+    assert all(r["tokens"] != 32760 or r["forward"] != 0.701 for r in rows)  # not eager rows
+
+
+def test_compiled_blocks_shorten_the_plan():
+    compiled = dataclasses.replace(STEP, compiled=True)
+    assert plan.seconds_per_step(TOY, compiled)["total"] < plan.seconds_per_step(TOY, STEP)["total"]
+    assert (
+        "compiled, VSA2 kv64 top-k"
+        in plan.describe(
+            plan.memory_gib(TOY, compiled), plan.seconds_per_step(TOY, compiled), compiled
+        )[1]
+    )
 
 
 def test_held_out_row_is_predicted():

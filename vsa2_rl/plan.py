@@ -25,12 +25,15 @@ encoder, rewards, DeepSpeed's and FSDP2's communication buffers, the CUDA contex
 cross-attention and the FFN; self-attention's ``4 x tokens^2 x hidden`` per layer, scaled by the
 density ``1 - sparsity`` under VSA2, plus an overhead per token for its coarse stage, router and
 gates) times seconds per FLOP, and a training pass (forward + backward with checkpointing) as
-:data:`TRAIN_FACTOR` forwards. Constants fitted by least squares (``scripts/fit_plan.py``) to
-``benchmarks/results/rl_scale/*.md``: the Wan-1.3B shape at 14,040-111,600 tokens, dense and
-VSA2 (kv_block 16, top-p 0.9) at sparsity 0.9, uncompiled, bf16, one NVIDIA H100 80GB HBM3,
-2026-12-06. Other sparsities are interpolated linearly in density; other GPUs are not
-modelled; compiled blocks, the VAE decode, the text encoder, rewards and communication between
-GPUs are left out (a step is its transformer work divided evenly over the GPUs).
+a fitted number of forwards. Two sets of constants (:data:`TIME_FITS`), fitted by least squares
+(``scripts/fit_plan.py``) to ``benchmarks/results/rl_scale/*.md``, bf16, one NVIDIA H100 80GB
+HBM3: uncompiled blocks, the Wan-1.3B shape at 14,040-111,600 tokens, dense and VSA2 (kv_block
+16, top-p 0.9) at sparsity 0.9 (2026-12-06); compiled blocks (``model.compile_blocks``), 32,760
+and 75,600 tokens, dense and the recipes' router (kv_block 64, top-k) at 0.875 (2026-12-07).
+Other sparsities are interpolated linearly in density; fused kernels (``model.fused_kernels``)
+are timed as uncompiled blocks (an overestimate: 18-28% at 480p x 81); other GPUs are not
+modelled; the VAE decode, the text encoder, rewards and communication between GPUs are left
+out (a step is its transformer work divided evenly over the GPUs).
 """
 
 from __future__ import annotations
@@ -50,16 +53,46 @@ H200_GIB = 140.4  # 143,771 MiB, what an H200 reports: the largest GPU the plan 
 
 # Fitted by scripts/fit_plan.py to MEMORY_MEASUREMENTS below (least squares).
 ACTIVATION_FACTOR = 1.01
-# Fitted by scripts/fit_plan.py to benchmarks/results/rl_scale/*.md (H100, 2026-12-06): seconds
-# per unit of each forward_terms() entry
-SECONDS_PER = {
-    "linear": 4.201e-15,
-    "dense attention": 1.703e-15,
-    "vsa2 attention": 2.384e-15,  # fitted at sparsity 0.9
-    "vsa2 overhead": 2.750e-11,  # coarse stage, router, tiling gathers
+
+
+@dataclass(frozen=True)
+class TimeFit:
+    """Seconds per unit of each :func:`forward_terms` entry (``vsa2 overhead``: the coarse
+    stage, router and tiling gathers), a training pass with checkpointing in forwards, the
+    sparsities the fit saw and the timings' setting."""
+
+    seconds_per: dict[str, float]
+    train_factor: float
+    sparsities: tuple[float, ...]
+    setting: str
+
+
+# Fitted by scripts/fit_plan.py to benchmarks/results/rl_scale/*.md (H100), keyed by whether
+# the blocks are compiled (model.compile_blocks)
+TIME_FITS = {
+    False: TimeFit(
+        {
+            "linear": 4.216e-15,
+            "dense attention": 1.701e-15,
+            "vsa2 attention": 2.385e-15,
+            "vsa2 overhead": 2.658e-11,
+        },
+        train_factor=4.09,
+        sparsities=(0.0, 0.9),
+        setting="uncompiled, VSA2 kv16 top-p",
+    ),
+    True: TimeFit(
+        {
+            "linear": 2.406e-15,
+            "dense attention": 1.730e-15,
+            "vsa2 attention": 2.506e-15,  # with VSA2's overhead (scripts/fit_plan.py)
+            "vsa2 overhead": 0.0,
+        },
+        train_factor=4.21,
+        sparsities=(0.0, 0.875),
+        setting="compiled, VSA2 kv64 top-k",
+    ),
 }
-TRAIN_FACTOR = 4.11  # a forward+backward with checkpointing, in forwards
-CALIBRATED_SPARSITIES = (0.0, 0.9)
 
 
 @dataclass(frozen=True)
@@ -82,7 +115,8 @@ class StepShape:
     gradients per video, ``train_batch_size`` videos per forward (rollout and training), ``kl``
     a reference forward per trained step, ``sparsity`` 0 for dense attention,
     ``sequence_parallel`` the GPUs that share one video's tokens (``parallel.
-    sequence_parallel_size``; ``gpus`` counts them all)."""
+    sequence_parallel_size``; ``gpus`` counts them all), ``compiled`` the blocks under
+    torch.compile (``model.compile_blocks``)."""
 
     tokens: int
     videos: int
@@ -98,6 +132,7 @@ class StepShape:
     engine: str = "ddp"
     gpus: int = 1
     sequence_parallel: int = 1
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -208,10 +243,14 @@ def forward_terms(model: ModelShape, tokens: int, sparsity: float) -> dict[str, 
     }
 
 
-def forward_seconds(model: ModelShape, tokens: int, sparsity: float) -> float:
-    """One video's denoising forward on an H100 (see the module for what the fit covers)."""
+def forward_seconds(
+    model: ModelShape, tokens: int, sparsity: float, compiled: bool = False
+) -> float:
+    """One video's denoising forward on an H100, its blocks compiled or not (see the module
+    for what the fit covers)."""
     terms = forward_terms(model, tokens, sparsity)
-    return sum(SECONDS_PER[name] * value for name, value in terms.items())
+    seconds_per = TIME_FITS[compiled].seconds_per
+    return sum(seconds_per[name] * value for name, value in terms.items())
 
 
 def seconds_per_step(model: ModelShape, step: StepShape) -> dict[str, float]:
@@ -219,13 +258,14 @@ def seconds_per_step(model: ModelShape, step: StepShape) -> dict[str, float]:
     (each trained step: a training pass and, with ``kl``, a reference forward) and ``total``,
     the videos spread evenly over ``gpus``; ``interpolated`` is 1.0 where the sparsity is
     not one the constants were fitted at."""
-    forward = forward_seconds(model, step.tokens, step.sparsity)
+    fit = TIME_FITS[step.compiled]
+    forward = forward_seconds(model, step.tokens, step.sparsity, step.compiled)
     branches = 2 if step.guidance else 1
     videos = step.videos / step.gpus
     rollout = videos * step.sampler_steps * branches * forward
-    per_trained = TRAIN_FACTOR * forward + (forward if step.kl else 0.0)
+    per_trained = fit.train_factor * forward + (forward if step.kl else 0.0)
     update = videos * step.trained_steps * branches * per_trained
-    interpolated = float(min(abs(step.sparsity - s) for s in CALIBRATED_SPARSITIES) > 1e-9)
+    interpolated = float(min(abs(step.sparsity - s) for s in fit.sparsities) > 1e-9)
     return {
         "rollout": rollout,
         "update": update,
@@ -255,6 +295,7 @@ def step_shape(config: RunConfig, tokens: int) -> StepShape:
         sparsity=config.sparsity.train if config.attention.enabled else 0.0,
         sequence_parallel=config.parallel.sequence_parallel_size,
         gpus=config.parallel.sequence_parallel_size,
+        compiled=config.model.compile_blocks,
     )
 
 
@@ -289,7 +330,8 @@ def describe(memory: dict[str, float], seconds: dict[str, float], step: StepShap
         f"counted); fits one H100 ({H100_GIB} GiB): {fits}",
         f"about {_duration(seconds['total'])} a step on {per} (rollout "
         f"{_duration(seconds['rollout'])}, update {_duration(seconds['update'])}); {how} "
-        "the Wan-1.3B shape's uncompiled timings (other GPUs, communication not modelled)",
+        f"the Wan-1.3B shape's timings, {TIME_FITS[step.compiled].setting} (other GPUs, "
+        "communication not modelled)",
     ]
 
 
