@@ -120,3 +120,21 @@ def test_a_stopped_stage_is_refused_by_another_recipe(tmp_path):
     with pytest.raises(ValueError, match=r"holds the state of another stage or recipe.*delete it"):
         build_toy_model(tmp_path, tiny_recipe(rebase_stage_steps=8), log=lambda line: None,
                         resume_from=tmp_path)  # fmt: skip
+
+
+def test_no_caption_dropout_keeps_every_caption_and_draws_nothing():
+    generator = torch.Generator().manual_seed(5)
+    before = generator.get_state()
+    prompts = ["a red square moves left", "a blue disc moves up"]
+    assert build_module.drop_captions(prompts, 0.0, generator) == prompts
+    assert torch.equal(generator.get_state(), before)  # the shipped base's random stream
+
+
+def test_caption_dropout_empties_its_share_and_keeps_the_rest_in_order():
+    prompts = [f"prompt {i}" for i in range(20_000)]
+    kept = build_module.drop_captions(prompts, 0.3, torch.Generator().manual_seed(0))
+    dropped = [text == "" for text in kept]
+    # binomial: sd sqrt(0.3 * 0.7 / 20000) = 0.0032; within 5 sd
+    assert abs(sum(dropped) / len(prompts) - 0.3) < 0.016
+    assert all(k in ("", p) for k, p in zip(kept, prompts, strict=True))
+    assert build_module.drop_captions(prompts[:3], 1.0, torch.Generator()) == ["", "", ""]

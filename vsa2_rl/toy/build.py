@@ -3,7 +3,8 @@
 :func:`build_toy_model` trains the toy model (:mod:`vsa2_rl.toy.model`) with rectified-flow
 matching (Liu et al. 2022; the velocity is noise - data and the timestep sigma * 1000, as in
 Wan2.1) from DiT's adaLN-Zero initialisation (:func:`adaln_zero_init`) on synthetic
-moving-shape videos (:mod:`vsa2_rl.toy.data`) whose captions tell the truth, in stages
+moving-shape videos (:mod:`vsa2_rl.toy.data`) whose captions tell the truth (a share of them
+dropped to the empty prompt with ``caption_dropout``, for guidance), in stages
 (:class:`ToyBuildConfig`), short enough that the base ends with part of the motion skill (it
 moves the shape the prompted way in about half of its held-out samples and still learns from
 perfect data: :mod:`vsa2_rl.toy.gate`), as a real base has part of what RL is to sharpen:
@@ -149,6 +150,11 @@ class ToyBuildConfig:
     # Colours whose videos always move as captioned: the base learns to follow direction words
     # for these and not for the others (a skill RL can carry over to every colour).
     faithful_colors: tuple[str, ...] = ()
+    # Share of pretraining captions replaced by the empty prompt, so that the base also learns
+    # the unconditional velocity that classifier-free guidance needs (sampler.guidance_scale;
+    # the empty prompt is sampler.negative_prompt's default). 0: every video keeps its caption,
+    # and the build draws the same random numbers as before this setting existed.
+    caption_dropout: float = 0.0
     # TOY_TRANSFORMER keys to change (a larger model of the family, e.g. vsa2_rl.toy.testbed)
     architecture: dict = field(default_factory=dict)
     target_sparsity: float = 0.9
@@ -187,6 +193,15 @@ def _training_videos(
     )
     videos = render_batch(specs, seeds, stage.num_frames, stage.size, stage.size, moves, device)
     return [s.prompt for s in specs], pixels_to_latents(videos)
+
+
+def drop_captions(prompts: list[str], share: float, generator: torch.Generator) -> list[str]:
+    """``prompts`` with each replaced by the empty prompt with probability ``share`` (one
+    uniform draw per prompt from ``generator``; none at all when ``share`` is 0)."""
+    if share <= 0:
+        return prompts
+    dropped = torch.rand(len(prompts), generator=generator) < share
+    return ["" if drop else prompt for prompt, drop in zip(prompts, dropped.tolist(), strict=True)]
 
 
 def _validation_set(config: ToyBuildConfig, stage: ToyStage, device) -> tuple:
@@ -340,7 +355,7 @@ def _train_stage(
         prompts, latents = _training_videos(config, stage, stage.batch_size, generator, device)
         noise = torch.randn(latents.shape, generator=generator).to(device)
         sigma = _draw_sigma(config, stage.batch_size, generator).to(device)
-        ids, mask = tokenizer(prompts)
+        ids, mask = tokenizer(drop_captions(prompts, config.caption_dropout, generator))
         text_emb = text_encoder(ids.to(device), mask.to(device))
         # bf16 autocast on CUDA (float32 weights and optimizer); plain float32 on the CPU
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
@@ -772,6 +787,13 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated colours whose videos always move as captioned (default: none)",
     )
     parser.add_argument(
+        "--caption-dropout",
+        type=SHARE,
+        default=0.0,
+        help="share of pretraining captions replaced by the empty prompt, for guidance "
+        "(default: 0, the shipped base's recipe)",
+    )
+    parser.add_argument(
         "--size",
         type=int_at_least(1),
         default=None,
@@ -784,7 +806,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    config = ToyBuildConfig(seed=args.seed, frame_positions=not args.no_frame_positions)
+    config = ToyBuildConfig(
+        seed=args.seed,
+        frame_positions=not args.no_frame_positions,
+        caption_dropout=args.caption_dropout,
+    )
     if args.mirrored_captions is not None:
         config.mirrored_captions = args.mirrored_captions
     if args.faithful_colors:
