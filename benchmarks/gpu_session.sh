@@ -8,7 +8,7 @@
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
-#     [layout] [block_kernels] [vae_decode] [rl_recipe] [rl_fused]
+#     [layout] [block_kernels] [vae_decode] [rl_recipe] [rl_fused] [model_families]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -200,6 +200,11 @@ for part in "${parts[@]}"; do
            --sparsities 0 0.875 --kv-blocks 64 --router-modes topk --reps 2 \
            --out "$OUT/rl_fused${blocks:+_fused}.md" >> "$OUT/rl_fused.log" 2>&1
        done; grep -h "^|" "$OUT"/rl_fused*.md | grep -v "^|--\|^| grid") ;;
+    model_families)  # HunyuanVideo-1.5, MiniMax-H3 and LTX-2 at native shapes, random bf16
+      # weights: forward and LoRA training pass, dense against VSA2 kv64 top-k 0.875
+      timeout ${FAMILIES_S:-540} python3 -P benchmarks/bench_model_families.py --reps 2 \
+        --out "$OUT/model_families.md" > "$OUT/model_families.log" 2>&1
+      grep "^|" "$OUT/model_families.md" | tail -4 ;;
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9
       (cd benchmarks && timeout 560 python3 bench_rl_scale.py --grids 480p:33 720p:81 --full \
         --sparsities 0 0.5 0.75 0.9 --out "$OUT/rl_scale.md" 2>&1 | grep "^|" | tail -9) ;;
