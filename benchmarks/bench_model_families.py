@@ -10,13 +10,15 @@ For each family it times, median of ``--reps`` after one warm-up:
 
 and composes the 1.3B Wan recipe's RL iteration from them as ``bench_rl_scale.py`` does (32
 videos x 16 steps with guidance, 4 trained steps a video with the KL reference pass; VAE, text
-encoders and rewards left out, the same for dense and VSA2). The shapes (``NATIVE``): 720p, about
-5 s, each model's VAE compression and patch: HunyuanVideo-1.5 121 frames -> 31 x 45 x 80 latents
-(111,600 tokens), MiniMax-H3 124 frames -> 37 x 45 x 80 latents, 2 x 2 patches (32,560 video
-rows beside 512 text and 128 audio rows), LTX-2 121 frames at 704 x 1280 -> 16 x 22 x 40 latents
-(14,080 tokens). Rows are appended to ``--out`` as each family finishes; a family that runs out
-of memory gets its row saying so. ``--tiny`` runs tiny configurations on the CPU (reference
-attention) to check the script, not to time anything.
+encoders and rewards left out, the same for dense and VSA2). The shapes (``Family.latents``):
+720p, about 5 s, each model's VAE compression and patch: HunyuanVideo-1.5 121 frames -> 31 x 45 x
+80 latents (111,600 tokens), MiniMax-H3 124 frames -> 37 x 45 x 80 latents, 2 x 2 patches (32,560
+video rows beside 512 text and 128 audio rows), LTX-2 121 frames at 704 x 1280 -> 16 x 22 x 40
+latents (14,080 tokens). The transformers hold 8.3B, 33.1B and 18.9B parameters: MiniMax-H3's 66
+GB of bf16 weights leave an 80 GB H100 little room (an H200 holds it). Rows are appended to
+``--out`` as each family finishes; a family that runs out of memory gets its row saying so.
+``--tiny`` runs tiny configurations on the CPU (reference attention) to check the script, not to
+time anything.
 
     python benchmarks/bench_model_families.py --out families.md
     python benchmarks/bench_model_families.py --tiny --reps 1 --out /tmp/families.md
@@ -152,7 +154,7 @@ FAMILIES = {
         (31, 45, 80), (2, 4, 16), hunyuan_inputs, "vsa2_rl.models.hunyuan_video15",
     ),
     "minimax_h3": Family(
-        "MiniMax-H3", "MiniMaxH3Transformer3DModel", {},
+        "MiniMax-H3 (33.1B)", "MiniMaxH3Transformer3DModel", {},
         {"num_attention_heads": 2, "attention_head_dim": 16, "hidden_size": 32, "num_layers": 1,
          "num_refiner_layers": 1, "ffn_dim": 64, "in_channels": 4, "audio_in_channels": 4,
          "text_dim": 8, "freq_dim": 16, "time_embed_hidden_dim": 32, "time_embed_dim": 16,
@@ -160,7 +162,7 @@ FAMILIES = {
         (37, 45, 80), (2, 8, 32), minimax_inputs, "vsa2_rl.models.minimax_h3",
     ),
     "ltx2": Family(
-        "LTX-2", "LTX2VideoTransformer3DModel", {},
+        "LTX-2 (18.9B)", "LTX2VideoTransformer3DModel", {},
         {"in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16,
          "cross_attention_dim": 32, "audio_in_channels": 4, "audio_out_channels": 4,
          "audio_num_attention_heads": 2, "audio_attention_head_dim": 8,
