@@ -28,8 +28,9 @@ import inspect
 import torch
 from torch import nn
 
-from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
+from vsa2_rl.attention import SparsityState, TileLayout
 from vsa2_rl.config import VSA2Config
+from vsa2_rl.models.attach import attach_vsa2, grid_context
 from vsa2_rl.models.wan import vsa2_parameters
 
 
@@ -116,11 +117,11 @@ class LTX2VSA2AttnProcessor:
 def enable_vsa2(transformer: nn.Module, vsa2_config: VSA2Config, state: SparsityState) -> nn.Module:
     """Run every LTX-2 block's video self-attention through VSA2; returns the same transformer.
 
-    Each ``transformer_blocks[i].attn1`` gets a zero-initialised :class:`VSA2Attention` as
-    ``attn1.vsa2`` (output = the dense model's at density 1) and the VSA2 processor, keeping its
-    stock processor for sparsity 0; a pre-hook on the transformer records each call's grid.
-    ``vsa2_config.enabled = False`` leaves the model dense. Calling it again updates
-    config/state and keeps the trained VSA2 parameters.
+    Each ``transformer_blocks[i].attn1`` gets a zero-initialised VSA2Attention as ``attn1.vsa2``
+    (output = the dense model's at density 1) and the VSA2 processor, keeping its stock processor
+    for sparsity 0 (:func:`~vsa2_rl.models.attach.attach_vsa2`); a pre-hook on the transformer
+    records each call's grid. ``vsa2_config.enabled = False`` leaves the model dense. Calling it
+    again updates config/state and keeps the trained VSA2 parameters.
     """
     from diffusers import LTX2VideoTransformer3DModel
 
@@ -133,24 +134,12 @@ def enable_vsa2(transformer: nn.Module, vsa2_config: VSA2Config, state: Sparsity
         raise ValueError("LTX-2 VSA2: models with perturbed attention are not supported yet")
     if not vsa2_config.enabled:
         return transformer
-    context = getattr(transformer, "_vsa2_context", None)
-    if context is None:
-        config = transformer.config
-        patch = (config.patch_size_t, config.patch_size, config.patch_size)
-        context = LTX2VSA2Context(transformer.forward, patch)
-        transformer.register_forward_pre_hook(context.record, with_kwargs=True)
-        transformer._vsa2_context = context
+    config = transformer.config
+    patch = (config.patch_size_t, config.patch_size, config.patch_size)
+    context = grid_context(transformer, lambda: LTX2VSA2Context(transformer.forward, patch))
     processor = LTX2VSA2AttnProcessor(context)
     for block in transformer.transformer_blocks:
-        attn = block.attn1
-        if not hasattr(attn, "vsa2"):
-            weight = attn.to_q.weight
-            attn._vsa2_stock_processor = attn.processor
-            attn.vsa2 = VSA2Attention(attn.inner_dim, attn.heads, vsa2_config, state).to(
-                device=weight.device, dtype=weight.dtype
-            )
-        attn.vsa2.config, attn.vsa2.state = vsa2_config, state
-        attn.set_processor(processor)
+        attach_vsa2(block.attn1, vsa2_config, state, processor)
     return transformer
 
 

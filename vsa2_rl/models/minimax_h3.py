@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
+from vsa2_rl.attention import SparsityState, TileLayout
 from vsa2_rl.config import VSA2Config
+from vsa2_rl.models.attach import attach_vsa2, grid_context
 from vsa2_rl.models.hunyuan_video15 import joint_vsa2_attention
 from vsa2_rl.models.wan import vsa2_parameters
 
@@ -137,11 +138,11 @@ class MiniMaxVSA2AttnProcessor:
 def enable_vsa2(transformer: nn.Module, vsa2_config: VSA2Config, state: SparsityState) -> nn.Module:
     """Run every MiniMax-H3 block's self-attention through VSA2; returns the same transformer.
 
-    Each ``transformer_blocks[i].attn`` gets a zero-initialised :class:`VSA2Attention` as
-    ``attn.vsa2`` (output = the dense model's at density 1) and the VSA2 processor, keeping its
-    stock processor for sparsity 0; a pre-hook on the transformer records each call's video
-    grid. ``vsa2_config.enabled = False`` leaves the model dense. Calling it again updates
-    config/state and keeps the trained VSA2 parameters.
+    Each ``transformer_blocks[i].attn`` gets a zero-initialised VSA2Attention as ``attn.vsa2``
+    (output = the dense model's at density 1) and the VSA2 processor, keeping its stock processor
+    for sparsity 0 (:func:`~vsa2_rl.models.attach.attach_vsa2`); a pre-hook on the transformer
+    records each call's video grid. ``vsa2_config.enabled = False`` leaves the model dense. Calling
+    it again updates config/state and keeps the trained VSA2 parameters.
     """
     from diffusers import MiniMaxH3Transformer3DModel
 
@@ -152,22 +153,10 @@ def enable_vsa2(transformer: nn.Module, vsa2_config: VSA2Config, state: Sparsity
         )
     if not vsa2_config.enabled:
         return transformer
-    context = getattr(transformer, "_vsa2_context", None)
-    if context is None:
-        context = MiniMaxVSA2Context(transformer.forward)
-        transformer.register_forward_pre_hook(context.record, with_kwargs=True)
-        transformer._vsa2_context = context
+    context = grid_context(transformer, lambda: MiniMaxVSA2Context(transformer.forward))
     processor = MiniMaxVSA2AttnProcessor(context)
     for block in transformer.transformer_blocks:
-        attn = block.attn
-        if not hasattr(attn, "vsa2"):
-            weight = attn.to_q.weight
-            attn._vsa2_stock_processor = attn.processor
-            attn.vsa2 = VSA2Attention(attn.inner_dim, attn.heads, vsa2_config, state).to(
-                device=weight.device, dtype=weight.dtype
-            )
-        attn.vsa2.config, attn.vsa2.state = vsa2_config, state
-        attn.set_processor(processor)
+        attach_vsa2(block.attn, vsa2_config, state, processor)
     return transformer
 
 
