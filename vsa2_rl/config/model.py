@@ -10,6 +10,12 @@ from vsa2_rl.config.checks import _check, _check_choice, _doc, _expand_user
 # frame count beyond them is a typo, whose tensors would exhaust any machine's memory.
 MAX_SIDE = 16384
 MAX_VIDEO_PIXELS = 2**31 - 1
+# what model.path must hold for each model.kind that needs one
+FOLDERS = {
+    "wan": "a local diffusers Wan directory, e.g. model.path=/data/Wan2.1-T2V-1.3B-Diffusers",
+    "hunyuan_video15": "a local diffusers HunyuanVideo-1.5 text-to-video directory, e.g. "
+    "model.path=/data/HunyuanVideo-1.5-480p_t2v",
+}
 
 
 @dataclass
@@ -46,14 +52,19 @@ class ModelConfig:
     kind: str = _doc(
         "'toy' = the library's small Wan-architecture model (pixel latents, built-in text "
         "encoder; no download), 'wan' = a local diffusers Wan2.1 or Wan2.2 directory at "
-        "model.path (T2V, I2V, TI2V-5B, A14B; what it is comes from its model_index.json).",
+        "model.path (T2V, I2V, TI2V-5B, A14B; what it is comes from its model_index.json), "
+        "'hunyuan_video15' = a local diffusers HunyuanVideo-1.5 text-to-video directory at "
+        "model.path (no compiled or fused blocks, no sequence parallelism yet).",
         default="toy",
     )
     path: str | None = _doc(
         "Local directory of the model. kind=wan: a diffusers Wan folder such as "
         "/data/Wan2.1-T2V-1.3B-Diffusers (transformer/, text_encoder/, tokenizer/, vae/; "
         "Wan2.2 A14B adds transformer_2/, Wan2.1 I2V image_encoder/ and image_processor/). "
-        "kind=toy: optional checkpoint folder; empty = the shipped toy model.",
+        "kind=hunyuan_video15: a diffusers HunyuanVideo-1.5 text-to-video folder such as "
+        "/data/HunyuanVideo-1.5-480p_t2v (transformer/, vae/, text_encoder/, tokenizer/, "
+        "text_encoder_2/, tokenizer_2/). kind=toy: optional checkpoint folder; empty = the "
+        "shipped toy model.",
         default=None,
     )
     train_experts: list[str] = _doc(
@@ -108,7 +119,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _expand_user(self, "path", "text_cache_dir")
-        _check_choice(self.kind, "model.kind", ("toy", "wan"))
+        _check_choice(self.kind, "model.kind", ("toy", "wan", "hunyuan_video15"))
         for expert in self.train_experts:
             _check_choice(expert, "model.train_experts", ("high_noise", "low_noise"))
         _check(
@@ -144,23 +155,29 @@ class ModelConfig:
             "model.num_frames",
             f"must be >= 2 (the rewards score motion between frames), got {self.num_frames}",
         )
-        if self.kind == "wan":
+        if self.kind != "toy":
             _check(
-                bool(self.path),
-                "model.path",
-                "model.kind=wan needs a local diffusers Wan directory, "
-                "e.g. model.path=/data/Wan2.1-T2V-1.3B-Diffusers",
+                bool(self.path), "model.path", f"model.kind={self.kind} needs {FOLDERS[self.kind]}"
             )
         _check(
             self.kind == "wan" or not self.train_experts,
             "model.train_experts",
-            "the toy model has one transformer; leave it empty",
+            f"the {self.kind} model has one transformer; leave it empty",
         )
         _check(
             self.kind == "wan" or self.vae_decode_dtype == "float32",
             "model.vae_decode_dtype",
-            "the toy model has no VAE (its latents are pixels); leave it at float32",
+            "the toy model has no VAE (its latents are pixels); leave it at float32"
+            if self.kind == "toy"
+            else f"the {self.kind} model decodes in float32 only; leave it at float32",
         )
+        if self.kind == "hunyuan_video15":
+            for key in ("compile_blocks", "fused_kernels"):
+                _check(
+                    not getattr(self, key),
+                    f"model.{key}",
+                    "model.kind=hunyuan_video15 has no compiled or fused blocks yet; set it false",
+                )
 
 
 @dataclass

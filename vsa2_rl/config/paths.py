@@ -51,12 +51,12 @@ def check_model_paths(config: RunConfig) -> None:
     ``model.lora.init_from``."""
     model = config.model
     if model.path:
-        hint = (
-            "put a local diffusers Wan folder there, e.g. Wan2.1-T2V-1.3B-Diffusers or "
-            "Wan2.2-TI2V-5B-Diffusers"
-            if model.kind == "wan"
-            else "leave empty for the shipped toy model"
-        )
+        hint = {
+            "wan": "put a local diffusers Wan folder there, e.g. Wan2.1-T2V-1.3B-Diffusers or "
+            "Wan2.2-TI2V-5B-Diffusers",
+            "hunyuan_video15": "put a local diffusers HunyuanVideo-1.5 text-to-video folder "
+            "there, e.g. HunyuanVideo-1.5-480p_t2v",
+        }.get(model.kind, "leave empty for the shipped toy model")
         _check(
             os.path.isdir(model.path), "model.path", f"directory not found: {model.path} ({hint})"
         )

@@ -9,6 +9,9 @@ Two families share Wan's transformer functions (:mod:`vsa2_rl.models.wan`): ``wa
 diffusers Wan folders, :mod:`vsa2_rl.models.wan_bundle`) and ``toy``, whose transformer is a
 small diffusers ``WanTransformer3DModel`` but whose checkpoint, text encoder and pixel-space
 "latents" are its own (:mod:`vsa2_rl.toy.model`); the two differ only in how they load.
+``hunyuan_video15`` (local diffusers HunyuanVideo-1.5 text-to-video folders,
+:mod:`vsa2_rl.models.hunyuan_bundle`) has its own VSA2 attention
+(:mod:`vsa2_rl.models.hunyuan_video15`); it does not compile, fuse or split its blocks yet.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from vsa2_rl.config import ConfigError, RunConfig
-from vsa2_rl.models import wan
+from vsa2_rl.models import hunyuan_video15, wan
 
 if TYPE_CHECKING:
     from vsa2_rl.models.wan_bundle import VideoDiTBundle
@@ -69,6 +72,31 @@ def _load_toy_bundle(config: RunConfig, device, dtype, facts: ModelFacts | None)
     return load_toy_bundle(config.attention, device=device, dtype=dtype, path=config.model.path)
 
 
+def _load_hunyuan_bundle(config: RunConfig, device, dtype, facts: ModelFacts | None):
+    from vsa2_rl.models.hunyuan_bundle import load_hunyuan_video15_bundle
+
+    model = config.model
+    cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
+    return load_hunyuan_video15_bundle(
+        model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache
+    )
+
+
+def _refuse(key: str, what: str) -> Callable[[nn.Module], nn.Module]:
+    """A block transformation HunyuanVideo-1.5 does not have yet: a ConfigError naming ``key``,
+    the setting that asked for it."""
+
+    def refuse(transformer: nn.Module) -> nn.Module:
+        raise ConfigError(f"{key}: HunyuanVideo-1.5 has no {what} yet; set it to false")
+
+    return refuse
+
+
+def _refuse_sequence_parallel(transformer: nn.Module, group) -> nn.Module:
+    """HunyuanVideo-1.5 has no sequence parallelism yet (the trainer names the key)."""
+    raise ValueError("HunyuanVideo-1.5 has no sequence parallelism yet; set it to 1")
+
+
 WAN = ModelFamily(
     kind="wan",
     load_bundle=_load_wan_bundle,
@@ -79,8 +107,17 @@ WAN = ModelFamily(
     enable_sequence_parallel=wan.enable_sequence_parallel,
 )
 TOY = replace(WAN, kind="toy", load_bundle=_load_toy_bundle)
+HUNYUAN_VIDEO15 = ModelFamily(
+    kind="hunyuan_video15",
+    load_bundle=_load_hunyuan_bundle,
+    enable_vsa2=hunyuan_video15.enable_vsa2,
+    vsa2_parameters=hunyuan_video15.vsa2_parameters,
+    compile_blocks=_refuse("model.compile_blocks", "compiled blocks"),
+    fuse_block_kernels=_refuse("model.fused_kernels", "fused block kernels"),
+    enable_sequence_parallel=_refuse_sequence_parallel,
+)
 
-FAMILIES: dict[str, ModelFamily] = {family.kind: family for family in (TOY, WAN)}
+FAMILIES: dict[str, ModelFamily] = {family.kind: family for family in (HUNYUAN_VIDEO15, TOY, WAN)}
 
 
 def family_of(kind: str) -> ModelFamily:
@@ -94,4 +131,4 @@ def family_of(kind: str) -> ModelFamily:
     return family
 
 
-__all__ = ["FAMILIES", "TOY", "WAN", "ModelFamily", "family_of"]
+__all__ = ["FAMILIES", "HUNYUAN_VIDEO15", "TOY", "WAN", "ModelFamily", "family_of"]
