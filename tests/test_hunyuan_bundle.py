@@ -230,3 +230,23 @@ def test_one_rl_step_trains_the_transformer(folder, tmp_path, algorithm):
     base = _bundle(folder, torch.float32).transformer.state_dict()
     changed = [key for key, value in saved.items() if not torch.equal(value, base[key])]
     assert any(".vsa2." in key for key in changed) and any(".to_q." in key for key in changed)
+
+
+def test_check_plans_a_hunyuan_folder_and_train_accepts_it(folder, tmp_path):
+    from vsa2_rl.check import before_loading, check
+
+    overrides = [
+        "model.kind=hunyuan_video15", f"model.path={folder}", "attention.backend=torch",
+        f"model.num_frames={VIDEO[0]}", f"model.height={VIDEO[1]}", f"model.width={VIDEO[2]}",
+        f"prompts.file={os.path.join(os.path.dirname(folder), 'prompts.txt')}",
+        f"out_dir={tmp_path / 'run'}", "eval.guard_rewards=[]", *RUN,
+    ]  # fmt: skip
+    report = check(FLOW_GRPO_TOY, overrides)
+    assert report.problems == []
+    plan = dict(report.plan)
+    assert plan["model"].startswith("HunyuanVideo-1.5, text-to-video: ")
+    # 5 frames of 16 x 16 through the 4x temporal, 4x spatial VAE: latents 4 x 2 x 4 x 4; the
+    # transformer's 1 x 1 x 1 patches keep every latent a token
+    assert plan["video"].startswith("5 frames of 16x16 -> latents 4x2x4x4 -> 32 tokens (2x4x4)")
+    assert "GiB" in plan["memory"] and "a step" in plan["time"]
+    assert before_loading(load_config(FLOW_GRPO_TOY, overrides)).problems == []

@@ -185,6 +185,8 @@ def _plan_model(config: RunConfig, facts: ModelFacts, report: Report) -> None:
 
 def _shapes(config: RunConfig, facts: ModelFacts):
     """(transformer without weights, the bundle's ``latent_shape``, a description)."""
+    if config.model.kind == "hunyuan_video15":
+        return _hunyuan_shapes(config)
     if facts.variant is None:
         return _toy_shapes(config)
     return _wan_shapes(config, facts.variant)
@@ -250,6 +252,48 @@ def _wan_shapes(config: RunConfig, variant: WanVariant):
         vae_scale=vae_scale_factors(vae_config),
     )
     return transformer, shapes.latent_shape, _describe(variant, first, transformer)
+
+
+def _hunyuan_shapes(config: RunConfig):
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+
+    from vsa2_rl.attention import SparsityState
+    from vsa2_rl.models.hunyuan_bundle import HunyuanBundle, check_folder
+    from vsa2_rl.models.hunyuan_video15 import enable_vsa2
+    from vsa2_rl.models.wan_bundle import read_json_object
+
+    path = config.model.path
+    check_folder(path)
+    models = {}
+    for folder, model_class in (
+        ("transformer", HunyuanVideo15Transformer3DModel),
+        ("vae", AutoencoderKLHunyuanVideo15),
+    ):
+        file = os.path.join(path, folder, "config.json")
+        try:
+            with torch.device("meta"):  # shapes only: no memory, no weights read
+                models[folder] = model_class.from_config(read_json_object(file))
+        except (ValueError, TypeError, RuntimeError, ZeroDivisionError) as error:
+            raise ConfigError(
+                f"model.path: {file} describes no {folder} diffusers can build ({error}); "
+                "restore it from the model's download"
+            ) from None
+    transformer = enable_vsa2(models["transformer"], config.attention, SparsityState())
+    shapes = HunyuanBundle(
+        transformer, SparsityState(), int(transformer.config.out_channels), text_encoder=None,
+        tokenizer=None, glyph_encoder=None, glyph_tokenizer=None, vae=models["vae"],
+    )  # fmt: skip
+    size = _count(_base_count(transformer))
+    return transformer, shapes.latent_shape, f"HunyuanVideo-1.5, text-to-video: {size} parameters"
+
+
+def _patch_size(transformer_config) -> tuple[int, int, int]:
+    """(t, h, w) of a transformer's patch embedding: Wan's tuple, or HunyuanVideo-1.5's
+    ``patch_size_t`` and square ``patch_size``."""
+    if hasattr(transformer_config, "patch_size_t"):
+        size = transformer_config.patch_size
+        return transformer_config.patch_size_t, size, size
+    return tuple(transformer_config.patch_size)
 
 
 def _is_dir(path: str, name: str) -> bool:
@@ -332,8 +376,8 @@ def _plan_tokens(config: RunConfig, latent_shape, transformer, report: Report) -
         channels, frames, height, width = latent_shape(model.num_frames, model.height, model.width)
     except ValueError as error:
         raise ConfigError(f"model.num_frames / model.height / model.width: {error}") from None
-    _, p_h, p_w = experts_of(transformer)[0].config.patch_size
-    grid = (frames, height // p_h, width // p_w)
+    p_t, p_h, p_w = _patch_size(experts_of(transformer)[0].config)
+    grid = (frames // p_t, height // p_h, width // p_w)
     if math.prod(grid) > MAX_TOKENS:  # counted before the layout's index tensors are made
         raise ConfigError(
             f"model.num_frames / model.height / model.width: {math.prod(grid):,} tokens a video "
@@ -367,12 +411,13 @@ def _plan_estimates(
     )
 
     first = experts_of(transformer)[0].config
+    hidden = first.num_attention_heads * first.attention_head_dim
     model = ModelShape(
         params=base_params,
         trained_params=trained_params,
         layers=first.num_layers,
-        hidden=first.num_attention_heads * first.attention_head_dim,
-        ffn=first.ffn_dim,
+        hidden=hidden,
+        ffn=first.ffn_dim if hasattr(first, "ffn_dim") else int(hidden * first.mlp_ratio),
     )
     step = step_shape(config, report.tokens)
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
