@@ -250,3 +250,39 @@ def test_check_plans_a_hunyuan_folder_and_train_accepts_it(folder, tmp_path):
     assert plan["video"].startswith("5 frames of 16x16 -> latents 4x2x4x4 -> 32 tokens (2x4x4)")
     assert "GiB" in plan["memory"] and "a step" in plan["time"]
     assert before_loading(load_config(FLOW_GRPO_TOY, overrides)).problems == []
+
+
+def test_a_lora_run_exports_an_adapter_that_reproduces_the_checkpoint(folder, tmp_path):
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from vsa2_rl.config import load_eval_config
+    from vsa2_rl.export import ADAPTER_WEIGHTS, VSA2_WEIGHTS, export
+    from vsa2_rl.rl.checkpoint import find_latest
+    from vsa2_rl.rl.trainer import train
+    from vsa2_rl.runtime import build_bundle, load_model
+
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=4"]
+    run = _config(folder, *RUN, *lora, f"out_dir={tmp_path / 'run'}")
+    train(run)
+    checkpoint = str(find_latest(tmp_path / "run" / "checkpoints"))
+
+    def velocity(bundle):  # at sparsity 0.5, so the trained VSA2 parameters count
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2, LATENT, 2, 4, 4, generator=generator)
+        bundle.sparsity_state.sparsity = 0.5
+        with torch.no_grad():
+            return bundle.velocity(x, torch.tensor([0.7, 0.4]), bundle.encode_prompts(PROMPTS))
+
+    expected = velocity(load_model(run, "cpu", torch.float32, checkpoint=checkpoint))
+    base = build_bundle(run, torch.device("cpu"), torch.float32)
+    assert (expected - velocity(base)).abs().max() > 1e-4  # the run changed the model
+    out = export(*load_eval_config(None, [f"run_dir={run.out_dir}", f"out_dir={tmp_path / 'x'}"]))
+    # loaded back by peft's own loaders onto the untouched folder's model with VSA2
+    base.transformer.add_adapter(LoraConfig.from_pretrained(out))
+    result = set_peft_model_state_dict(base.transformer, load_file(f"{out}/{ADAPTER_WEIGHTS}"))
+    assert not result.unexpected_keys
+    routers = base.transformer.load_state_dict(load_file(f"{out}/{VSA2_WEIGHTS}"), strict=False)
+    assert not routers.unexpected_keys
+    torch.testing.assert_close(velocity(base), expected, rtol=1e-5, atol=1e-6)
