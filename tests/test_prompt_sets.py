@@ -18,7 +18,10 @@ from vsa2_rl.runtime import load_prompt_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = os.path.join(REPO, "configs", "prompts")
-RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "wan2_*.yaml")))
+RECIPES = sorted(
+    glob.glob(os.path.join(REPO, "configs", "wan2_*.yaml"))
+    + glob.glob(os.path.join(REPO, "configs", "hunyuan_*.yaml"))
+)
 
 
 def _script():
@@ -102,11 +105,12 @@ def test_the_i2v_example_names_its_images_by_relative_path():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
-def test_each_wan_recipe_loads_with_its_prompt_files(recipe, tmp_path, monkeypatch):
+def test_each_recipe_loads_with_its_prompt_files(recipe, tmp_path, monkeypatch):
     (tmp_path / "model_index.json").write_text("{}")  # a model folder is not empty
     monkeypatch.chdir(REPO)  # the recipes name their prompt files from the repository root
     config = load_config(recipe, [f"model.path={tmp_path}"])
-    assert config.model.kind == "wan" and config.model.lora.enabled
+    expected_kind = "hunyuan_video15" if "hunyuan_" in os.path.basename(recipe) else "wan"
+    assert config.model.kind == expected_kind and config.model.lora.enabled
     assert config.sparsity.eval < config.sparsity.train
     train, held_out = load_prompt_records(config, "train"), load_prompt_records(config, "eval")
     if config.prompts.file.endswith(".jsonl"):  # image-to-video: the example
