@@ -28,6 +28,12 @@ def test_registry_maps_each_model_kind_to_its_family():
     assert all(family.kind == kind for kind, family in FAMILIES.items())
 
 
+def test_every_model_kind_the_config_accepts_has_a_family():
+    from vsa2_rl.config.model import MODEL_KINDS
+
+    assert sorted(MODEL_KINDS) == sorted(FAMILIES)
+
+
 def test_unknown_kind_names_the_key_and_the_known_kinds():
     with pytest.raises(
         ConfigError, match=r"^model\.kind: .*'ltx2'.*known kinds: hunyuan_video15, toy, wan$"

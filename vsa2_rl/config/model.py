@@ -10,6 +10,9 @@ from vsa2_rl.config.checks import _check, _check_choice, _doc, _expand_user
 # frame count beyond them is a typo, whose tensors would exhaust any machine's memory.
 MAX_SIDE = 16384
 MAX_VIDEO_PIXELS = 2**31 - 1
+# the model.kind choices: the families of vsa2_rl.models.family (which imports this package,
+# so the names are listed here; a test keeps the two equal)
+MODEL_KINDS = ("toy", "wan", "hunyuan_video15")
 # what model.path must hold for each model.kind that needs one
 FOLDERS = {
     "wan": "a local diffusers Wan directory, e.g. model.path=/data/Wan2.1-T2V-1.3B-Diffusers",
@@ -119,7 +122,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _expand_user(self, "path", "text_cache_dir")
-        _check_choice(self.kind, "model.kind", ("toy", "wan", "hunyuan_video15"))
+        _check_choice(self.kind, "model.kind", MODEL_KINDS)
         for expert in self.train_experts:
             _check_choice(expert, "model.train_experts", ("high_noise", "low_noise"))
         _check(
