@@ -67,13 +67,14 @@ def _rows(out_dir):
         return [json.loads(line) for line in handle]
 
 
-def _assert_same_weights(out_dir, reference_dir, rel=1e-4, entry="model"):
-    """Every tensor of the two runs' step-2 checkpoints agrees to ``rel`` (relative RMS); tensors
-    of RMS under 0.01 (VSA2's gates start at zero) to ``rel * 0.01``: the ranks' all-reduce adds
-    in another order, a float32 noise of a few 1e-7 whatever the tensor's scale."""
+def _assert_same_weights(out_dir, reference_dir, rel=1e-4, entry="model", step=2):
+    """Every tensor of the two runs' ``step`` checkpoints agrees to ``rel`` (relative RMS);
+    tensors of RMS under 0.01 (VSA2's gates start at zero) to ``rel * 0.01``: the ranks'
+    all-reduce adds in another order, a float32 noise of a few 1e-7 whatever the tensor's
+    scale."""
     from safetensors.torch import load_file
 
-    path = os.path.join("checkpoints", "step_2", f"{entry}.safetensors")
+    path = os.path.join("checkpoints", f"step_{step}", f"{entry}.safetensors")
     weights = load_file(os.path.join(out_dir, path))
     reference = load_file(os.path.join(reference_dir, path))
     assert weights.keys() == reference.keys()
@@ -113,19 +114,37 @@ def test_a_run_folder_in_use_stops_every_rank(tmp_path):
     assert os.listdir(out_dir) == [LOCK_FILE]
 
 
+# DiffusionNFT, full fine-tuning; its old policy keeps eta = 0.3 of itself at the soft update
+# after step 1 and 0.5 after step 2 (no delay), so that it runs apart from the trained weights
+# at step 2. The reward is brightness's (tests.test_distributed:mean_brightness, below), and
+# every step is checkpointed, for the FSDP2 resume
+NFT = [
+    "rl.algorithm=nft", "sampler.kind=ode", "nft.eta_rate=0.3", "nft.eta_delay_steps=0",
+    "train.checkpoint_every=1",
+    "rewards.functions=[{name: 'tests.test_distributed:mean_brightness'}]",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nft_one(tmp_path_factory):
+    """The one-process NFT run that the runs of several processes are held to."""
+    out_dir = tmp_path_factory.mktemp("nft") / "one"
+    _run([sys.executable, "train_rl.py"], out_dir, *NFT)
+    return out_dir
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "sequence_parallel"])
-def test_nft_on_two_processes_matches_one_process(tmp_path, parallel):
+def test_nft_on_two_processes_matches_one_process(nft_one, tmp_path, parallel):
     # DiffusionNFT: the forward noising is drawn per sample, so ranks that split a group (DDP)
     # or share its videos (sequence parallelism) train as one process does
-    nft = ["rl.algorithm=nft", "sampler.kind=ode", "nft.eta_rate=0.3"]
     sp = ["parallel.sequence_parallel_size=2"] if parallel == "sequence_parallel" else []
-    two = _run([*TORCHRUN, "train_rl.py"], tmp_path / "two", *nft, *sp)
-    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", *nft)
+    two = _run([*TORCHRUN, "train_rl.py"], tmp_path / "two", *NFT, *sp)
+    one = _rows(nft_one)
     for a, b in zip(one, two, strict=True):
         for key in ("reward/mean", "loss/policy", "train/grad_norm", "train/old_deviation"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (a["step"], key)
     for entry in ("model", "old_policy"):
-        _assert_same_weights(tmp_path / "two", tmp_path / "one", entry=entry)
+        _assert_same_weights(tmp_path / "two", nft_one, entry=entry)
 
 
 def constant_on_rank0(videos, prompts, metadata):
@@ -306,6 +325,55 @@ def test_the_fsdp2_launcher_on_cpu_is_one_error_line(tmp_path):
     assert result.returncode != 0
     assert "error: device: accelerate runs FSDP on GPUs only" in result.stderr
     assert not os.path.exists(tmp_path / "run")
+
+
+# ---- DiffusionNFT under FSDP2: the old policy's shards swapped into the sharded module --------
+
+NFT_COMPARED = (*COMPARED, "train/old_deviation")
+
+
+@pytest.fixture(scope="module")
+def nft_fsdp2(tmp_path_factory):
+    """The NFT run of ``nft_one`` under FSDP2 over 2 processes."""
+    out_dir = tmp_path_factory.mktemp("nft_fsdp2") / "fsdp2"
+    _run(FSDP2_TRAIN, out_dir, *NFT)
+    return out_dir
+
+
+def _assert_same_nft_rows(rows, reference_rows, rel):
+    for a, b in zip(reference_rows, rows, strict=True):
+        for key in NFT_COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-9), (a["step"], key)
+
+
+def test_fsdp2_trains_nft_and_soft_updates_its_old_policy_as_one_process(nft_one, nft_fsdp2):
+    """Full fine-tuning, where the old policy's shards of every parameter, the root module's
+    included, are swapped in: losses, gradient norms, the distance of v_theta to v_old, and the
+    trained and the old policy's weights of both checkpoints (1e-4: Adam's first steps amplify
+    the sum order of near-zero gradients, see test_fsdp2_trains_as_ddp_and_one_process)."""
+    import torch
+    from safetensors.torch import load_file
+
+    one, fsdp2 = _rows(nft_one), _rows(nft_fsdp2)
+    assert [r["step"] for r in fsdp2] == [r["step"] for r in one] == [1, 2]
+    assert one[1]["train/old_deviation"] > 0  # the old policy ran with its own weights
+    _assert_same_nft_rows(fsdp2, one, rel=1e-5)
+    for step in (1, 2):
+        for entry in ("model", "old_policy"):
+            _assert_same_weights(nft_fsdp2, nft_one, entry=entry, step=step)
+    checkpoint = nft_fsdp2 / "checkpoints" / "step_2"
+    old, trained = (load_file(checkpoint / f"{e}.safetensors") for e in ("old_policy", "model"))
+    assert old.keys() == trained.keys()
+    assert any(not torch.equal(old[k], trained[k]) for k in old)
+
+
+def test_an_fsdp2_nft_run_resumes_its_old_policy_as_it_would_have_gone_on(nft_fsdp2, tmp_path):
+    step_1 = nft_fsdp2 / "checkpoints" / "step_1"
+    resumed = _run(FSDP2_TRAIN, tmp_path / "resumed", *NFT, f"train.resume={step_1}")
+    assert [r["step"] for r in resumed] == [2]
+    _assert_same_nft_rows(resumed, _rows(nft_fsdp2)[1:], rel=1e-6)
+    for entry in ("model", "old_policy"):
+        _assert_same_weights(tmp_path / "resumed", nft_fsdp2, rel=1e-6, entry=entry)
 
 
 # ---- Wan2.2 A14B's two experts under every engine ------------------------------------------

@@ -433,16 +433,26 @@ def test_every_sample_and_level_weighs_the_same_whatever_the_chunking(tmp_path, 
     assert error < 1e-4, f"relative gradient difference {error:.2e}"
 
 
-@pytest.mark.parametrize("stage", [3, None], ids=["zero3", "fsdp2"])
-def test_sharded_parameters_refuse_nft_and_zero2_takes_it(stage):
-    plugin = SimpleNamespace(zero_stage=stage, deepspeed_config={}) if stage else None
-    fsdp = None if stage else SimpleNamespace(fsdp_version=2)
-    sharded = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin, fsdp_plugin=fsdp))
-    config = load_config(FLOW_GRPO_TOY, ["rl.algorithm=nft", "model.lora.enabled=true"])
-    with pytest.raises(ConfigError, match=r"^rl\.algorithm: nft keeps whole old-policy"):
-        engines.check_options(sharded, config)
-    zero2 = SimpleNamespace(zero_stage=2, deepspeed_config={})
-    engines.check_options(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=zero2)), config)
+def test_zero3_refuses_nft_and_fsdp2_refuses_its_whole_weight_options():
+    def launcher(zero_stage=None, fsdp_version=None):
+        plugin = SimpleNamespace(zero_stage=zero_stage, deepspeed_config={}) if zero_stage else None
+        fsdp = SimpleNamespace(fsdp_version=fsdp_version) if fsdp_version else None
+        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin, fsdp_plugin=fsdp))
+
+    nft = ["rl.algorithm=nft", "model.lora.enabled=true"]
+    config = load_config(FLOW_GRPO_TOY, nft)
+    with pytest.raises(ConfigError, match=r"^rl\.algorithm: nft swaps .* ZeRO-3 .*fsdp2\.yaml"):
+        engines.check_options(launcher(zero_stage=3), config)
+    engines.check_options(launcher(zero_stage=2), config)
+    fsdp2 = launcher(fsdp_version=2)
+    engines.check_options(fsdp2, config)  # LoRA
+    engines.check_options(fsdp2, load_config(FLOW_GRPO_TOY, nft[:1]))  # full fine-tuning
+    for extra, refused in (
+        (["rl.kl_beta=0.1", "rl.kl_reference=ema"], r"^rl\.kl_reference: an EMA reference"),
+        (["nft.trust_region=0.1"], r"^nft\.trust_region: .*set nft\.trust_region=0"),
+    ):
+        with pytest.raises(ConfigError, match=refused):
+            engines.check_options(fsdp2, load_config(FLOW_GRPO_TOY, [*nft, *extra]))
 
 
 def test_a_checkpoint_from_before_the_algorithm_keys_resumes_at_their_defaults():

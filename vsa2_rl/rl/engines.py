@@ -17,7 +17,9 @@ accelerate hides most of the difference; what it leaves to the loop is gathered 
   clipping threshold, taken from ``train.max_grad_norm`` so that one key sets it;
 * states: under ZeRO-3 and FSDP2 parameters are sharded, so weights are gathered onto the main
   process for checkpoints, every rank takes part in evaluation (its forward gathers them) and
-  options that need whole parameters on one rank are refused. The optimizer state of every rank
+  options that need whole parameters on one rank are refused. DiffusionNFT's old policy is held,
+  soft-updated and swapped in shard by shard under FSDP2 (vsa2_rl.rl.nft.OldPolicy) and refused
+  under ZeRO-3. The optimizer state of every rank
   (and the weight shards) is saved and restored with the engine's own files (``accelerate``'s
   ``save_state`` / ``load_state``: DeepSpeed's checkpoint, torch.distributed.checkpoint for
   FSDP2) inside the atomic checkpoint directory;
@@ -93,11 +95,7 @@ def check_options(acc, config: RunConfig) -> None:
     engine = "FSDP2" if uses_fsdp2(acc) else "ZeRO-3"
     whole = "configs/accelerate/ddp_2gpu.yaml or zero2.yaml"
     if config.rl.algorithm == "nft":
-        raise ConfigError(
-            f"rl.algorithm: nft keeps whole old-policy weights (LoRA tensors or a frozen "
-            f"model copy) beside the trained ones on every rank, which {engine}-sharded "
-            f"parameters do not give; use {whole}"
-        )
+        _check_nft(engine, config, whole)
     if config.train.ema_decay > 0:
         raise ConfigError(
             f"train.ema_decay: an EMA of {engine}-sharded parameters is not supported; set "
@@ -108,6 +106,28 @@ def check_options(acc, config: RunConfig) -> None:
             "rl.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
             f"which {engine} cannot make from sharded parameters; set rl.kl_beta=0, enable "
             f"model.lora (the reference is then the model with adapters off) or use {whole}"
+        )
+
+
+def _check_nft(engine: str, config: RunConfig, whole: str) -> None:
+    """DiffusionNFT under sharded parameters: FSDP2 swaps the old policy's shards into its
+    DTensor parameters (vsa2_rl.rl.nft.OldPolicy); ZeRO-3 and the options that keep or move
+    whole weights are refused."""
+    if engine != "FSDP2":
+        raise ConfigError(
+            "rl.algorithm: nft swaps its old-policy weights into the parameters, which ZeRO-3 "
+            "partitions out of the module; launch with configs/accelerate/fsdp2.yaml (FSDP2 "
+            f"shards the old policy too), {whole}"
+        )
+    if config.rl.kl_reference == "ema":
+        raise ConfigError(
+            f"rl.kl_reference: an EMA reference of {engine}-sharded parameters is not "
+            f"supported; set rl.kl_reference=base or use {whole}"
+        )
+    if config.nft.trust_region > 0:
+        raise ConfigError(
+            f"nft.trust_region: scaling a step back is not supported with {engine}-sharded "
+            f"parameters; set nft.trust_region=0 or use {whole}"
         )
 
 

@@ -24,11 +24,11 @@ shrinking of a step to its bound that TRPO's line search does, Schulman et al. 2
 ``rl.kl_reference=ema`` takes the KL term's reference from an EMA of the trained weights
 (:class:`EMAReference`) instead of the start of training.
 
-:class:`OldPolicy` holds theta_old (LoRA runs: float32 copies of the trained tensors, swapped in
-while it runs; full fine-tuning: a frozen copy of the model) and :class:`NFTUpdate` is this
-rule behind the trainer's :class:`vsa2_rl.rl.update.UpdateRule`; rollout, rewards, advantages,
-guards, the sparsity schedule, engines and checkpoints are the trainer's own
-(vsa2_rl.rl.trainer).
+:class:`OldPolicy` holds theta_old (LoRA runs and FSDP2: float32 copies of the trained
+tensors, swapped in while it runs; full fine-tuning otherwise: a frozen copy of the model) and
+:class:`NFTUpdate` is this rule behind the trainer's :class:`vsa2_rl.rl.update.UpdateRule`;
+rollout, rewards, advantages, guards, the sparsity schedule, engines and checkpoints are the
+trainer's own (vsa2_rl.rl.trainer).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
 from vsa2_rl.config import ConfigError, NFTConfig, RLConfig, RunConfig
@@ -206,21 +208,43 @@ class _Probe(NamedTuple):
     velocity: Tensor  # detached, float32
 
 
+def _reshard(model: torch.nn.Module) -> None:
+    """Under FSDP2, registers every module's sharded parameters again (no-op otherwise): a
+    forward under ``no_grad`` leaves the root module's gathered copy registered, which the next
+    forward would reuse, so the shards are written only after this."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _as_shard_of(value: Tensor, weight: Tensor) -> Tensor:
+    """The whole tensor ``value`` in ``weight``'s dtype and device, as its shard where
+    ``weight`` is an FSDP2 DTensor (each rank slices its own part: no communication)."""
+    value = value.to(weight.device, weight.dtype)
+    if not isinstance(weight, DTensor):
+        return value
+    return distribute_tensor(value, weight.device_mesh, weight.placements, src_data_rank=None)
+
+
 class OldPolicy:
     """theta_old: the policy that samples the rollouts and anchors v+ and v-; starts equal to
     the trained model.
 
     ``model`` is the unwrapped transformer that trains (``bundle.transformer`` may be its
-    DDP / DeepSpeed wrapper). LoRA runs (``copy_model=False``) keep float32 copies of its
-    trainable tensors (adapters and VSA2 router/gates, a few MB) and swap them in while the old
-    policy runs, so the base weights are not held twice; full fine-tuning
-    (``copy_model=True``) keeps a frozen copy of the whole model in its dtype, run through a
-    view of ``bundle`` (no weights move per call). Sharded parameters (ZeRO-3, FSDP2) are refused
-    before this is built (vsa2_rl.rl.engines.check_options).
+    DDP / DeepSpeed / FSDP2 wrapper). With ``copy_model=False`` (LoRA runs, and full
+    fine-tuning under FSDP2) it keeps float32 copies of the trainable tensors (for LoRA the
+    adapters and VSA2 router/gates, a few MB) and swaps them into the parameters while the old
+    policy runs, so the base weights are not held twice; under FSDP2 the parameters and these
+    copies are DTensors of the same placement, so each rank holds, soft-updates and swaps its
+    shards only, and the old policy runs through the same sharded module. With
+    ``copy_model=True`` (full fine-tuning without sharded parameters) it keeps a frozen copy of
+    the whole model in its dtype, run through a view of ``bundle`` (no weights move per call).
+    ZeRO-3 is refused before this is built (vsa2_rl.rl.engines.check_options).
     """
 
     def __init__(self, bundle, model: torch.nn.Module, *, copy_model: bool):
-        self.bundle = bundle
+        self.bundle, self.model = bundle, model
+        _reshard(model)  # the sharded parameters, not a gathered copy
         self.live = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.frozen = None
         if copy_model:
@@ -232,7 +256,7 @@ class OldPolicy:
 
     @torch.no_grad()
     def soft_update(self, eta: float) -> None:
-        """``theta_old <- eta * theta_old + (1 - eta) * theta``."""
+        """``theta_old <- eta * theta_old + (1 - eta) * theta`` (shard by shard under FSDP2)."""
         for name, weight in self.weights.items():
             weight.lerp_(self.live[name].detach().to(weight.dtype), 1.0 - eta)
 
@@ -251,15 +275,25 @@ class OldPolicy:
 
     @torch.no_grad()
     def _copy_into_live(self, tensors: dict[str, Tensor]) -> None:
+        _reshard(self.model)
         for name, param in self.live.items():
             param.copy_(tensors[name])
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return {name: weight.detach() for name, weight in self.weights.items()}
+    def state_dict(self, keep: bool = True) -> dict[str, Tensor]:
+        """theta_old by parameter name, whole tensors: FSDP2's shards are gathered one tensor
+        at a time onto the CPU (a collective every rank joins); ``keep=False`` (ranks that do
+        not write the checkpoint) returns ``{}``."""
+        state = {}
+        for name, weight in self.weights.items():
+            whole = weight.full_tensor().cpu() if isinstance(weight, DTensor) else weight.detach()
+            if keep:
+                state[name] = whole
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Restores :meth:`state_dict`; names and shapes must be this model's."""
+        """Restores :meth:`state_dict` (whole tensors; under FSDP2 each rank takes its shards);
+        names and shapes must be this model's."""
         if set(state) != set(self.weights):
             missing = sorted(set(self.weights) - set(state))
             extra = sorted(set(state) - set(self.weights))
@@ -273,7 +307,7 @@ class OldPolicy:
                     f"old-policy tensor {name!r} has shape {tuple(state[name].shape)}, the "
                     f"parameter {tuple(weight.shape)}"
                 )
-            weight.copy_(state[name])
+            weight.copy_(_as_shard_of(state[name], weight))
 
 
 def _draw_seed(seed: int, step: int, epoch: int, index: int) -> int:
@@ -341,7 +375,9 @@ class NFTUpdate:
         if settings.timestep_sampling == "schedule":
             self.num_levels = min(self.num_levels, len(self.levels))
         lora = policy.config.model.lora.enabled
-        self.old = OldPolicy(policy.bundle, policy.unwrapped, copy_model=not lora)
+        # sharded parameters cannot be copied into a frozen model: their shards are swapped in
+        copy_model = not lora and not engines.shards_parameters(policy.acc)
+        self.old = OldPolicy(policy.bundle, policy.unwrapped, copy_model=copy_model)
         if settings.trust_region and policy.ema is not None:
             raise ConfigError(
                 "nft.trust_region: scales a step back after train.ema_decay's EMA has averaged "
@@ -374,7 +410,7 @@ class NFTUpdate:
         return self.old.active()
 
     def state_entries(self) -> dict:
-        entries = {"old_policy": self.old.state_dict()}
+        entries = {"old_policy": self.old.state_dict(keep=self.policy.acc.is_main_process)}
         if self.ema_reference is not None:
             entries["kl_reference"] = self.ema_reference.state_dict()
         return entries
