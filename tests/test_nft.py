@@ -4,6 +4,7 @@ trainer end to end (weights change, metrics logged, resume equals an uninterrupt
 
 import dataclasses
 import json
+import math
 import os
 from types import SimpleNamespace
 
@@ -210,7 +211,10 @@ def test_old_policy_soft_update_swap_and_state(copy_model):
         (["nft.beta=0.1"], "nft.beta: is only read by rl.algorithm=nft"),
         (["sampler.kind=ode"], "sampler.kind: 'ode' rollouts have no log-probs for Flow-GRPO"),
         (["rl.algorithm=nft", "rl.kl_mode=reward"], "rl.kl_mode: 'reward' needs the log"),
-        (["rl.algorithm=nft", "sampler.guidance_scale=3"], "sampler.guidance_scale: nft trains"),
+        (["rl.algorithm=nft", "sampler.guidance_scale=3"], "sampler.guidance_scale: with nft."),
+        (["rl.algorithm=nft", "nft.guidance=rollouts"], "nft.guidance: rollouts guides the"),
+        (["rl.algorithm=nft", "nft.guidance=cfg"], "nft.guidance: got 'cfg', expected one of"),
+        (["nft.guidance=anchor"], "nft.guidance: is only read by rl.algorithm=nft"),
         (
             ["rl.algorithm=nft", "sampler.kind=ode", "sampler.same_noise_per_group=true"],
             "sampler.same_noise_per_group: with sampler.noise_level 0 or sampler.kind ode",
@@ -464,3 +468,19 @@ def test_a_checkpoint_from_before_the_algorithm_keys_resumes_at_their_defaults()
     check_resume(saved, config, "old")
     with pytest.raises(ConfigError, match=r"^rl\.algorithm: changed since the checkpoint"):
         check_resume(saved, load_config(FLOW_GRPO_TOY, ["rl.algorithm=nft"]), "old")
+
+
+@pytest.mark.parametrize(("mode", "anchored"), [("rollouts", False), ("anchor", True)])
+def test_guided_nft_anchors_on_the_velocity_its_setting_names(tmp_path, mode, anchored):
+    # At the first update theta_old = theta: anchored on the old policy's conditional velocity
+    # (rollouts), v_old is v_theta exactly; anchored on its guided velocity, v_old - v_theta =
+    # (w - 1)(v_c - v_u), which a model whose text changes its velocity makes nonzero.
+    config = _config(
+        tmp_path, "train.num_steps=1", "sampler.kind=ode", f"nft.guidance={mode}",
+        "sampler.guidance_scale=3",
+    )  # fmt: skip
+    train(config)
+    (row,) = _rows(config.out_dir)
+    assert math.isfinite(row["loss/policy"]) and math.isfinite(row["train/grad_norm"])
+    assert (row["train/old_deviation"] > 1e-6) is anchored
+    assert anchored or row["train/old_deviation"] == 0.0

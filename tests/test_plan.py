@@ -66,6 +66,20 @@ def test_guidance_doubles_rollout_activations_and_time():
     )
 
 
+def test_a_conditional_update_keeps_guidance_to_the_rollouts():
+    guided = dataclasses.replace(STEP, guidance=True)
+    conditional = dataclasses.replace(guided, guided_update=False)
+    assert plan.memory_gib(TOY, conditional)["rollout activations"] == pytest.approx(
+        plan.memory_gib(TOY, guided)["rollout activations"], rel=1e-12
+    )
+    assert plan.memory_gib(TOY, conditional)["training activations"] == pytest.approx(
+        plan.memory_gib(TOY, STEP)["training activations"], rel=1e-12
+    )
+    seconds = plan.seconds_per_step(TOY, conditional)
+    assert seconds["rollout"] == pytest.approx(plan.seconds_per_step(TOY, guided)["rollout"])
+    assert seconds["update"] == pytest.approx(plan.seconds_per_step(TOY, STEP)["update"])
+
+
 def test_sequence_parallelism_divides_activations_not_states():
     one = plan.memory_gib(TOY, dataclasses.replace(STEP, gpus=4))
     four = plan.memory_gib(TOY, dataclasses.replace(STEP, gpus=4, sequence_parallel=4))

@@ -116,7 +116,8 @@ class StepShape:
     a reference forward per trained step, ``sparsity`` 0 for dense attention,
     ``sequence_parallel`` the GPUs that share one video's tokens (``parallel.
     sequence_parallel_size``; ``gpus`` counts them all), ``compiled`` the blocks under
-    torch.compile (``model.compile_blocks``)."""
+    torch.compile (``model.compile_blocks``), ``guided_update`` whether the update's passes run
+    guidance's two branches too (Flow-GRPO) or the conditional one alone (DiffusionNFT)."""
 
     tokens: int
     videos: int
@@ -133,6 +134,7 @@ class StepShape:
     gpus: int = 1
     sequence_parallel: int = 1
     compiled: bool = False
+    guided_update: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -146,8 +148,14 @@ class StepShape:
 
     @property
     def batch(self) -> int:
-        """Videos in one forward: guidance runs the unconditional branch in the same batch."""
+        """Videos in one rollout forward: guidance runs the unconditional branch in the same
+        batch."""
         return self.train_batch_size * (2 if self.guidance else 1)
+
+    @property
+    def update_batch(self) -> int:
+        """Videos in one training pass."""
+        return self.batch if self.guided_update else self.train_batch_size
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -185,10 +193,11 @@ def activation_bytes(model: ModelShape, step: StepShape) -> dict[str, float]:
     (checkpoint boundaries + one block, or every block without checkpointing)."""
     tokens = step.tokens / step.sequence_parallel  # this GPU's share of each video
     block = block_bytes(model, tokens, step.batch)
-    boundaries = boundary_bytes(model, tokens, step.batch)
+    trained = block_bytes(model, tokens, step.update_batch)
+    boundaries = boundary_bytes(model, tokens, step.update_batch)
     return {
         "rollout": block,
-        "training": boundaries + block if step.checkpointing else model.layers * block,
+        "training": boundaries + trained if step.checkpointing else model.layers * trained,
     }
 
 
@@ -264,7 +273,8 @@ def seconds_per_step(model: ModelShape, step: StepShape) -> dict[str, float]:
     videos = step.videos / step.gpus
     rollout = videos * step.sampler_steps * branches * forward
     per_trained = fit.train_factor * forward + (forward if step.kl else 0.0)
-    update = videos * step.trained_steps * branches * per_trained
+    update_branches = branches if step.guided_update else 1
+    update = videos * step.trained_steps * update_branches * per_trained
     interpolated = float(min(abs(step.sparsity - s) for s in fit.sparsities) > 1e-9)
     return {
         "rollout": rollout,
@@ -296,6 +306,7 @@ def step_shape(config: RunConfig, tokens: int) -> StepShape:
         sequence_parallel=config.parallel.sequence_parallel_size,
         gpus=config.parallel.sequence_parallel_size,
         compiled=config.model.compile_blocks,
+        guided_update=rl.algorithm != "nft",  # nft trains the conditional velocity alone
     )
 
 

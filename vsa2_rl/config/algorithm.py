@@ -398,6 +398,15 @@ class NFTConfig:
         "step) nor DeepSpeed (its float32 master weights would undo the scaling).",
         default=0.0,
     )
+    guidance: str = _doc(
+        "How classifier-free guidance (sampler.guidance_scale > 1) enters: 'none' = "
+        "guidance-free rollouts, as the paper (sampler.guidance_scale must be 1); 'rollouts' = "
+        "the old policy samples with guidance and v+ and v- are anchored on its conditional "
+        "velocity; 'anchor' = the old policy samples with guidance and v+ and v- are anchored "
+        "on its guided velocity (each training pass runs the old policy's unconditional branch "
+        "too). The trained velocity is the conditional one in every case.",
+        default="none",
+    )
     adaptive_weighting: bool = _doc(
         "Self-normalised x0 regression (the paper's adaptive loss weighting): each sample's "
         "|x0_hat - x0|^2 divided by its detached mean |x0_hat - x0|; false = the plain "
@@ -411,6 +420,7 @@ class NFTConfig:
         ):  # fmt: skip
             _check_finite(getattr(self, key), f"nft.{key}")
         _check(self.beta > 0, "nft.beta", f"must be > 0, got {self.beta}")
+        _check_choice(self.guidance, "nft.guidance", ("none", "rollouts", "anchor"))
         _check(
             self.advantage_scale > 0,
             "nft.advantage_scale",

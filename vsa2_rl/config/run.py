@@ -334,14 +334,22 @@ class RunConfig:
             "'reward' needs the log-probs of SDE transitions, which nft does not use; with "
             "rl.algorithm=nft the KL is a loss term (rl.kl_mode=loss)",
         )
-        for key in ("guidance_scale", "guidance_scale_2"):
-            _check(
-                getattr(self.sampler, key) in (None, 1.0),
-                f"sampler.{key}",
-                "nft trains the conditional velocity alone (CFG-free, as the DiffusionNFT "
-                f"paper), so its rollouts must come from that policy: set 1 (eval.{key} may "
-                "differ)",
-            )
+        guided = max(self.sampler.guidance_scale, self.sampler.guidance_scale_2 or 1.0) > 1
+        if self.nft.guidance == "none":
+            for key in ("guidance_scale", "guidance_scale_2"):
+                _check(
+                    getattr(self.sampler, key) in (None, 1.0),
+                    f"sampler.{key}",
+                    "with nft.guidance=none nft samples its rollouts without guidance, as the "
+                    f"DiffusionNFT paper: set 1 (eval.{key} may differ), or guide them with "
+                    "nft.guidance=rollouts or anchor",
+                )
+        _check(
+            self.nft.guidance == "none" or guided,
+            "nft.guidance",
+            f"{self.nft.guidance} guides the rollouts with sampler.guidance_scale, which is 1; "
+            "raise it (e.g. 5) or set nft.guidance=none",
+        )
 
     @property
     def eval_guidance_scale(self) -> float:

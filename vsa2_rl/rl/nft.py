@@ -5,7 +5,9 @@ Follows Zheng et al., 2025, "DiffusionNFT: Online Diffusion Reinforcement with F
 repository's convention ``x_sigma = (1 - sigma) x0 + sigma eps``, velocity ``v = eps - x0``:
 
 - the old policy ``v_old`` samples the rollouts, with any solver (``sampler.kind=ode`` included:
-  no log-probs are needed) and without guidance;
+  no log-probs are needed) and without guidance (``nft.guidance=none``, the paper's); beyond the
+  paper, ``nft.guidance=rollouts`` samples them with the sampler's classifier-free guidance, and
+  ``nft.guidance=anchor`` also takes the guided velocity as ``v_old`` in the loss below;
 - a reward becomes an optimality probability ``r = 0.5 + 0.5 clip(A / Z, -1, 1)`` of the sample's
   group advantage A (:func:`optimality_probability`);
 - the clean rollouts x0 are noised again on the forward process, and the policy regresses the
@@ -351,7 +353,8 @@ class NFTUpdate:
     (chunk, level), all accumulated into one optimizer step in which every sample and level
     weighs the same, however ``rl.train_batch_size`` cuts the samples and over any number of
     ranks. The old and the trained velocity both run at the training sparsity, so that at the
-    first pass of a run (theta_old = theta) they agree exactly (``train/old_deviation`` 0).
+    first pass of a run (theta_old = theta) they agree exactly (``train/old_deviation`` 0;
+    with ``nft.guidance=anchor`` v_old is the guided velocity, and they differ by guidance).
     """
 
     requires = ("latents",)  # of the trajectory only its end, the clean samples x0
@@ -361,6 +364,7 @@ class NFTUpdate:
         seed: int,
     ):  # fmt: skip
         self.policy, self.settings, self.rl, self.seed = policy, settings, rl, seed
+        self.sampler = sampler
         low, high = settings.sigma_range
         _check_trained_levels(policy.unwrapped, low, high)
         levels = sampler.sigmas[:-1]  # the schedule's sigmas but the final 0
@@ -526,8 +530,8 @@ class NFTUpdate:
         noise, sigma = noise.to(x0.device), draws.sigmas[:, level]
         column = sigma.reshape(-1, *[1] * (x0.ndim - 1))
         x = (1.0 - column) * x0 + column * noise
-        with torch.no_grad(), self.old.active() as old:  # guidance-free (RunConfig checks)
-            v_old = old.velocity(x, sigma, chunk.condition).float()
+        with torch.no_grad(), self.old.active() as old:
+            v_old = self._old_velocity(old, x, sigma, chunk.condition)
         v_theta = policy.bundle.velocity(x, sigma, chunk.condition).float()
         r = optimality_probability(chunk.advantages, settings.advantage_scale)
         loss = nft_loss(
@@ -542,6 +546,13 @@ class NFTUpdate:
             kl = (v_theta - v_reference).square().mean(dims)
         losses = loss, kl, (v_theta.detach() - v_old).square().mean(dims), r
         return losses, _Probe(x, sigma, chunk.condition, v_theta.detach())
+
+    def _old_velocity(self, old, x: Tensor, sigma: Tensor, condition) -> Tensor:
+        """v_old, float32: the old policy's conditional velocity, or with nft.guidance=anchor
+        its velocity under the rollouts' classifier-free guidance."""
+        if self.settings.guidance == "anchor":
+            return self.sampler.velocity_fn(old, condition)(x, sigma).float()
+        return old.velocity(x, sigma, condition).float()
 
     def _sample_weight(self, chunks: list) -> float:
         """The factor of a pass's summed loss that makes the update the mean over every kept
