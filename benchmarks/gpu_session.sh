@@ -8,7 +8,7 @@
 #     [ab] [host_ab] [profile] [gluon] [bwd_tests] [bwd_ab] [wan] [resume_toy] [gpu1] [engines] [resume]
 #     [algorithms] [toy_build] [toy_builds] [toy_ceiling] [toy_rl] [reward_signal] [prefix]
 #     [sp_memory] [sp_speed] [sp_train] [wan22_ti2v] [wan22_a14b] [wan22_720p] [claims]
-#     [layout] [block_kernels] [vae_decode] [rl_recipe] [rl_fused] [model_families]
+#     [layout] [block_kernels] [vae_decode] [rl_recipe] [rl_fused] [model_families] [nft_guidance]
 # (ab needs the last commit's wheel in .whl_base/; engines and resume need 2 GPUs and
 # DeepSpeed's wheels: deepspeed, hjson, pydantic, pydantic_core, annotated_types,
 # typing_inspection, typing_extensions)
@@ -170,6 +170,26 @@ for part in "${parts[@]}"; do
       cp "$sweep.log" "$OUT/drift_run.log"; tail -4 "$sweep.log"
       PYTHONPATH=$PYTHONPATH:$PWD/benchmarks PYTHONSAFEPATH=1 python3 benchmarks/drift_remedies.py report --out $sweep 2>&1 | tail -8
       sweep_rows drift ;;
+    nft_guidance)  # guidance in DiffusionNFT (nft_guidance.py): a toy base with caption
+      # dropout 0.1 (built here unless carried back as .gpu_state/guidance_base.tar, which this
+      # part writes to $OUT), then GUIDANCE_VARIANTS x GUIDANCE_SEEDS, GUIDANCE_PARALLEL at once;
+      # call again until every run and sweep is done; the report of what is done
+      sweep=/tmp/guidance
+      [ -f .gpu_state/guidance_base.tar ] && [ ! -d $sweep/base ] && mkdir -p $sweep \
+        && tar -C $sweep -xf .gpu_state/guidance_base.tar
+      if [ ! -f $sweep/base/toy.safetensors ]; then
+        timeout ${GUIDANCE_BUILD_S:-300} python3 -P scripts/build_toy_model.py --device cuda \
+          --caption-dropout 0.1 --out $sweep/base > $sweep/base_build.log 2>&1
+        echo "guidance base build rc=$?"; grep -v " step " $sweep/base_build.log | grep "^|\|saved" | tail -6
+        cp $sweep/base_build.log $sweep/base/ 2>/dev/null
+      fi
+      tar -C $sweep -cf "$OUT/guidance_base.tar" base
+      PYTHONPATH=$PYTHONPATH:$PWD/benchmarks PYTHONSAFEPATH=1 timeout ${GUIDANCE_S:-400} python3 benchmarks/nft_guidance.py run --out $sweep \
+        --base $sweep/base ${GUIDANCE_VARIANTS:+--variants $GUIDANCE_VARIANTS} \
+        ${GUIDANCE_SEEDS:+--seeds $GUIDANCE_SEEDS} --parallel ${GUIDANCE_PARALLEL:-18} >> "$sweep.log" 2>&1
+      cp "$sweep.log" "$OUT/guidance_run.log"; tail -4 "$sweep.log"
+      PYTHONPATH=$PYTHONPATH:$PWD/benchmarks PYTHONSAFEPATH=1 python3 benchmarks/nft_guidance.py report --out $sweep 2>&1 | tail -8
+      sweep_rows guidance ;;
     frontier)  # the router settings' quality-speed frontier: the op at the router claim's densities
       # (its two routers only: kv16 top-p, kv64 top-k), then frontier.py's table and choice
       for router in 16:topp 64:topk; do
