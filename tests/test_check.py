@@ -142,11 +142,17 @@ def test_the_plan_estimates_memory_and_time_from_the_recipes_shapes(folders):
         (["sampler.sde_window=null", "rl.timestep_fraction=0.25"], {"trained_steps": 4}),
         (["rl.algorithm=nft", "sampler.kind=ode", "sampler.guidance_scale=1",
           "nft.timestep_fraction=0.5", "rl.kl_beta=0"],
-         {"trained_steps": 8, "guidance": False, "guided_update": False}),  # nft: the old
-        # policy's forward as the KL's; its training passes are conditional alone
+         {"trained_steps": 8, "guidance": False, "guided_update": False, "kl": False,
+          "old_policy_forwards": 1}),  # nft: the old policy's conditional forward, no KL's;
+        # its training passes are conditional alone
         (["rl.algorithm=nft", "sampler.kind=ode", "nft.guidance=rollouts", "rl.kl_beta=0",
           "nft.timestep_fraction=0.5"],
-         {"trained_steps": 8, "guided_update": False}),  # guided rollouts
+         {"trained_steps": 8, "guided_update": False, "kl": False,
+          "old_policy_forwards": 1}),  # guided rollouts, anchored on the conditional velocity
+        (["rl.algorithm=nft", "sampler.kind=ode", "nft.guidance=anchor",
+          "nft.timestep_fraction=0.5"],
+         {"trained_steps": 8, "guided_update": False, "old_policy_forwards": 2}),  # anchored
+        # on the guided velocity: both branches of the old policy, and the KL's reference
         (["sampler.guidance_scale=1", "rl.kl_beta=0", "train.ema_decay=0"],
          {"guidance": False, "kl": False, "ema": False}),
         (["attention.enabled=false", "model.lora.enabled=false"],

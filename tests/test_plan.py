@@ -50,6 +50,44 @@ def test_full_fine_tuning_kl_reference_is_a_copy_lora_none():
     assert lora["reference"] == 0.0
 
 
+def test_nft_old_policy_is_a_model_copy_in_full_fine_tuning_else_trained_tensors():
+    nft = dataclasses.replace(STEP, old_policy_forwards=1)
+
+    def gib(**changes):
+        return plan.memory_gib(TOY, dataclasses.replace(nft, **changes))
+
+    assert plan.memory_gib(TOY, STEP)["old policy"] == 0.0  # Flow-GRPO has none
+    assert gib(lora=False)["old policy"] * plan.GIB == pytest.approx(2 * TOY.params)
+    # LoRA: fp32 copies of what trains, and their bf16 clone while the old policy runs
+    assert gib()["old policy"] * plan.GIB == pytest.approx(6 * TOY.trained_params)
+    # full fine-tuning under FSDP2: the same on each GPU's shard
+    fsdp2 = gib(lora=False, engine="fsdp2", gpus=4)
+    assert fsdp2["old policy"] * plan.GIB == pytest.approx(6 * TOY.trained_params / 4)
+    held = fsdp2["weights"] + fsdp2["optimizer"] + fsdp2["old policy"]
+    assert fsdp2["rollout"] == pytest.approx(held + fsdp2["rollout activations"])
+
+
+def test_nft_update_counts_each_old_policy_forward_and_the_kl_reference():
+    forward = plan.forward_seconds(TOY, STEP.tokens, STEP.sparsity, STEP.compiled)
+    per_video_step = STEP.videos * STEP.trained_steps * forward
+    seconds = {
+        (kl, old): plan.seconds_per_step(
+            TOY, dataclasses.replace(STEP, kl=kl, old_policy_forwards=old)
+        )["update"]
+        for kl in (False, True)
+        for old in (0, 1, 2)
+    }
+    assert seconds[False, 0] == pytest.approx(plan.TIME_FITS[False].train_factor * per_video_step)
+    for kl, old in seconds:
+        assert seconds[kl, old] - seconds[False, 0] == pytest.approx((kl + old) * per_video_step)
+
+
+def test_zero3_is_left_out_of_nfts_engine_peaks():
+    nft = dataclasses.replace(STEP, old_policy_forwards=1)
+    assert "zero3" in plan.engine_peaks(TOY, STEP)
+    assert list(plan.engine_peaks(TOY, nft)) == ["ddp", "zero2", "fsdp2"]
+
+
 def test_checkpointing_holds_fewer_activations():
     kept = plan.memory_gib(TOY, STEP)["training activations"]
     every = plan.memory_gib(TOY, dataclasses.replace(STEP, checkpointing=False))

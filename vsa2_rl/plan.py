@@ -9,7 +9,9 @@ of what trains; AdamW's two moments in the parameters' dtype (bf16) under DDP an
 DeepSpeed's fp32 master weights and fp32 moments (12 bytes a trained parameter) under ZeRO-2/3;
 DDP's gradient buckets (one more bf16 gradient) on more than one GPU; the frozen copy that is
 the KL reference of full fine-tuning (LoRA's reference is the model with its adapters off: no
-copy); an fp32 EMA of what trains. ZeRO-2 shards gradients and optimizer states over the GPUs,
+copy); DiffusionNFT's old policy (a frozen copy of the model in full fine-tuning, else an fp32
+copy of what trains plus a bf16 clone of it while the old policy runs, sharded under FSDP2);
+an fp32 EMA of what trains. ZeRO-2 shards gradients and optimizer states over the GPUs,
 ZeRO-3 and FSDP2 the weights too. Activations: a rollout forward (no gradients) holds one
 block's working set; a training forward with gradient checkpointing holds each block's input
 (tokens x hidden, bf16) plus one block's working set, without checkpointing every block's
@@ -117,7 +119,9 @@ class StepShape:
     ``sequence_parallel`` the GPUs that share one video's tokens (``parallel.
     sequence_parallel_size``; ``gpus`` counts them all), ``compiled`` the blocks under
     torch.compile (``model.compile_blocks``), ``guided_update`` whether the update's passes run
-    guidance's two branches too (Flow-GRPO) or the conditional one alone (DiffusionNFT)."""
+    guidance's two branches too (Flow-GRPO) or the conditional one alone (DiffusionNFT),
+    ``old_policy_forwards`` DiffusionNFT's forwards of its old policy per trained step (0 for
+    Flow-GRPO, 1 for its conditional velocity, 2 for its guided one: ``nft.guidance=anchor``)."""
 
     tokens: int
     videos: int
@@ -135,6 +139,7 @@ class StepShape:
     sequence_parallel: int = 1
     compiled: bool = False
     guided_update: bool = True
+    old_policy_forwards: int = 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -173,8 +178,20 @@ def _states_gib(model: ModelShape, step: StepShape) -> dict[str, float]:
         "optimizer": optimizer_bytes * t / (1 if step.engine == "ddp" else gpus) / GIB,
         "buckets": 2 * t / GIB if step.engine == "ddp" and gpus > 1 else 0.0,
         "reference": 2 * t / GIB if step.kl and not step.lora else 0.0,
+        "old policy": _old_policy_bytes(model, step) / GIB,
         "ema": 4 * t / GIB if step.ema else 0.0,
     }
+
+
+def _old_policy_bytes(model: ModelShape, step: StepShape) -> float:
+    """DiffusionNFT's old policy per GPU: full fine-tuning's frozen bf16 copy of the model, or
+    (LoRA, FSDP2's shards) an fp32 copy of the trained tensors and their bf16 clone kept while
+    the old policy's weights are swapped in."""
+    if not step.old_policy_forwards:
+        return 0.0
+    if not step.lora and step.engine != "fsdp2":
+        return 2.0 * model.params
+    return 6.0 * model.trained_params / (step.gpus if step.engine == "fsdp2" else 1)
 
 
 def block_bytes(model: ModelShape, tokens: float, batch: int) -> float:
@@ -214,7 +231,7 @@ def memory_gib(model: ModelShape, step: StepShape) -> dict[str, float]:
         "rollout activations": ACTIVATION_FACTOR * raw["rollout"] / GIB,
         "training activations": ACTIVATION_FACTOR * raw["training"] / GIB,
     }
-    held = parts["weights"] + parts["optimizer"] + parts["reference"] + parts["ema"]
+    held = sum(parts[name] for name in ("weights", "optimizer", "reference", "old policy", "ema"))
     rollout = held + parts["rollout activations"]
     update = held + parts["gradients"] + parts["buckets"] + parts["training activations"]
     return {**parts, "rollout": rollout, "update": update, "peak": max(rollout, update)}
@@ -264,7 +281,8 @@ def forward_seconds(
 
 def seconds_per_step(model: ModelShape, step: StepShape) -> dict[str, float]:
     """Seconds of the ``rollout`` (every sampler step of every video, guided), the ``update``
-    (each trained step: a training pass and, with ``kl``, a reference forward) and ``total``,
+    (each trained step: a training pass, with ``kl`` a reference forward, and DiffusionNFT's
+    forwards of its old policy) and ``total``,
     the videos spread evenly over ``gpus``; ``interpolated`` is 1.0 where the sparsity is
     not one the constants were fitted at."""
     fit = TIME_FITS[step.compiled]
@@ -272,7 +290,8 @@ def seconds_per_step(model: ModelShape, step: StepShape) -> dict[str, float]:
     branches = 2 if step.guidance else 1
     videos = step.videos / step.gpus
     rollout = videos * step.sampler_steps * branches * forward
-    per_trained = fit.train_factor * forward + (forward if step.kl else 0.0)
+    no_grad_forwards = step.kl + step.old_policy_forwards
+    per_trained = (fit.train_factor + no_grad_forwards) * forward
     update_branches = branches if step.guided_update else 1
     update = videos * step.trained_steps * update_branches * per_trained
     interpolated = float(min(abs(step.sparsity - s) for s in fit.sparsities) > 1e-9)
@@ -298,7 +317,7 @@ def step_shape(config: RunConfig, tokens: int) -> StepShape:
         trained_steps=trained_steps(config),
         train_batch_size=rl.train_batch_size,
         guidance=sampler.guidance_scale != 1 or (sampler.guidance_scale_2 or 1) != 1,
-        kl=rl.kl_beta > 0 or rl.algorithm == "nft",  # nft: the old policy's forward
+        kl=rl.kl_beta > 0,
         ema=config.train.ema_decay > 0,
         lora=config.model.lora.enabled,
         checkpointing=config.model.gradient_checkpointing,
@@ -307,7 +326,16 @@ def step_shape(config: RunConfig, tokens: int) -> StepShape:
         gpus=config.parallel.sequence_parallel_size,
         compiled=config.model.compile_blocks,
         guided_update=rl.algorithm != "nft",  # nft trains the conditional velocity alone
+        old_policy_forwards=old_policy_forwards(config),
     )
+
+
+def old_policy_forwards(config: RunConfig) -> int:
+    """DiffusionNFT's forwards of its old policy per trained step: its conditional velocity, or
+    with ``nft.guidance=anchor`` its guided one (both branches); none for Flow-GRPO."""
+    if config.rl.algorithm != "nft":
+        return 0
+    return 2 if config.nft.guidance == "anchor" else 1
 
 
 def trained_steps(config: RunConfig) -> int:
@@ -354,13 +382,15 @@ def gpu_counts(step: StepShape, counts=(2, 4, 8)) -> tuple[int, ...]:
 
 
 def engine_peaks(model: ModelShape, step: StepShape, counts=(2, 4, 8)) -> dict:
-    """Peak GiB per GPU of ``step`` under each engine on each of :func:`gpu_counts`."""
+    """Peak GiB per GPU of ``step`` under each engine on each of :func:`gpu_counts`
+    (DiffusionNFT's without ZeRO-3, which it refuses)."""
+    engines = [e for e in ENGINES if not (e == "zero3" and step.old_policy_forwards)]
     return {
         engine: {
             n: memory_gib(model, dataclasses.replace(step, engine=engine, gpus=n))["peak"]
             for n in gpu_counts(step, counts)
         }
-        for engine in ENGINES
+        for engine in engines
     }
 
 
