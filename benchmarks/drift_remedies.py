@@ -64,6 +64,7 @@ from sparse_rollouts import (
     mean_sd,
     planned_num_steps,
     read_metrics,
+    run_config,
     run_jobs,
     train_command,
 )
@@ -171,9 +172,8 @@ def read_runs(out: Path) -> dict[tuple[str, str, int], dict[str, Change]]:
     runs = {}
     for path in sorted((out / "runs").glob("*")):
         match = RUN_NAME.match(path.name)
-        if not (match and path.is_dir() and (path / "config.yaml").is_file()):
-            continue
-        if not is_finished(path, planned_num_steps(path / "config.yaml", [])):
+        config = run_config(path) if match and path.is_dir() else None
+        if not (config and is_finished(path, config["train"]["num_steps"])):
             continue
         metrics = read_metrics(path / "metrics.jsonl")
         found = {name: changes(metrics, name) for name in (REWARD, FIDELITY)}

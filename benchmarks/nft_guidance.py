@@ -52,6 +52,7 @@ from sparse_rollouts import (
     is_finished,
     planned_num_steps,
     read_metrics,
+    run_config,
     run_jobs,
     sweep_figures,
     train_command,
@@ -154,9 +155,8 @@ def read_runs(out: Path, scale: float) -> dict[tuple[str, str, int], dict[str, f
     runs = {}
     for path in sorted((out / "runs").glob("*")):
         match = RUN_NAME.match(path.name)
-        if not (match and path.is_dir() and (path / "config.yaml").is_file()):
-            continue
-        if not is_finished(path, planned_num_steps(path / "config.yaml", [])):
+        config = run_config(path) if match and path.is_dir() else None
+        if not (config and is_finished(path, config["train"]["num_steps"])):
             continue
         metrics = read_metrics(path / "metrics.jsonl")
         motion, fidelity = changes(metrics, REWARD), changes(metrics, FIDELITY)

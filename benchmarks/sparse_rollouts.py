@@ -26,12 +26,15 @@ Commands, each reading and writing ``--out``:
   iteration speed-up each sparsity has against the one it needs to match dense rollouts'
   reward per GPU-hour, and the rollout sparsity the recipes should use) and
   ``report.png`` (held-out reward against RL step and GPU-seconds).
+- ``pack``: the runs' ``config.yaml`` files as one ``configs.jsonl`` beside ``runs/`` (a line
+  per run), for results kept in the repository; every report here reads either.
 
 ::
 
     python benchmarks/sparse_rollouts.py run --base BASE --out runs/sparse_rollouts --parallel 4
     python benchmarks/sparse_rollouts.py time --base BASE --out runs/sparse_rollouts
     python benchmarks/sparse_rollouts.py report --out runs/sparse_rollouts
+    python benchmarks/sparse_rollouts.py pack --out benchmarks/results/sparse_rollouts/NAME
 
 ``--set KEY=VALUE`` overrides every run's config (``run`` and ``time``), e.g. smaller videos.
 """
@@ -66,6 +69,7 @@ AGREEMENT_KEY = "velocity_rel_error"
 BASE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)
 BASE = "base"
 RUN_NAME = re.compile(r"^(nft|control|warmup)_s([0-9.]+)_seed(\d+)$")
+PACKED_CONFIGS = "configs.jsonl"
 POLL_S = 0.5
 LOG_TAIL = 10
 VERDICT_RULE = (
@@ -148,6 +152,44 @@ def read_metrics(path: Path) -> dict[int, dict]:
                 continue
             rows[row["step"]] = {**rows.get(row["step"], {}), **row}
     return rows
+
+
+def run_config(run_dir: Path) -> dict | None:
+    """The config a run recorded: its ``config.yaml``, or its line of the study's packed
+    ``configs.jsonl`` (:func:`pack_configs`) beside ``runs/``; None if it has neither."""
+    saved = run_dir / "config.yaml"
+    if saved.is_file():
+        return yaml.safe_load(saved.read_text())
+    packed = run_dir.parent.parent / PACKED_CONFIGS
+    if packed.is_file():
+        for line in packed.read_text().splitlines():
+            record = json.loads(line)
+            if record["run"] == run_dir.name:
+                return record["config"]
+    return None
+
+
+def pack_configs(out: Path) -> int:
+    """Moves every ``out/runs/<name>/config.yaml`` into ``out/configs.jsonl`` (runs packed
+    before keep their lines); returns the number of runs packed now."""
+    packed = out / PACKED_CONFIGS
+    records = {}
+    if packed.is_file():
+        records = {r["run"]: r for r in map(json.loads, packed.read_text().splitlines())}
+    saved = sorted((out / "runs").glob("*/config.yaml"))
+    for path in saved:
+        records[path.parent.name] = {"run": path.parent.name,
+                                     "config": yaml.safe_load(path.read_text())}  # fmt: skip
+    packed.write_text("".join(json.dumps(records[name]) + "\n" for name in sorted(records)))
+    for path in saved:  # only once every config is in the packed file
+        path.unlink()
+    return len(saved)
+
+
+def command_pack(args) -> int:
+    count = pack_configs(args.out)
+    print(f"packed {count} configs into {args.out / PACKED_CONFIGS}", flush=True)
+    return 0
 
 
 def is_finished(run_dir: Path, num_steps: int) -> bool:
@@ -593,11 +635,11 @@ def provenance(record: dict | None) -> str:
 
 
 def recorded_num_steps(runs: list[Run]) -> int:
-    """train.num_steps the runs were given (from the first run's config.yaml)."""
+    """train.num_steps the runs were given (from the first run's recorded config)."""
     for run in runs:
-        saved = run.path / "config.yaml"
-        if saved.is_file():
-            return yaml.safe_load(saved.read_text())["train"]["num_steps"]
+        config = run_config(run.path)
+        if config:
+            return config["train"]["num_steps"]
     raise SystemExit("--out: no run folder holds a config.yaml (did `run` start them?)")
 
 
@@ -752,10 +794,10 @@ def command_report(args) -> int:
 def parser() -> argparse.ArgumentParser:
     main_parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = main_parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "time", "report"):
+    for name in ("run", "time", "report", "pack"):
         command = commands.add_parser(name)
         command.add_argument("--out", type=Path, required=True, help="the benchmark's folder")
-        if name != "report":
+        if name in ("run", "time"):
             command.add_argument("--base", type=Path, required=True, help="built testbed base")
             command.add_argument("--sparsities", type=float, nargs="+", default=[0, 0.5, 0.75, 0.9])
             command.add_argument("--device", default="cuda")
@@ -765,7 +807,7 @@ def parser() -> argparse.ArgumentParser:
                 "--configs", type=Path, nargs=2, default=CONFIGS, metavar=("NFT", "CONTROL"),
                 help="the runs' recipe and its control's (default: the testbed's)",
             )  # fmt: skip
-        if name != "time":
+        if name in ("run", "report"):
             command.add_argument("--eval-sparsity", type=float, default=0.5)
     run, time_, report = (commands.choices[name] for name in ("run", "time", "report"))
     run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -787,7 +829,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    commands = {"run": command_run, "time": command_time, "report": command_report}
+    commands = {"run": command_run, "time": command_time, "report": command_report,
+                "pack": command_pack}  # fmt: skip
     from vsa2_rl.config import ConfigError
 
     try:

@@ -317,3 +317,28 @@ def test_the_gate_fails_below_fifteen_points_and_says_when_unmeasured():
     assert "**failed**" in text
     text = "\n".join(sparse_rollouts.gate_lines(dense, changes, base, 0.5))
     assert "**not measured**" in text
+
+
+def test_packed_configs_read_back_as_the_files_they_replace(tmp_path):
+    import yaml
+
+    nft, control = sparse_rollouts.CONFIGS
+    recipes = {"nft_s0.5_seed0": nft, "control_s0.5_seed0": control}
+    for name, recipe in recipes.items():
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text(recipe.read_text())
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert sparse_rollouts.main(["pack", "--out", str(tmp_path)]) == 0
+    assert not list((tmp_path / "runs").glob("*/config.yaml"))  # the files are gone
+    for name, recipe in recipes.items():  # and each run's config reads back whole
+        expected = yaml.safe_load(recipe.read_text())
+        assert sparse_rollouts.run_config(tmp_path / "runs" / name) == expected
+    # a run added later is packed beside the earlier ones, which keep their lines
+    (tmp_path / "runs" / "nft_s0.9_seed0").mkdir()
+    (tmp_path / "runs" / "nft_s0.9_seed0" / "config.yaml").write_text(nft.read_text())
+    assert sparse_rollouts.pack_configs(tmp_path) == 1
+    lines = (tmp_path / "configs.jsonl").read_text().splitlines()
+    assert [json.loads(line)["run"] for line in lines] == [
+        "control_s0.5_seed0", "nft_s0.5_seed0", "nft_s0.9_seed0"
+    ]  # fmt: skip
+    assert sparse_rollouts.run_config(tmp_path / "runs" / "nft_s0.75_seed0") is None
