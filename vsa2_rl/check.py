@@ -187,6 +187,8 @@ def _shapes(config: RunConfig, facts: ModelFacts):
     """(transformer without weights, the bundle's ``latent_shape``, a description)."""
     if config.model.kind == "hunyuan_video15":
         return _hunyuan_shapes(config)
+    if config.model.kind == "minimax_h3":
+        return _minimax_shapes(config)
     if facts.variant is None:
         return _toy_shapes(config)
     return _wan_shapes(config, facts.variant)
@@ -254,30 +256,37 @@ def _wan_shapes(config: RunConfig, variant: WanVariant):
     return transformer, shapes.latent_shape, _describe(variant, first, transformer)
 
 
-def _hunyuan_shapes(config: RunConfig):
-    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
-
-    from vsa2_rl.attention import SparsityState
-    from vsa2_rl.models.hunyuan_bundle import HunyuanBundle, check_folder
-    from vsa2_rl.models.hunyuan_video15 import enable_vsa2
+def _meta_models(path: str, classes: dict) -> dict:
+    """The diffusers models of ``path``'s subfolders (``{folder: class}``) built from their
+    config.json on the meta device: shapes only, no memory, no weights read."""
     from vsa2_rl.models.wan_bundle import read_json_object
 
-    path = config.model.path
-    check_folder(path)
     models = {}
-    for folder, model_class in (
-        ("transformer", HunyuanVideo15Transformer3DModel),
-        ("vae", AutoencoderKLHunyuanVideo15),
-    ):
+    for folder, model_class in classes.items():
         file = os.path.join(path, folder, "config.json")
         try:
-            with torch.device("meta"):  # shapes only: no memory, no weights read
+            with torch.device("meta"):
                 models[folder] = model_class.from_config(read_json_object(file))
         except (ValueError, TypeError, RuntimeError, ZeroDivisionError) as error:
             raise ConfigError(
                 f"model.path: {file} describes no {folder} diffusers can build ({error}); "
                 "restore it from the model's download"
             ) from None
+    return models
+
+
+def _hunyuan_shapes(config: RunConfig):
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+
+    from vsa2_rl.attention import SparsityState
+    from vsa2_rl.models.hunyuan_bundle import HunyuanBundle, check_folder
+    from vsa2_rl.models.hunyuan_video15 import enable_vsa2
+
+    check_folder(config.model.path)
+    models = _meta_models(
+        config.model.path,
+        {"transformer": HunyuanVideo15Transformer3DModel, "vae": AutoencoderKLHunyuanVideo15},
+    )
     transformer = enable_vsa2(models["transformer"], config.attention, SparsityState())
     shapes = HunyuanBundle(
         transformer, SparsityState(), int(transformer.config.out_channels), text_encoder=None,
@@ -285,6 +294,28 @@ def _hunyuan_shapes(config: RunConfig):
     )  # fmt: skip
     size = _count(_base_count(transformer))
     return transformer, shapes.latent_shape, f"HunyuanVideo-1.5, text-to-video: {size} parameters"
+
+
+def _minimax_shapes(config: RunConfig):
+    from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
+
+    from vsa2_rl.attention import SparsityState
+    from vsa2_rl.models.minimax_bundle import MiniMaxBundle, check_folder
+    from vsa2_rl.models.minimax_h3 import enable_vsa2
+
+    check_folder(config.model.path)
+    models = _meta_models(
+        config.model.path,
+        {"transformer": MiniMaxH3Transformer3DModel, "vae": AutoencoderKLMiniMaxH3},
+    )
+    transformer = enable_vsa2(models["transformer"], config.attention, SparsityState())
+    shapes = MiniMaxBundle(
+        transformer, SparsityState(), int(transformer.config.in_channels), text_encoder=None,
+        tokenizer=None, vae=models["vae"],
+    )  # fmt: skip
+    size = _count(_base_count(transformer))
+    what = f"MiniMax-H3, text-to-video (its soundtrack's rows held as noise): {size} parameters"
+    return transformer, shapes.latent_shape, what
 
 
 def _patch_size(transformer_config) -> tuple[int, int, int]:

@@ -12,12 +12,13 @@ MAX_SIDE = 16384
 MAX_VIDEO_PIXELS = 2**31 - 1
 # the model.kind choices: the families of vsa2_rl.models.family (which imports this package,
 # so the names are listed here; a test keeps the two equal)
-MODEL_KINDS = ("toy", "wan", "hunyuan_video15")
+MODEL_KINDS = ("toy", "wan", "hunyuan_video15", "minimax_h3")
 # what model.path must hold for each model.kind that needs one
 FOLDERS = {
     "wan": "a local diffusers Wan directory, e.g. model.path=/data/Wan2.1-T2V-1.3B-Diffusers",
     "hunyuan_video15": "a local diffusers HunyuanVideo-1.5 text-to-video directory, e.g. "
     "model.path=/data/HunyuanVideo-1.5-480p_t2v",
+    "minimax_h3": "a local diffusers MiniMax-H3 directory, e.g. model.path=/data/MiniMax-H3",
 }
 
 
@@ -57,7 +58,9 @@ class ModelConfig:
         "encoder; no download), 'wan' = a local diffusers Wan2.1 or Wan2.2 directory at "
         "model.path (T2V, I2V, TI2V-5B, A14B; what it is comes from its model_index.json), "
         "'hunyuan_video15' = a local diffusers HunyuanVideo-1.5 text-to-video directory at "
-        "model.path (no compiled or fused blocks, no sequence parallelism yet).",
+        "model.path (no compiled or fused blocks, no sequence parallelism yet), 'minimax_h3' = "
+        "a local diffusers MiniMax-H3 directory at model.path, trained on video (its audio rows "
+        "held as noise; no compiled or fused blocks, no sequence parallelism yet).",
         default="toy",
     )
     path: str | None = _doc(
@@ -66,8 +69,9 @@ class ModelConfig:
         "Wan2.2 A14B adds transformer_2/, Wan2.1 I2V image_encoder/ and image_processor/). "
         "kind=hunyuan_video15: a diffusers HunyuanVideo-1.5 text-to-video folder such as "
         "/data/HunyuanVideo-1.5-480p_t2v (transformer/, vae/, text_encoder/, tokenizer/, "
-        "text_encoder_2/, tokenizer_2/). kind=toy: optional checkpoint folder; empty = the "
-        "shipped toy model.",
+        "text_encoder_2/, tokenizer_2/). kind=minimax_h3: a diffusers MiniMax-H3 folder such as "
+        "/data/MiniMax-H3 (transformer/, vae/, text_encoder/, tokenizer/). kind=toy: optional "
+        "checkpoint folder; empty = the shipped toy model.",
         default=None,
     )
     train_experts: list[str] = _doc(
@@ -174,12 +178,12 @@ class ModelConfig:
             if self.kind == "toy"
             else f"the {self.kind} model decodes in float32 only; leave it at float32",
         )
-        if self.kind == "hunyuan_video15":
+        if self.kind in ("hunyuan_video15", "minimax_h3"):
             for key in ("compile_blocks", "fused_kernels"):
                 _check(
                     not getattr(self, key),
                     f"model.{key}",
-                    "model.kind=hunyuan_video15 has no compiled or fused blocks yet; set it false",
+                    f"model.kind={self.kind} has no compiled or fused blocks yet; set it false",
                 )
 
 

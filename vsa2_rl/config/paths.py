@@ -56,6 +56,8 @@ def check_model_paths(config: RunConfig) -> None:
             "Wan2.2-TI2V-5B-Diffusers",
             "hunyuan_video15": "put a local diffusers HunyuanVideo-1.5 text-to-video folder "
             "there, e.g. HunyuanVideo-1.5-480p_t2v",
+            "minimax_h3": "put a local diffusers MiniMax-H3 folder there (the modular "
+            "pipeline's components: transformer/, vae/, text_encoder/, tokenizer/)",
         }.get(model.kind, "leave empty for the shipped toy model")
         _check(
             os.path.isdir(model.path), "model.path", f"directory not found: {model.path} ({hint})"

@@ -12,6 +12,9 @@ small diffusers ``WanTransformer3DModel`` but whose checkpoint, text encoder and
 ``hunyuan_video15`` (local diffusers HunyuanVideo-1.5 text-to-video folders,
 :mod:`vsa2_rl.models.hunyuan_bundle`) has its own VSA2 attention
 (:mod:`vsa2_rl.models.hunyuan_video15`); it does not compile, fuse or split its blocks yet.
+Nor does ``minimax_h3`` (local diffusers MiniMax-H3 folders, text-to-video with the audio rows
+held as noise, :mod:`vsa2_rl.models.minimax_bundle`), with its own VSA2 attention
+(:mod:`vsa2_rl.models.minimax_h3`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from vsa2_rl.config import ConfigError, RunConfig
-from vsa2_rl.models import hunyuan_video15, wan
+from vsa2_rl.models import hunyuan_video15, minimax_h3, wan
 
 if TYPE_CHECKING:
     from vsa2_rl.models.wan_bundle import VideoDiTBundle
@@ -82,19 +85,33 @@ def _load_hunyuan_bundle(config: RunConfig, device, dtype, facts: ModelFacts | N
     )
 
 
-def _refuse(key: str, what: str) -> Callable[[nn.Module], nn.Module]:
-    """A block transformation HunyuanVideo-1.5 does not have yet: a ConfigError naming ``key``,
-    the setting that asked for it."""
+def _load_minimax_bundle(config: RunConfig, device, dtype, facts: ModelFacts | None):
+    from vsa2_rl.models.minimax_bundle import load_minimax_h3_bundle
+
+    model = config.model
+    cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
+    return load_minimax_h3_bundle(
+        model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache
+    )
+
+
+def _refuse(model: str, key: str, what: str) -> Callable[[nn.Module], nn.Module]:
+    """A block transformation ``model`` does not have yet: a ConfigError naming ``key``, the
+    setting that asked for it."""
 
     def refuse(transformer: nn.Module) -> nn.Module:
-        raise ConfigError(f"{key}: HunyuanVideo-1.5 has no {what} yet; set it to false")
+        raise ConfigError(f"{key}: {model} has no {what} yet; set it to false")
 
     return refuse
 
 
-def _refuse_sequence_parallel(transformer: nn.Module, group) -> nn.Module:
-    """HunyuanVideo-1.5 has no sequence parallelism yet (the trainer names the key)."""
-    raise ValueError("HunyuanVideo-1.5 has no sequence parallelism yet; set it to 1")
+def _refuse_sequence_parallel(model: str) -> Callable[[nn.Module, object], nn.Module]:
+    """``model`` has no sequence parallelism yet (the trainer names the key)."""
+
+    def refuse(transformer: nn.Module, group) -> nn.Module:
+        raise ValueError(f"{model} has no sequence parallelism yet; set it to 1")
+
+    return refuse
 
 
 WAN = ModelFamily(
@@ -112,12 +129,23 @@ HUNYUAN_VIDEO15 = ModelFamily(
     load_bundle=_load_hunyuan_bundle,
     enable_vsa2=hunyuan_video15.enable_vsa2,
     vsa2_parameters=hunyuan_video15.vsa2_parameters,
-    compile_blocks=_refuse("model.compile_blocks", "compiled blocks"),
-    fuse_block_kernels=_refuse("model.fused_kernels", "fused block kernels"),
-    enable_sequence_parallel=_refuse_sequence_parallel,
+    compile_blocks=_refuse("HunyuanVideo-1.5", "model.compile_blocks", "compiled blocks"),
+    fuse_block_kernels=_refuse("HunyuanVideo-1.5", "model.fused_kernels", "fused block kernels"),
+    enable_sequence_parallel=_refuse_sequence_parallel("HunyuanVideo-1.5"),
+)
+MINIMAX_H3 = ModelFamily(
+    kind="minimax_h3",
+    load_bundle=_load_minimax_bundle,
+    enable_vsa2=minimax_h3.enable_vsa2,
+    vsa2_parameters=minimax_h3.vsa2_parameters,
+    compile_blocks=_refuse("MiniMax-H3", "model.compile_blocks", "compiled blocks"),
+    fuse_block_kernels=_refuse("MiniMax-H3", "model.fused_kernels", "fused block kernels"),
+    enable_sequence_parallel=_refuse_sequence_parallel("MiniMax-H3"),
 )
 
-FAMILIES: dict[str, ModelFamily] = {family.kind: family for family in (HUNYUAN_VIDEO15, TOY, WAN)}
+FAMILIES: dict[str, ModelFamily] = {
+    family.kind: family for family in (HUNYUAN_VIDEO15, MINIMAX_H3, TOY, WAN)
+}
 
 
 def family_of(kind: str) -> ModelFamily:
@@ -131,4 +159,4 @@ def family_of(kind: str) -> ModelFamily:
     return family
 
 
-__all__ = ["FAMILIES", "HUNYUAN_VIDEO15", "TOY", "WAN", "ModelFamily", "family_of"]
+__all__ = ["FAMILIES", "HUNYUAN_VIDEO15", "MINIMAX_H3", "TOY", "WAN", "ModelFamily", "family_of"]
