@@ -286,3 +286,57 @@ def test_a_lora_run_exports_an_adapter_that_reproduces_the_checkpoint(folder, tm
     routers = base.transformer.load_state_dict(load_file(f"{out}/{VSA2_WEIGHTS}"), strict=False)
     assert not routers.unexpected_keys
     torch.testing.assert_close(velocity(base), expected, rtol=1e-5, atol=1e-6)
+
+
+def _rows(out_dir):
+    """The run's metrics rows without their wall-clock timings (``perf/*``)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle]
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+
+def _differences(a, b, path=""):
+    """The paths where two nested checkpoint entries are not bit-identical."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return [path]
+        return [d for key in a for d in _differences(a[key], b[key], f"{path}/{key}")]
+    if isinstance(a, list | tuple):
+        if not isinstance(b, list | tuple) or len(a) != len(b):
+            return [path]
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in _differences(x, y, f"{path}/{i}")]
+    return [] if a == b else [path]
+
+
+@pytest.mark.parametrize("algorithm", ["flow_grpo sampler.guidance_scale=2.0", "nft"])
+def test_a_run_stopped_after_step_1_and_resumed_goes_on_bit_for_bit(
+    folder, tmp_path, capsys, algorithm
+):
+    from vsa2_rl.rl.checkpoint import load_checkpoint
+    from vsa2_rl.rl.trainer import train
+
+    run = [*RUN, *f"rl.algorithm={algorithm}".split()]
+    train(_config(folder, *run, "train.num_steps=2", f"out_dir={tmp_path / 'whole'}"))
+    train(_config(folder, *run, "train.num_steps=1", f"out_dir={tmp_path / 'part'}"))
+    part = _config(folder, *run, "train.num_steps=2", "train.resume=auto",
+                   f"out_dir={tmp_path / 'part'}")  # fmt: skip
+    capsys.readouterr()
+    train(part)
+    step_1 = tmp_path / "part" / "checkpoints" / "step_1"
+    assert f"resumed from {step_1} at step 1" in capsys.readouterr().out
+    whole_rows, part_rows = _rows(tmp_path / "whole"), _rows(tmp_path / "part")
+    assert [row["step"] for row in part_rows] == [1, 2]
+    assert part_rows == whole_rows
+    whole = load_checkpoint(tmp_path / "whole" / "checkpoints" / "step_2")
+    resumed = load_checkpoint(tmp_path / "part" / "checkpoints" / "step_2")
+    assert set(whole) == set(resumed)
+    # every entry but the recorded config (which names its out_dir): weights, optimizer,
+    # schedules, EMA and NFT's old policy
+    for entry in sorted(set(whole) - {"config"}):
+        assert _differences(whole[entry], resumed[entry], entry) == []
+    first = load_checkpoint(step_1)["model"]
+    assert any(not torch.equal(first[k], v) for k, v in whole["model"].items())  # step 2 moved

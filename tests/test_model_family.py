@@ -24,7 +24,7 @@ TRANSFORMER_FUNCTIONS = (
 
 def test_registry_maps_each_model_kind_to_its_family():
     assert family_of("wan") is WAN and family_of("toy") is TOY
-    assert sorted(FAMILIES) == ["hunyuan_video15", "minimax_h3", "toy", "wan"]
+    assert sorted(FAMILIES) == ["hunyuan_video15", "ltx2", "minimax_h3", "toy", "wan"]
     assert all(family.kind == kind for kind, family in FAMILIES.items())
 
 
@@ -37,9 +37,10 @@ def test_every_model_kind_the_config_accepts_has_a_family():
 def test_unknown_kind_names_the_key_and_the_known_kinds():
     with pytest.raises(
         ConfigError,
-        match=r"^model\.kind: .*'ltx2'.*known kinds: hunyuan_video15, minimax_h3, toy, wan$",
+        match=r"^model\.kind: .*'cogvideox'.*known kinds: hunyuan_video15, ltx2, minimax_h3, "
+        r"toy, wan$",
     ):
-        family_of("ltx2")
+        family_of("cogvideox")
 
 
 @pytest.mark.parametrize("name", TRANSFORMER_FUNCTIONS)

@@ -189,6 +189,8 @@ def _shapes(config: RunConfig, facts: ModelFacts):
         return _hunyuan_shapes(config)
     if config.model.kind == "minimax_h3":
         return _minimax_shapes(config)
+    if config.model.kind == "ltx2":
+        return _ltx2_shapes(config)
     if facts.variant is None:
         return _toy_shapes(config)
     return _wan_shapes(config, facts.variant)
@@ -318,9 +320,32 @@ def _minimax_shapes(config: RunConfig):
     return transformer, shapes.latent_shape, what
 
 
+def _ltx2_shapes(config: RunConfig):
+    from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+
+    from vsa2_rl.attention import SparsityState
+    from vsa2_rl.models.ltx2 import enable_vsa2
+    from vsa2_rl.models.ltx2_bundle import LTX2Bundle, check_folder
+
+    check_folder(config.model.path)
+    models = _meta_models(
+        config.model.path,
+        {"transformer": LTX2VideoTransformer3DModel, "vae": AutoencoderKLLTX2Video},
+    )
+    transformer = enable_vsa2(models["transformer"], config.attention, SparsityState())
+    shapes = LTX2Bundle(
+        transformer, SparsityState(), int(transformer.config.in_channels), text_encoder=None,
+        tokenizer=None, connectors=None, vae=models["vae"], audio_vae_config={},
+        text_widths=(0, 0),
+    )  # fmt: skip
+    size = _count(_base_count(transformer))
+    what = f"LTX-2, text-to-video (its soundtrack's latents held as noise): {size} parameters"
+    return transformer, shapes.latent_shape, what
+
+
 def _patch_size(transformer_config) -> tuple[int, int, int]:
-    """(t, h, w) of a transformer's patch embedding: Wan's tuple, or HunyuanVideo-1.5's
-    ``patch_size_t`` and square ``patch_size``."""
+    """(t, h, w) of a transformer's patch embedding: Wan's tuple, or HunyuanVideo-1.5's and
+    LTX-2's ``patch_size_t`` and square ``patch_size``."""
     if hasattr(transformer_config, "patch_size_t"):
         size = transformer_config.patch_size
         return transformer_config.patch_size_t, size, size
@@ -448,7 +473,7 @@ def _plan_estimates(
         trained_params=trained_params,
         layers=first.num_layers,
         hidden=hidden,
-        ffn=first.ffn_dim if hasattr(first, "ffn_dim") else int(hidden * first.mlp_ratio),
+        ffn=_ffn_width(first, hidden),
     )
     step = step_shape(config, report.tokens)
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)
@@ -467,6 +492,14 @@ def _plan_estimates(
             f"than any GPU holds (an H200: {H200_GIB} GiB); make the videos smaller, lower "
             "rl.train_batch_size, enable model.lora, or raise parallel.sequence_parallel_size"
         )
+
+
+def _ffn_width(transformer_config, hidden: int) -> int:
+    """The inner width of a block's feed-forward: Wan's and MiniMax-H3's ``ffn_dim``,
+    HunyuanVideo-1.5's ``mlp_ratio``, or LTX-2's (diffusers' ``FeedForward`` default, 4 x)."""
+    if hasattr(transformer_config, "ffn_dim"):
+        return transformer_config.ffn_dim
+    return int(hidden * getattr(transformer_config, "mlp_ratio", 4))
 
 
 # ---- schedule, step, prompts, rewards ---------------------------------------------------------

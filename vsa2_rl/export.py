@@ -9,9 +9,10 @@ run kept an EMA, into ``out_dir``:
 - a full fine-tuning run: ``transformer/``, a diffusers ``from_pretrained`` folder of the model
   without its VSA2 layers;
 - always ``vsa2.safetensors``, the VSA2 router and gate parameters (Wan's
-  ``blocks.{i}.attn1.vsa2.*``, HunyuanVideo-1.5's ``transformer_blocks.{i}.attn.vsa2.*``, loaded
-  after the family's ``enable_vsa2``), and ``vsa2_attention.json``, the attention and sparsity
-  settings they were trained with and where they came from.
+  ``blocks.{i}.attn1.vsa2.*``, HunyuanVideo-1.5's and MiniMax-H3's
+  ``transformer_blocks.{i}.attn.vsa2.*``, LTX-2's ``transformer_blocks.{i}.attn1.vsa2.*``,
+  loaded after the family's ``enable_vsa2``), and ``vsa2_attention.json``, the attention and
+  sparsity settings they were trained with and where they came from.
 
 A Wan2.2 A14B run exports each trained expert into the folder the diffusers pipeline names it
 by (``transformer/`` for high noise, ``transformer_2/`` for low noise): its adapter files or its

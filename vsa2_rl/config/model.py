@@ -12,13 +12,14 @@ MAX_SIDE = 16384
 MAX_VIDEO_PIXELS = 2**31 - 1
 # the model.kind choices: the families of vsa2_rl.models.family (which imports this package,
 # so the names are listed here; a test keeps the two equal)
-MODEL_KINDS = ("toy", "wan", "hunyuan_video15", "minimax_h3")
+MODEL_KINDS = ("toy", "wan", "hunyuan_video15", "minimax_h3", "ltx2")
 # what model.path must hold for each model.kind that needs one
 FOLDERS = {
     "wan": "a local diffusers Wan directory, e.g. model.path=/data/Wan2.1-T2V-1.3B-Diffusers",
     "hunyuan_video15": "a local diffusers HunyuanVideo-1.5 text-to-video directory, e.g. "
     "model.path=/data/HunyuanVideo-1.5-480p_t2v",
     "minimax_h3": "a local diffusers MiniMax-H3 directory, e.g. model.path=/data/MiniMax-H3",
+    "ltx2": "a local diffusers LTX-2 directory, e.g. model.path=/data/LTX-2",
 }
 
 
@@ -60,7 +61,9 @@ class ModelConfig:
         "'hunyuan_video15' = a local diffusers HunyuanVideo-1.5 text-to-video directory at "
         "model.path (no compiled or fused blocks, no sequence parallelism yet), 'minimax_h3' = "
         "a local diffusers MiniMax-H3 directory at model.path, trained on video (its audio rows "
-        "held as noise; no compiled or fused blocks, no sequence parallelism yet).",
+        "held as noise; no compiled or fused blocks, no sequence parallelism yet), 'ltx2' = a "
+        "local diffusers LTX-2 (or LTX-2.3) directory at model.path, trained on video (its audio "
+        "latents held as noise; no compiled or fused blocks, no sequence parallelism yet).",
         default="toy",
     )
     path: str | None = _doc(
@@ -70,8 +73,10 @@ class ModelConfig:
         "kind=hunyuan_video15: a diffusers HunyuanVideo-1.5 text-to-video folder such as "
         "/data/HunyuanVideo-1.5-480p_t2v (transformer/, vae/, text_encoder/, tokenizer/, "
         "text_encoder_2/, tokenizer_2/). kind=minimax_h3: a diffusers MiniMax-H3 folder such as "
-        "/data/MiniMax-H3 (transformer/, vae/, text_encoder/, tokenizer/). kind=toy: optional "
-        "checkpoint folder; empty = the shipped toy model.",
+        "/data/MiniMax-H3 (transformer/, vae/, text_encoder/, tokenizer/). kind=ltx2: a "
+        "diffusers LTX-2 folder such as /data/LTX-2 (transformer/, vae/, audio_vae/, "
+        "text_encoder/, tokenizer/, connectors/). kind=toy: optional checkpoint folder; empty = "
+        "the shipped toy model.",
         default=None,
     )
     train_experts: list[str] = _doc(
@@ -178,7 +183,7 @@ class ModelConfig:
             if self.kind == "toy"
             else f"the {self.kind} model decodes in float32 only; leave it at float32",
         )
-        if self.kind in ("hunyuan_video15", "minimax_h3"):
+        if self.kind in ("hunyuan_video15", "minimax_h3", "ltx2"):
             for key in ("compile_blocks", "fused_kernels"):
                 _check(
                     not getattr(self, key),

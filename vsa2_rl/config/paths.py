@@ -58,6 +58,8 @@ def check_model_paths(config: RunConfig) -> None:
             "there, e.g. HunyuanVideo-1.5-480p_t2v",
             "minimax_h3": "put a local diffusers MiniMax-H3 folder there (the modular "
             "pipeline's components: transformer/, vae/, text_encoder/, tokenizer/)",
+            "ltx2": "put a local diffusers LTX-2 folder there (transformer/, vae/, audio_vae/, "
+            "text_encoder/, tokenizer/, connectors/)",
         }.get(model.kind, "leave empty for the shipped toy model")
         _check(
             os.path.isdir(model.path), "model.path", f"directory not found: {model.path} ({hint})"

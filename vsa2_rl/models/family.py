@@ -14,7 +14,9 @@ small diffusers ``WanTransformer3DModel`` but whose checkpoint, text encoder and
 (:mod:`vsa2_rl.models.hunyuan_video15`); it does not compile, fuse or split its blocks yet.
 Nor does ``minimax_h3`` (local diffusers MiniMax-H3 folders, text-to-video with the audio rows
 held as noise, :mod:`vsa2_rl.models.minimax_bundle`), with its own VSA2 attention
-(:mod:`vsa2_rl.models.minimax_h3`).
+(:mod:`vsa2_rl.models.minimax_h3`), nor ``ltx2`` (local diffusers LTX-2 folders, text-to-video
+with the audio latents held as noise, :mod:`vsa2_rl.models.ltx2_bundle`), with VSA2 in its video
+self-attention (:mod:`vsa2_rl.models.ltx2`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from vsa2_rl.config import ConfigError, RunConfig
-from vsa2_rl.models import hunyuan_video15, minimax_h3, wan
+from vsa2_rl.models import hunyuan_video15, ltx2, minimax_h3, wan
 
 if TYPE_CHECKING:
     from vsa2_rl.models.wan_bundle import VideoDiTBundle
@@ -95,6 +97,16 @@ def _load_minimax_bundle(config: RunConfig, device, dtype, facts: ModelFacts | N
     )
 
 
+def _load_ltx2_bundle(config: RunConfig, device, dtype, facts: ModelFacts | None):
+    from vsa2_rl.models.ltx2_bundle import load_ltx2_bundle
+
+    model = config.model
+    cache = model.text_cache_dir or os.path.join(config.out_dir, "text_cache")
+    return load_ltx2_bundle(
+        model.path, config.attention, device=device, dtype=dtype, text_cache_dir=cache
+    )
+
+
 def _refuse(model: str, key: str, what: str) -> Callable[[nn.Module], nn.Module]:
     """A block transformation ``model`` does not have yet: a ConfigError naming ``key``, the
     setting that asked for it."""
@@ -142,9 +154,18 @@ MINIMAX_H3 = ModelFamily(
     fuse_block_kernels=_refuse("MiniMax-H3", "model.fused_kernels", "fused block kernels"),
     enable_sequence_parallel=_refuse_sequence_parallel("MiniMax-H3"),
 )
+LTX2 = ModelFamily(
+    kind="ltx2",
+    load_bundle=_load_ltx2_bundle,
+    enable_vsa2=ltx2.enable_vsa2,
+    vsa2_parameters=ltx2.vsa2_parameters,
+    compile_blocks=_refuse("LTX-2", "model.compile_blocks", "compiled blocks"),
+    fuse_block_kernels=_refuse("LTX-2", "model.fused_kernels", "fused block kernels"),
+    enable_sequence_parallel=_refuse_sequence_parallel("LTX-2"),
+)
 
 FAMILIES: dict[str, ModelFamily] = {
-    family.kind: family for family in (HUNYUAN_VIDEO15, MINIMAX_H3, TOY, WAN)
+    family.kind: family for family in (HUNYUAN_VIDEO15, LTX2, MINIMAX_H3, TOY, WAN)
 }
 
 
@@ -159,4 +180,13 @@ def family_of(kind: str) -> ModelFamily:
     return family
 
 
-__all__ = ["FAMILIES", "HUNYUAN_VIDEO15", "MINIMAX_H3", "TOY", "WAN", "ModelFamily", "family_of"]
+__all__ = [
+    "FAMILIES",
+    "HUNYUAN_VIDEO15",
+    "LTX2",
+    "MINIMAX_H3",
+    "TOY",
+    "WAN",
+    "ModelFamily",
+    "family_of",
+]
