@@ -172,7 +172,8 @@ for part in "${parts[@]}"; do
       sweep_rows drift ;;
     nft_guidance)  # guidance in DiffusionNFT (nft_guidance.py): a toy base with caption
       # dropout 0.1 (built here unless carried back as .gpu_state/guidance_base.tar, which this
-      # part writes to $OUT), then GUIDANCE_VARIANTS x GUIDANCE_SEEDS, GUIDANCE_PARALLEL at once;
+      # part writes to $OUT), then GUIDANCE_VARIANTS x GUIDANCE_SEEDS (controls at
+      # GUIDANCE_CONTROL_SEEDS, default the same), GUIDANCE_PARALLEL at once;
       # call again until every run and sweep is done; the report of what is done
       sweep=/tmp/guidance
       [ -f .gpu_state/guidance_base.tar ] && [ ! -d $sweep/base ] && mkdir -p $sweep \
@@ -186,7 +187,8 @@ for part in "${parts[@]}"; do
       tar -C $sweep -cf "$OUT/guidance_base.tar" base
       PYTHONPATH=$PYTHONPATH:$PWD/benchmarks PYTHONSAFEPATH=1 timeout ${GUIDANCE_S:-400} python3 benchmarks/nft_guidance.py run --out $sweep \
         --base $sweep/base ${GUIDANCE_VARIANTS:+--variants $GUIDANCE_VARIANTS} \
-        ${GUIDANCE_SEEDS:+--seeds $GUIDANCE_SEEDS} --parallel ${GUIDANCE_PARALLEL:-18} >> "$sweep.log" 2>&1
+        ${GUIDANCE_SEEDS:+--seeds $GUIDANCE_SEEDS} \
+        ${GUIDANCE_CONTROL_SEEDS:+--control-seeds $GUIDANCE_CONTROL_SEEDS} --parallel ${GUIDANCE_PARALLEL:-18} >> "$sweep.log" 2>&1
       cp "$sweep.log" "$OUT/guidance_run.log"; tail -4 "$sweep.log"
       PYTHONPATH=$PYTHONPATH:$PWD/benchmarks PYTHONSAFEPATH=1 python3 benchmarks/nft_guidance.py report --out $sweep 2>&1 | tail -8
       sweep_rows guidance ;;

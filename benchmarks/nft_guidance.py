@@ -21,13 +21,14 @@ score less the base's at ``--scale``.
 
 Commands, each reading and writing ``--out``:
 
-- ``run``: the base's sweeps and the runs of ``--variants`` x ``--seeds`` (reward and control
-  each) not yet finished, ``--parallel`` at once (finished ones are skipped, cut ones resume from
-  their last checkpoint), then the guided sweeps of the finished runs not yet swept;
+- ``run``: the base's sweeps and the runs of ``--variants`` x ``--seeds`` (reward runs) and
+  ``--control-seeds`` (controls; default ``--seeds``) not yet finished, ``--parallel`` at once
+  (finished ones are skipped, cut ones resume from their last checkpoint), then the guided
+  sweeps of the finished runs not yet swept;
 - ``report``: ``report.md``: the base's held-out figures at every guidance scale, then per
   variant the held-out ``prompt_motion`` gains of the reward runs and the controls' changes,
-  unguided and guided, each run's gain over its seed's control and the reward runs' change of
-  ``shape_fidelity``, every seed listed.
+  unguided and guided, each reward run's margin (its gain less the mean change of the
+  variant's controls) and the reward runs' change of ``shape_fidelity``, every seed listed.
 
 ::
 
@@ -50,6 +51,7 @@ from sparse_rollouts import (
     Job,
     device_info,
     is_finished,
+    mean_sd,
     planned_num_steps,
     read_metrics,
     run_config,
@@ -103,11 +105,13 @@ def base_sweep_jobs(args) -> list[Job]:
 
 
 def planned_runs(args) -> list[tuple[str, Path, list[str], Path]]:
-    """(name, folder, overrides, config) of every run of --variants x --seeds."""
+    """(name, folder, overrides, config) of every run: --variants x --seeds reward runs and
+    --control-seeds controls."""
+    seeds = {"reward": args.seeds, "control": args.control_seeds or args.seeds}
     runs = []
     for variant in args.variants:
-        for seed in args.seeds:
-            for kind, config in CONFIGS.items():
+        for kind, config in CONFIGS.items():
+            for seed in seeds[kind]:
                 name = run_name(variant, kind, seed)
                 folder = args.out / "runs" / name
                 runs.append((name, folder, train_overrides(args, variant, seed, folder), config))
@@ -172,8 +176,8 @@ def read_runs(out: Path, scale: float) -> dict[tuple[str, str, int], dict[str, f
 
 
 def variant_cells(runs: dict, variant: str) -> list[str]:
-    """One variant's table cells: per measure, the reward runs, the controls and the reward
-    runs' margin over their seed's control."""
+    """One variant's table cells: per measure, the reward runs, the controls and each reward
+    run's margin over the mean of the variant's controls."""
 
     def of(kind: str, field: str) -> dict[int, float]:
         return {seed: row[field] for (v, k, seed), row in runs.items()
@@ -182,7 +186,8 @@ def variant_cells(runs: dict, variant: str) -> list[str]:
     cells = []
     for field in ("unguided", "guided"):
         gains, controls = of("reward", field), of("control", field)
-        margins = {seed: gains[seed] - controls[seed] for seed in gains if seed in controls}
+        drift = mean_sd(list(controls.values())).mean if controls else None
+        margins = {seed: gain - drift for seed, gain in gains.items()} if controls else {}
         cells += [cell(gains), cell(controls), cell(margins)]
     return [variant, *cells, cell(of("reward", "fidelity"))]
 
@@ -220,7 +225,8 @@ def command_report(args) -> int:
         "",
         "Held-out `prompt_motion` changes from the base, mean ± sd (every seed): unguided at the "
         "last evaluation of training; guided, the last checkpoint's sweep at the guidance scale "
-        "less the base's. Margin: the reward run's gain less its seed's control's change.",
+        "less the base's. Margin: a reward run's gain less the mean change of the variant's "
+        "controls.",
         "",
         "| variant | reward, unguided | control, unguided | margin, unguided | reward, guided | "
         "control, guided | margin, guided | reward run: shape_fidelity |",
@@ -246,6 +252,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--scale", type=float, default=SCALE, help="the guided variants' scale")
     run.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     run.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
+    run.add_argument("--control-seeds", type=int, nargs="+", help="default: --seeds")
     run.add_argument("--parallel", type=int, default=4, help="runs at once on the device")
     run.add_argument("--device", default="cuda")
     run.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",

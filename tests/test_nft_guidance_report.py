@@ -71,10 +71,11 @@ def test_the_report_gives_unguided_and_guided_gains_with_each_seeds_margin(tmp_p
     none = table["none"]
     assert none[1] == "+0.150 ± 0.071 (11: +0.100, 12: +0.200)"  # reward, unguided
     assert none[2] == "-0.005 ± 0.035 (11: +0.020, 12: -0.030)"  # control, unguided
-    assert none[3] == "+0.155 ± 0.106 (11: +0.080, 12: +0.230)"  # 0.10 - 0.02, 0.20 + 0.03
+    # margins: each gain less the controls' mean change, -0.005
+    assert none[3] == "+0.155 ± 0.071 (11: +0.105, 12: +0.205)"
     assert none[4] == "+0.100 ± 0.071 (11: +0.050, 12: +0.150)"  # reward, guided
     assert none[5] == "-0.005 ± 0.007 (11: -0.010, 12: +0.000)"  # control, guided
-    assert none[6] == "+0.105 ± 0.064 (11: +0.060, 12: +0.150)"
+    assert none[6] == "+0.105 ± 0.071 (11: +0.055, 12: +0.155)"  # controls' mean -0.005
     assert none[7] == "-0.010 ± 0.014 (11: -0.020, 12: +0.000)"  # reward run's fidelity
     anchor = table["anchor"]  # no control and no sweep yet: its margins and guided cells wait
     assert anchor[1] == "+0.050 (11: +0.050)" and anchor[2:7] == ["-"] * 5
