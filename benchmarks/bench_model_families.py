@@ -16,7 +16,9 @@ encoders and rewards left out, the same for dense and VSA2). The shapes (``Famil
 video rows beside 512 text and 128 audio rows), LTX-2 121 frames at 704 x 1280 -> 16 x 22 x 40
 latents (14,080 tokens). The transformers hold 8.3B, 33.1B and 18.9B parameters: MiniMax-H3's 66
 GB of bf16 weights leave an 80 GB H100 little room (an H200 holds it). Rows are appended to
-``--out`` as each family finishes; a family that runs out of memory gets its row saying so.
+``--out`` as each family finishes; a family that runs out of memory gets its row saying so, with
+the phase (dense or VSA2, forward or train) and the request that failed. ``--latents`` sets a
+family's grid instead, e.g. ``hunyuan_video15=31x30x53`` for the HunyuanVideo-1.5 recipe's 480p.
 ``--tiny`` runs tiny configurations on the CPU (reference attention) to check the script, not to
 time anything.
 
@@ -27,7 +29,9 @@ time anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -205,6 +209,20 @@ def build(family: Family, args, device, dtype):
     return model, state
 
 
+class PhaseOutOfMemory(RuntimeError):
+    """A family ran out of GPU memory; the message names the phase and the failed request."""
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Re-raises an out-of-memory error inside as :class:`PhaseOutOfMemory` naming ``name``."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        tried = re.search(r"Tried to allocate [\d.]+ [KMG]iB", str(error))
+        raise PhaseOutOfMemory(name + (f", t{tried.group(0)[1:]}" if tried else "")) from error
+
+
 def timed(fn, reps: int, device) -> float:
     """Median seconds of ``fn`` over ``reps`` calls after one warm-up call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -219,8 +237,9 @@ def timed(fn, reps: int, device) -> float:
     return statistics.median(times)
 
 
-def pass_seconds(model, inputs: dict, reps: int, device) -> dict[str, float]:
-    """Seconds of one no-grad forward and one forward+backward, and the peak GiB."""
+def pass_seconds(model, inputs: dict, reps: int, device, label: str) -> dict[str, float]:
+    """Seconds of one no-grad forward and one forward+backward, and the peak GiB; ``label``
+    (dense or VSA2) names the phase that runs out of memory."""
 
     def forward():
         with torch.no_grad():
@@ -233,9 +252,11 @@ def pass_seconds(model, inputs: dict, reps: int, device) -> dict[str, float]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     model.eval()
-    forward_s = timed(forward, reps, device)
+    with phase(f"{label} forward"):
+        forward_s = timed(forward, reps, device)
     model.train()
-    train_s = timed(train, reps, device)
+    with phase(f"{label} train"):
+        train_s = timed(train, reps, device)
     model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"forward": forward_s, "train": train_s, "peak": peak}
@@ -247,16 +268,18 @@ def iteration_seconds(forward: float, train: float) -> float:
     return videos * (steps * cfg * forward + trained * cfg * (train + forward))
 
 
-def measure(family: Family, args, device, dtype) -> str:
+def measure(name: str, args, device, dtype) -> str:
     """The family's table row: dense and VSA2 on the same model and inputs."""
-    model, state = build(family, args, device, dtype)
-    latents = family.tiny_latents if args.tiny else family.latents
+    family = FAMILIES[name]
+    with phase("building the model"):
+        model, state = build(family, args, device, dtype)
+    latents = family.tiny_latents if args.tiny else args.latents.get(name, family.latents)
     inputs = family.inputs(model.config, latents, device, dtype, args.tiny)
     state.sparsity = 0.0
-    dense = pass_seconds(model, inputs, args.reps, device)
+    dense = pass_seconds(model, inputs, args.reps, device, "dense")
     state.pop_density()
     state.sparsity = args.sparsity
-    sparse = pass_seconds(model, inputs, args.reps, device)
+    sparse = pass_seconds(model, inputs, args.reps, device, "VSA2")
     density = state.pop_density()  # the mean over the VSA2 calls: the router's actual keep
     tokens = video_tokens(family, model.config, latents)
     its = [iteration_seconds(t["forward"], t["train"]) for t in (dense, sparse)]
@@ -281,14 +304,31 @@ def video_tokens(family: Family, config, latents) -> int:
     return (frames // patch_t) * (height // patch_h) * (width // patch_w)
 
 
+def parse_latents(text: str) -> tuple[str, tuple[int, int, int]]:
+    """``FAMILY=TxHxW`` as (family, (T, H, W))."""
+    name, _, grid = text.partition("=")
+    sizes = grid.split("x")
+    if name not in FAMILIES or len(sizes) != 3 or not all(x.isdigit() for x in sizes):
+        raise argparse.ArgumentTypeError(
+            f"--latents {text!r}: want FAMILY=TxHxW with FAMILY one of {', '.join(FAMILIES)}"
+        )
+    return name, tuple(int(x) for x in sizes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--sparsity", type=float, default=0.875)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--latents", nargs="*", default=[], type=parse_latents, metavar="FAMILY=TxHxW",
+        help="a family's latent grid instead of its 720p one, e.g. hunyuan_video15=31x30x53 "
+        "(480p x 121 frames, the HunyuanVideo-1.5 recipe's)",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (a check)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    args.latents = dict(args.latents)
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     where = "CPU, tiny configs" if args.tiny else torch.cuda.get_device_name()
@@ -302,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     print(title + HEADER, end="", flush=True)
     for name in args.families:
         try:
-            row = measure(FAMILIES[name], args, device, dtype)
-        except torch.OutOfMemoryError:
-            row = f"| {FAMILIES[name].name} | out of memory ||||||||||\n"
+            row = measure(name, args, device, dtype)
+        except PhaseOutOfMemory as error:
+            row = f"| {FAMILIES[name].name} | out of memory in {error} ||||||||||\n"
         if device.type == "cuda":
             torch.cuda.empty_cache()
         with open(args.out, "a", encoding="utf-8") as handle:

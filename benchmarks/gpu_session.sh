@@ -176,7 +176,8 @@ for part in "${parts[@]}"; do
       # GUIDANCE_CONTROL_SEEDS, default the same), GUIDANCE_PARALLEL at once;
       # call again until every run and sweep is done; the report of what is done
       sweep=/tmp/guidance
-      [ -f .gpu_state/guidance_base.tar ] && [ ! -d $sweep/base ] && mkdir -p $sweep \
+      mkdir -p $sweep
+      [ -f .gpu_state/guidance_base.tar ] && [ ! -d $sweep/base ] \
         && tar -C $sweep -xf .gpu_state/guidance_base.tar
       if [ ! -f $sweep/base/toy.safetensors ]; then
         timeout ${GUIDANCE_BUILD_S:-300} python3 -P scripts/build_toy_model.py --device cuda \
@@ -224,7 +225,7 @@ for part in "${parts[@]}"; do
        done; grep -h "^|" "$OUT"/rl_fused*.md | grep -v "^|--\|^| grid") ;;
     model_families)  # HunyuanVideo-1.5, MiniMax-H3 and LTX-2 at native shapes, random bf16
       # weights: forward and LoRA training pass, dense against VSA2 kv64 top-k 0.875
-      timeout ${FAMILIES_S:-540} python3 -P benchmarks/bench_model_families.py --reps 2 \
+      timeout ${FAMILIES_S:-540} python3 -P benchmarks/bench_model_families.py --reps 2 ${FAMILIES_ARGS:-} \
         --out "$OUT/model_families.md" > "$OUT/model_families.log" 2>&1
       grep "^|" "$OUT/model_families.md" | tail -4 ;;
     rl_scale)  # the 1.3B recipe's iteration from parts, 480p x 33 and 720p x 81, sparsities 0-0.9

@@ -245,3 +245,31 @@ def test_joint_attention_triton_matches_torch_forward_and_backward():
         results.append([out, *(x.grad for x in leaves), module.alpha.grad.clone()])
     for torch_result, triton_result in zip(*results, strict=True):
         torch.testing.assert_close(triton_result, torch_result, rtol=1e-4, atol=1e-4)
+
+
+def test_conditioning_partial_in_chunks_matches_one_pass(monkeypatch):
+    """The chunked, checkpointed conditioning partial gives the one-pass attention's outputs,
+    log-sum-exps and gradients (float64), a sample without a valid key included, where the
+    reference is a plain softmax written here."""
+    from vsa2_rl.models import hunyuan_video15
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for n in (37, 5, 5))
+    key_valid = torch.tensor([[True, True, False, True, False], [False] * 5])
+    # chunks of 2 * 3 * 5 * 4 logits: 4 query rows, the last chunk 1 row
+    monkeypatch.setattr(hunyuan_video15, "PARTIAL_CHUNK_ELEMENTS", 2 * 3 * 5 * 4)
+    out, lse = hunyuan_video15._partial_attention(q, k, v, key_valid)
+    (out[0].sin().sum() + lse[0].cos().sum()).backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+
+    logits = (q[0] @ k[0].transpose(-1, -2)) / 8**0.5
+    logits = logits.masked_fill(~key_valid[0], float("-inf"))
+    ref_out, ref_lse = torch.softmax(logits, -1) @ v[0], torch.logsumexp(logits, -1)
+    torch.testing.assert_close(out[0], ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[0], ref_lse, rtol=1e-12, atol=1e-12)
+    assert torch.isneginf(lse[1]).all()
+    for x in (q, k, v):
+        x.grad = None
+    (ref_out.sin().sum() + ref_lse.cos().sum()).backward()
+    for grad, x in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-12)

@@ -23,8 +23,9 @@ interleaved pairs), and then splits the attention by query:
   flash-decoding and ring attention combine partial softmaxes), ``lse =
   logaddexp(lse_v, lse_c)``, ``O_fine = exp(lse_v - lse) O_v + exp(lse_c - lse) O_c``; the
   video part is ``kernels.block_sparse_attention`` (which returns its LSE), the conditioning
-  part plain attention over at most L keys. In the dense fallback (``1 - sparsity >=
-  dense_threshold``) ``O_fine`` is one exact attention over all valid keys. (The kernel's LSE
+  part plain attention over at most L keys, in query chunks of bounded memory. In the dense
+  fallback (``1 - sparsity >= dense_threshold``) ``O_fine`` is one exact attention over all
+  valid keys. (The kernel's LSE
   is float32, so for float64 inputs the merge is exact to float32 rounding.) The coarse stage
   (pooled video tiles only) and the gated fusion ``g_f * O_fine + g_c * O_coarse`` are VSA2's.
   With fresh (zero) gates and alpha, any density-1 setting therefore equals the stock model.
@@ -33,7 +34,8 @@ interleaved pairs), and then splits the attention by query:
 assembles VSA2 here from the kernels' public stages (``pool_tiles``, ``route``,
 ``block_sparse_attention``) instead of calling ``VSA2Attention.forward``; the tests check it
 against ``VSA2Attention`` when no conditioning key is valid. The conditioning partial
-materialises [B, H, N, L] logits; at HunyuanVideo-1.5 scale it wants a fused kernel.
+materialises the [B, H, S, L] logits of one query chunk at a time (checkpointed under
+autograd); a fused kernel would avoid even that.
 
 The token grid comes from Wan's :class:`~vsa2_rl.models.wan.VSA2Context`: a forward pre-hook
 of the transformer records the :class:`~vsa2_rl.attention.TileLayout` of (T // p_t, H // p,
@@ -45,6 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from vsa2_rl import kernels
 from vsa2_rl.attention import SparsityState, TileLayout, VSA2Attention
@@ -73,7 +76,13 @@ def _attention(query, key, value, key_valid) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def _partial_attention(q, k, v, key_valid) -> tuple[torch.Tensor, torch.Tensor]:
+# Logit elements one chunk of the conditioning partial holds (1 GiB in float32): at
+# HunyuanVideo-1.5's 720p (111,600 video queries, 16 heads, ~1,000 conditioning keys) the whole
+# [B, H, N, L] logits and their softmax would take over 14 GiB a block.
+PARTIAL_CHUNK_ELEMENTS = 2**28
+
+
+def _partial_attention_rows(q, k, v, key_valid) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, H, S, D] over k, v [B, H, L, D] (valid keys ``key_valid`` [B, L])
     and its log-sum-exp [B, H, S], -inf for a sample without a valid key, whose output then
     means nothing (and gets no gradient through the merge)."""
@@ -86,6 +95,27 @@ def _partial_attention(q, k, v, key_valid) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.masked_fill(~valid & has_key[..., None], float("-inf"))
     out = torch.softmax(logits, dim=-1) @ v.to(cdtype)
     return out, torch.logsumexp(logits, dim=-1).masked_fill(~has_key, float("-inf"))
+
+
+def _partial_attention(q, k, v, key_valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_partial_attention_rows` over query chunks of at most
+    ``PARTIAL_CHUNK_ELEMENTS`` logits each; under autograd every chunk is checkpointed (its
+    logits recomputed in the backward), so memory stays bounded by one chunk's logits."""
+    batch, heads, rows = q.shape[:3]
+    chunk_rows = max(1, PARTIAL_CHUNK_ELEMENTS // (batch * heads * k.shape[2]))
+    if rows <= chunk_rows:
+        return _partial_attention_rows(q, k, v, key_valid)
+    outs, lses = [], []
+    for q_chunk in q.split(chunk_rows, dim=2):
+        if torch.is_grad_enabled():
+            out, lse = checkpoint(
+                _partial_attention_rows, q_chunk, k, v, key_valid, use_reentrant=False
+            )
+        else:
+            out, lse = _partial_attention_rows(q_chunk, k, v, key_valid)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
