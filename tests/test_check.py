@@ -15,6 +15,12 @@ from vsa2_rl.cli import main
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE_1_3B = os.path.join(REPO, "configs", "wan2_1_1.3b_vsa2_grpo.yaml")
 RECIPE_A14B = os.path.join(REPO, "configs", "wan2_2_a14b_i2v_vsa2_grpo.yaml")
+NFT_RECIPES = [
+    os.path.join(REPO, "configs", f"{name}_vsa2_nft.yaml")
+    for name in (
+        "wan2_1_1.3b", "wan2_1_14b", "wan2_2_a14b_i2v", "wan2_2_ti2v_5b", "hunyuan_video15_480p"
+    )
+]  # fmt: skip
 # a weight-free reward in place of the recipe's aesthetic one, whose files live under /data
 NO_WEIGHTS = "rewards.functions=[{name: motion_quality}]"
 
@@ -171,6 +177,25 @@ def test_a_recipes_step_shape_follows_its_config(overrides, changed):
         compiled=True,
     )  # fmt: skip
     assert step_shape(config, 100) == dataclasses.replace(recipe, **changed)
+
+
+@pytest.mark.parametrize("recipe", NFT_RECIPES, ids=os.path.basename)
+def test_the_nft_recipes_step_shape(recipe):
+    """Each DiffusionNFT recipe, read by hand: 4 x 8 videos of 16 unguided ODE steps, 4 noise
+    levels trained a video (0.25 of 16), each with the old policy's conditional forward and the
+    KL reference's (kl_beta 0.1); the update's passes conditional alone."""
+    from vsa2_rl.config import load_config
+    from vsa2_rl.plan import StepShape, step_shape
+
+    config = load_config(recipe, ["model.path=/nowhere"], check_files=False)
+    expected = StepShape(
+        tokens=100, videos=32, sampler_steps=16, trained_steps=4, train_batch_size=1,
+        guidance=False, kl=True, ema=config.train.ema_decay > 0, lora=True, checkpointing=True,
+        sparsity=0.875, compiled=config.model.compile_blocks, guided_update=False,
+        old_policy_forwards=1,
+    )  # fmt: skip
+    assert step_shape(config, 100) == expected
+    assert config.eval_guidance_scale > 1  # evaluations sample as the base model does
 
 
 def test_full_fine_tuning_counts_every_weight(folders):

@@ -154,3 +154,25 @@ def test_the_14b_recipe_runs_under_zero3(tmp_path):
     with pytest.raises(ConfigError, match=r"^rl\.kl_beta: "):
         engines.check_options(zero3, load_config(recipe, [model, *full]))
     engines.check_options(zero3, load_config(recipe, [model, *full, "rl.kl_beta=0"]))
+
+
+def test_the_14b_nft_recipe_runs_under_fsdp2_and_says_zero3_is_refused(tmp_path):
+    """configs/wan2_1_14b_vsa2_nft.yaml says to launch it with configs/accelerate/fsdp2.yaml:
+    FSDP2's checks pass for it (LoRA, the KL on the base, no EMA), and ZeRO-3 refuses it with an
+    error naming the algorithm."""
+    import os
+
+    import yaml
+
+    configs = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+    recipe = os.path.join(configs, "wan2_1_14b_vsa2_nft.yaml")
+    (tmp_path / "model_index.json").write_text("{}")  # a model folder is not empty
+    config = load_config(recipe, [f"model.path={tmp_path}"])
+    assert config.rl.algorithm == "nft" and config.model.lora.enabled
+    assert config.rl.kl_beta > 0 and config.rl.kl_reference == "base"
+    assert config.train.ema_decay == 0.0
+    with open(os.path.join(configs, "accelerate", "fsdp2.yaml"), encoding="utf-8") as handle:
+        assert yaml.safe_load(handle)["fsdp_config"]["fsdp_version"] == 2
+    engines.check_options(FSDP2, config)
+    with pytest.raises(ConfigError, match=r"nft"):
+        engines.check_options(_accelerator(3), config)

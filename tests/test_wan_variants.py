@@ -403,6 +403,8 @@ def test_prompt_images_the_model_cannot_take_are_one_error_line(tmp_path, folder
     [
         ("wan2_2_a14b_i2v_vsa2_grpo.yaml", "wan22_a14b_i2v"),
         ("wan2_2_ti2v_5b_vsa2_grpo.yaml", "wan22_ti2v"),
+        ("wan2_2_a14b_i2v_vsa2_nft.yaml", "wan22_a14b_i2v"),
+        ("wan2_2_ti2v_5b_vsa2_nft.yaml", "wan22_ti2v"),
     ],
 )
 def test_the_wan22_recipes_run_one_step_on_a_tiny_model_of_their_kind(

@@ -78,7 +78,7 @@ def _attention(query, key, value, key_valid) -> torch.Tensor:
 
 # Logit elements one chunk of the conditioning partial holds (1 GiB in float32): at
 # HunyuanVideo-1.5's 720p (111,600 video queries, 16 heads, ~1,000 conditioning keys) the whole
-# [B, H, N, L] logits and their softmax would take over 14 GiB a block.
+# [B, H, N, L] logits and their softmax would take about 14 GiB a block.
 PARTIAL_CHUNK_ELEMENTS = 2**28
 
 
