@@ -340,3 +340,32 @@ def test_a_run_stopped_after_step_1_and_resumed_goes_on_bit_for_bit(
         assert _differences(whole[entry], resumed[entry], entry) == []
     first = load_checkpoint(step_1)["model"]
     assert any(not torch.equal(first[k], v) for k, v in whole["model"].items())  # step 2 moved
+
+
+@pytest.mark.parametrize("algorithm", ["nft", "grpo"])
+def test_the_recipes_run_one_step_on_a_tiny_folder(folder, tmp_path, monkeypatch, algorithm):
+    """configs/hunyuan_video15_480p_vsa2_{nft,grpo}.yaml's settings (algorithm, guidance, LoRA,
+    the router; rewards swapped for a weight-free one) on the tiny folder: only sizes and the
+    sampler's steps shrink, in float32 (bfloat16 is slow on a CPU)."""
+    from vsa2_rl.rl.trainer import train
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(repo)  # the recipes name their evaluation prompt file from there
+    recipe = os.path.join(repo, "configs", f"hunyuan_video15_480p_vsa2_{algorithm}.yaml")
+    window = ["sampler.sde_window=[0,2]"] if algorithm == "grpo" else []
+    config = load_config(recipe, [*window,
+        f"model.path={folder}", f"out_dir={tmp_path / 'run'}", "attention.backend=torch",
+        f"model.num_frames={VIDEO[0]}", f"model.height={VIDEO[1]}", f"model.width={VIDEO[2]}",
+        f"prompts.file={os.path.join(os.path.dirname(folder), 'prompts.txt')}",
+        "rl.group_size=2", "rl.prompts_per_step=2", "rl.train_batch_size=2",
+        "train.num_steps=1", "train.sample_every=0", "logging.report_to=[]",
+        "logging.progress=false", "eval.every=0", "sampler.num_steps=4", "model.dtype=float32",
+        "rewards.functions=[{name: 'test_trainer:brightness'}]",
+    ])  # fmt: skip
+    assert config.eval_guidance_scale == 6.0 and config.model.lora.enabled
+    train(config)
+    with open(tmp_path / "run" / "metrics.jsonl") as handle:
+        (row,) = [json.loads(line) for line in handle]
+    assert row["step"] == 1 and row["sparsity/rollout"] == 0.875
+    losses = [value for key, value in row.items() if key.startswith("loss/")]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))

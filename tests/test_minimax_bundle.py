@@ -415,3 +415,29 @@ def test_a_run_stopped_after_step_1_and_resumed_goes_on_bit_for_bit(
         assert _differences(whole[entry], resumed[entry], entry) == []
     first = load_checkpoint(step_1)["model"]
     assert any(not torch.equal(first[k], v) for k, v in whole["model"].items())  # step 2 moved
+
+
+def test_the_recipe_runs_one_step_on_a_tiny_folder(folder, tmp_path, monkeypatch):
+    """configs/minimax_h3_704p_vsa2_nft.yaml's settings (DiffusionNFT, guidance-free, LoRA,
+    the router, rewards swapped for a weight-free one) on the tiny folder: only sizes shrink."""
+    from vsa2_rl.rl.trainer import train
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(repo)  # the recipe names its evaluation prompt file from there
+    config = load_config(os.path.join(repo, "configs", "minimax_h3_704p_vsa2_nft.yaml"), [
+        f"model.path={folder}", f"out_dir={tmp_path / 'run'}", "attention.backend=torch",
+        f"model.num_frames={VIDEO[0]}", f"model.height={VIDEO[1]}", f"model.width={VIDEO[2]}",
+        f"prompts.file={os.path.join(os.path.dirname(folder), 'prompts.txt')}",
+        "rl.group_size=2", "rl.prompts_per_step=2", "rl.train_batch_size=2",
+        "train.num_steps=1", "train.sample_every=0", "logging.report_to=[]",
+        "logging.progress=false", "eval.every=0",
+        "rewards.functions=[{name: 'test_trainer:brightness'}]",
+    ])  # fmt: skip
+    assert config.rl.algorithm == "nft" and config.model.lora.enabled
+    assert config.sampler.guidance_scale == config.eval_guidance_scale == 1.0
+    train(config)
+    with open(tmp_path / "run" / "metrics.jsonl") as handle:
+        (row,) = [json.loads(line) for line in handle]
+    assert row["step"] == 1 and row["sparsity/rollout"] == 0.875
+    losses = [value for key, value in row.items() if key.startswith("loss/")]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
