@@ -5,6 +5,7 @@ it, its decode the pipeline's decode arithmetic, a damaged folder is one error n
 wrong, RL trains it, a run stopped and resumed goes on bit for bit as one that ran through, and
 a LoRA run's export loads back through peft to its checkpoint's velocity."""
 
+import inspect
 import json
 import os
 import re
@@ -395,7 +396,21 @@ def test_one_rl_step_trains_the_transformer(folder, tmp_path, algorithm):
     assert any(".vsa2." in key for key in changed) and any(".attn1.to_q." in key for key in changed)
 
 
-def test_check_plans_an_ltx2_folder_and_train_accepts_it(folder, tmp_path):
+def _recording(shapes: list, plan_module):
+    """plan.seconds_per_step, recording the ModelShape it prices in ``shapes``."""
+    seconds_per_step = plan_module.seconds_per_step
+
+    def record(model, step):
+        shapes.append(model)
+        return seconds_per_step(model, step)
+
+    return record
+
+
+def test_check_plans_an_ltx2_folder_and_train_accepts_it(folder, tmp_path, monkeypatch):
+    from diffusers import LTX2Pipeline
+
+    from vsa2_rl import plan as plan_module
     from vsa2_rl.check import before_loading, check
 
     overrides = [
@@ -405,8 +420,13 @@ def test_check_plans_an_ltx2_folder_and_train_accepts_it(folder, tmp_path):
         "sampler.guidance_scale=1.0", f"out_dir={tmp_path / 'run'}", "eval.guard_rewards=[]",
         *RUN,
     ]  # fmt: skip
+    shapes = []
+    monkeypatch.setattr(plan_module, "seconds_per_step", _recording(shapes, plan_module))
     report = check(FLOW_GRPO_TOY, overrides)
     assert report.problems == []
+    # the plan prices the prompt's text rows as the pipeline pads them
+    padded = inspect.signature(LTX2Pipeline.__call__).parameters["max_sequence_length"].default
+    assert [shape.text_tokens for shape in shapes] == [padded]
     plan = dict(report.plan)
     assert plan["model"].startswith("LTX-2, text-to-video")
     # 9 = 8 + 1 frames -> 2 latent frames, 64 px / 8 -> 8; patches 1 x 1 x 1: 2 x 8 x 8

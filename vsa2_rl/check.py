@@ -455,6 +455,7 @@ def _plan_estimates(
 ) -> None:
     """Per-GPU memory and time a step on one GPU (DDP; vsa2_rl.plan says what is counted)."""
     from vsa2_rl.models.experts import experts_of
+    from vsa2_rl.models.family import family_of
     from vsa2_rl.plan import (
         H200_GIB,
         ModelShape,
@@ -474,6 +475,7 @@ def _plan_estimates(
         layers=first.num_layers,
         hidden=hidden,
         ffn=_ffn_width(first, hidden),
+        text_tokens=family_of(config.model.kind).conditioning_tokens,
     )
     step = step_shape(config, report.tokens)
     memory, time = describe(memory_gib(model, step), seconds_per_step(model, step), step)

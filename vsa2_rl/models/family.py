@@ -47,7 +47,9 @@ class ModelFamily:
     place and return it (``vsa2_parameters`` returns the parameters): ``enable_vsa2(transformer,
     vsa2_config, state)``, ``compile_blocks`` (``model.compile_blocks``), ``fuse_block_kernels``
     (``model.fused_kernels``) and ``enable_sequence_parallel(transformer, group)`` (a
-    ``ValueError`` for a group that cannot split the model).
+    ``ValueError`` for a group that cannot split the model). ``conditioning_tokens`` is what
+    ``vsa2-rl check``'s plan counts as the keys beside the video's that every video query
+    attends to: the padded text (and soundtrack) rows a prompt brings.
     """
 
     kind: str  # the model.kind that selects it
@@ -57,6 +59,7 @@ class ModelFamily:
     compile_blocks: Callable[[nn.Module], nn.Module]
     fuse_block_kernels: Callable[[nn.Module], nn.Module]
     enable_sequence_parallel: Callable[[nn.Module, object], nn.Module]
+    conditioning_tokens: int = 512  # Wan's UMT5 text, padded to 512
 
 
 def _load_wan_bundle(config: RunConfig, device, dtype, facts: ModelFacts | None):
@@ -144,6 +147,7 @@ HUNYUAN_VIDEO15 = ModelFamily(
     compile_blocks=_refuse("HunyuanVideo-1.5", "model.compile_blocks", "compiled blocks"),
     fuse_block_kernels=_refuse("HunyuanVideo-1.5", "model.fused_kernels", "fused block kernels"),
     enable_sequence_parallel=_refuse_sequence_parallel("HunyuanVideo-1.5"),
+    conditioning_tokens=1000 + 256 + 1,  # MLLM text, ByT5 glyphs, one (padding) image token
 )
 MINIMAX_H3 = ModelFamily(
     kind="minimax_h3",
@@ -153,6 +157,7 @@ MINIMAX_H3 = ModelFamily(
     compile_blocks=_refuse("MiniMax-H3", "model.compile_blocks", "compiled blocks"),
     fuse_block_kernels=_refuse("MiniMax-H3", "model.fused_kernels", "fused block kernels"),
     enable_sequence_parallel=_refuse_sequence_parallel("MiniMax-H3"),
+    conditioning_tokens=512 + 128,  # packed text rows, and a 5 s soundtrack's audio rows
 )
 LTX2 = ModelFamily(
     kind="ltx2",
@@ -162,6 +167,7 @@ LTX2 = ModelFamily(
     compile_blocks=_refuse("LTX-2", "model.compile_blocks", "compiled blocks"),
     fuse_block_kernels=_refuse("LTX-2", "model.fused_kernels", "fused block kernels"),
     enable_sequence_parallel=_refuse_sequence_parallel("LTX-2"),
+    conditioning_tokens=1024,  # Gemma 3 text padded to the pipeline's 1,024 tokens
 )
 
 FAMILIES: dict[str, ModelFamily] = {
