@@ -77,6 +77,11 @@ def _assert_same_weights(out_dir, reference_dir, rel=1e-4, entry="model", step=2
     path = os.path.join("checkpoints", f"step_{step}", f"{entry}.safetensors")
     weights = load_file(os.path.join(out_dir, path))
     reference = load_file(os.path.join(reference_dir, path))
+    _assert_same_tensors(weights, reference, rel)
+
+
+def _assert_same_tensors(weights, reference, rel):
+    """:func:`_assert_same_weights` of two ``{name: tensor}`` dicts."""
     assert weights.keys() == reference.keys()
     for name, value in reference.items():
         error = (weights[name].double() - value.double()).pow(2).mean().sqrt()
@@ -374,6 +379,79 @@ def test_an_fsdp2_nft_run_resumes_its_old_policy_as_it_would_have_gone_on(nft_fs
     _assert_same_nft_rows(resumed, _rows(nft_fsdp2)[1:], rel=1e-6)
     for entry in ("model", "old_policy"):
         _assert_same_weights(tmp_path / "resumed", nft_fsdp2, rel=1e-6, entry=entry)
+
+
+# nft's anchors against drift under FSDP2, each held, like the old policy, shard by shard: the
+# KL term's EMA reference (full fine-tuning: its shards are swapped in), and a trust region
+# that binds (the toy's steps move the velocity by a mean square of about 0.4 to 0.55, so a
+# radius of 0.1 scales each back to about a half)
+NFT_ANCHORS = {
+    "kl_reference_ema": (["rl.kl_beta=0.1", "rl.kl_reference=ema"], ("loss/kl",)),
+    "trust_region": (
+        ["nft.trust_region=0.1"],
+        ("train/step_deviation", "train/trust_region_scale"),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(NFT_ANCHORS))
+def nft_anchor_runs(request, tmp_path_factory):
+    """``(anchor, folder)``: the NFT run with an anchor of NFT_ANCHORS on one process
+    (``folder / "one"``) and under FSDP2 over 2 processes (``folder / "fsdp2"``)."""
+    overrides = NFT_ANCHORS[request.param][0]
+    root = tmp_path_factory.mktemp(request.param)
+    _run([sys.executable, "train_rl.py"], root / "one", *NFT, *overrides)
+    _run(FSDP2_TRAIN, root / "fsdp2", *NFT, *overrides)
+    return request.param, root
+
+
+def _assert_same_anchored_nft(out_dir, reference_dir, anchor, rel, weight_rel, steps):
+    """The rows and checkpoints of ``steps`` of two NFT runs with ``anchor``: the compared
+    metrics and the anchor's own to ``rel``, the trained and old policy's weights and the EMA
+    reference's to ``weight_rel`` (see _assert_same_weights)."""
+    from vsa2_rl.rl.checkpoint import load_checkpoint
+
+    keys = (*NFT_COMPARED, *NFT_ANCHORS[anchor][1])
+    rows = {r["step"]: r for r in _rows(reference_dir)}
+    for row in _rows(out_dir):
+        for key in keys:
+            assert row[key] == pytest.approx(rows[row["step"]][key], rel=rel, abs=1e-9), key
+    for step in steps:
+        for entry in ("model", "old_policy"):
+            _assert_same_weights(out_dir, reference_dir, weight_rel, entry=entry, step=step)
+        if anchor == "kl_reference_ema":
+            states = [
+                load_checkpoint(d / "checkpoints" / f"step_{step}")
+                for d in (out_dir, reference_dir)
+            ]
+            ema, reference = (state["kl_reference"] for state in states)
+            assert ema["num_calls"] == reference["num_calls"] == step
+            _assert_same_tensors(ema["shadow"], reference["shadow"], weight_rel)
+
+
+def test_fsdp2_trains_nft_with_an_anchor_against_drift_as_one_process(nft_anchor_runs):
+    """The EMA reference's KL (not 0 at step 2, the EMA then apart from theta) or the trust
+    region's scale (below 0.9: it binds) and deviation, with everything
+    test_fsdp2_trains_nft_and_soft_updates_its_old_policy_as_one_process compares."""
+    anchor, root = nft_anchor_runs
+    one = _rows(root / "one")
+    assert [r["step"] for r in _rows(root / "fsdp2")] == [r["step"] for r in one] == [1, 2]
+    if anchor == "kl_reference_ema":
+        assert one[1]["loss/kl"] > 0
+    else:
+        assert all(r["train/trust_region_scale"] < 0.9 for r in one)
+    _assert_same_anchored_nft(root / "fsdp2", root / "one", anchor, 1e-5, 1e-4, steps=(1, 2))
+
+
+def test_an_fsdp2_nft_run_resumes_its_anchor_against_drift_as_it_would_have_gone_on(
+    nft_anchor_runs, tmp_path
+):
+    anchor, root = nft_anchor_runs
+    step_1 = root / "fsdp2" / "checkpoints" / "step_1"
+    resumed = tmp_path / "resumed"
+    rows = _run(FSDP2_TRAIN, resumed, *NFT, *NFT_ANCHORS[anchor][0], f"train.resume={step_1}")
+    assert [r["step"] for r in rows] == [2]
+    _assert_same_anchored_nft(resumed, root / "fsdp2", anchor, 1e-6, 1e-6, steps=(2,))
 
 
 # ---- Wan2.2 A14B's two experts under every engine ------------------------------------------

@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from run_comparison import check_lora_export_round_trip, check_resume_is_bit_identical
 
 from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.models.family import LTX2, family_of
@@ -437,69 +438,12 @@ def test_check_plans_an_ltx2_folder_and_train_accepts_it(folder, tmp_path, monke
 
 @pytest.mark.parametrize("name", ["folder", "folder_ltx23"])
 def test_a_lora_run_exports_an_adapter_that_reproduces_the_checkpoint(request, tmp_path, name):
-    from peft import LoraConfig
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from vsa2_rl.config import load_eval_config
-    from vsa2_rl.export import ADAPTER_WEIGHTS, VSA2_WEIGHTS, export
-    from vsa2_rl.rl.checkpoint import find_latest
-    from vsa2_rl.rl.trainer import train
-    from vsa2_rl.runtime import build_bundle, load_model
-
     folder = request.getfixturevalue(name)
     lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=4"]
     run = _config(folder, *RUN, *lora, f"out_dir={tmp_path / 'run'}")
-    train(run)
-    checkpoint = str(find_latest(tmp_path / "run" / "checkpoints"))
-
-    def velocity(bundle):  # at sparsity 0.5, so the trained VSA2 parameters count
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2, *bundle.latent_shape(*VIDEO), generator=generator)
-        bundle.sparsity_state.sparsity = 0.5
-        with torch.no_grad():
-            return bundle.velocity(x, torch.tensor([0.7, 0.4]), bundle.encode_prompts(PROMPTS))
-
-    expected = velocity(load_model(run, "cpu", torch.float32, checkpoint=checkpoint))
-    base = build_bundle(run, torch.device("cpu"), torch.float32)
-    assert (expected - velocity(base)).abs().max() > 1e-4  # the run changed the model
-    out = export(*load_eval_config(None, [f"run_dir={run.out_dir}", f"out_dir={tmp_path / 'x'}"]))
-    assert sorted(os.listdir(out)) == sorted([ADAPTER_WEIGHTS, "adapter_config.json",
-                                              VSA2_WEIGHTS, "vsa2_attention.json"])  # fmt: skip
-    # loaded back by peft's own loaders onto the untouched folder's model with VSA2
-    base.transformer.add_adapter(LoraConfig.from_pretrained(out))
-    result = set_peft_model_state_dict(base.transformer, load_file(f"{out}/{ADAPTER_WEIGHTS}"))
-    assert not result.unexpected_keys
-    vsa2 = load_file(f"{out}/{VSA2_WEIGHTS}")
+    vsa2 = check_lora_export_round_trip(run, VIDEO, PROMPTS, tmp_path)
     # the routers and gates alone, in the video self-attention (the module docstring's names)
     assert vsa2 and all(re.match(r"transformer_blocks\.\d+\.attn1\.vsa2\.", key) for key in vsa2)
-    routers = base.transformer.load_state_dict(vsa2, strict=False)
-    assert not routers.unexpected_keys
-    torch.testing.assert_close(velocity(base), expected, rtol=1e-5, atol=1e-6)
-
-
-def _rows(out_dir):
-    """The run's metrics rows without their wall-clock timings (``perf/*``)."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as handle:
-        rows = [json.loads(line) for line in handle]
-    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
-
-
-def _differences(a, b, path=""):
-    """The paths where two nested checkpoint entries are not bit-identical."""
-    if isinstance(a, torch.Tensor):
-        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-        return [] if same else [path]
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or set(a) != set(b):
-            return [path]
-        return [d for key in a for d in _differences(a[key], b[key], f"{path}/{key}")]
-    if isinstance(a, list | tuple):
-        if not isinstance(b, list | tuple) or len(a) != len(b):
-            return [path]
-        pairs = enumerate(zip(a, b, strict=True))
-        return [d for i, (x, y) in pairs for d in _differences(x, y, f"{path}/{i}")]
-    return [] if a == b else [path]
 
 
 @pytest.mark.parametrize("name", ["folder", "folder_ltx23"])
@@ -507,28 +451,6 @@ def _differences(a, b, path=""):
 def test_a_run_stopped_after_step_1_and_resumed_goes_on_bit_for_bit(
     request, tmp_path, capsys, name, algorithm
 ):
-    from vsa2_rl.rl.checkpoint import load_checkpoint
-    from vsa2_rl.rl.trainer import train
-
     folder = request.getfixturevalue(name)
     run = [*RUN, f"rl.algorithm={algorithm}"]
-    train(_config(folder, *run, "train.num_steps=2", f"out_dir={tmp_path / 'whole'}"))
-    train(_config(folder, *run, "train.num_steps=1", f"out_dir={tmp_path / 'part'}"))
-    part = _config(folder, *run, "train.num_steps=2", "train.resume=auto",
-                   f"out_dir={tmp_path / 'part'}")  # fmt: skip
-    capsys.readouterr()
-    train(part)
-    step_1 = tmp_path / "part" / "checkpoints" / "step_1"
-    assert f"resumed from {step_1} at step 1" in capsys.readouterr().out
-    whole_rows, part_rows = _rows(tmp_path / "whole"), _rows(tmp_path / "part")
-    assert [row["step"] for row in part_rows] == [1, 2]
-    assert part_rows == whole_rows
-    whole = load_checkpoint(tmp_path / "whole" / "checkpoints" / "step_2")
-    resumed = load_checkpoint(tmp_path / "part" / "checkpoints" / "step_2")
-    assert set(whole) == set(resumed)
-    # every entry but the recorded config (which names its out_dir): weights, optimizer,
-    # schedules, EMA and NFT's old policy
-    for entry in sorted(set(whole) - {"config"}):
-        assert _differences(whole[entry], resumed[entry], entry) == []
-    first = load_checkpoint(step_1)["model"]
-    assert any(not torch.equal(first[k], v) for k, v in whole["model"].items())  # step 2 moved
+    check_resume_is_bit_identical(lambda *extra: _config(folder, *extra), run, tmp_path, capsys)

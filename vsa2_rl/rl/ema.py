@@ -11,6 +11,9 @@ With updates every k steps the averaging horizon is about ``k / (1 - decay)`` op
 n-th update (n from 0), so that a short run averages its own steps rather than its start (the toy
 model build, :func:`vsa2_rl.toy.build.build_toy_model`, ends each stage on such an EMA).
 Parameters sharded by DeepSpeed ZeRO-3 must be gathered by the caller before :meth:`EMA.update`.
+Parameters sharded by FSDP2 are DTensors, and so is their shadow (same placement): each rank
+averages its shards; :meth:`EMA.state_dict` holds those DTensors (vsa2_rl.rl.nft.EMAReference
+gathers them whole) and :meth:`EMA.load_state_dict` takes whole tensors (:func:`as_shard_of`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def as_shard_of(value: Tensor, weight: Tensor) -> Tensor:
+    """The whole tensor ``value`` in ``weight``'s dtype and device, as its shard where
+    ``weight`` is an FSDP2 DTensor (each rank slices its own part: no communication)."""
+    value = value.to(weight.device, weight.dtype)
+    if not isinstance(weight, DTensor):
+        return value
+    return distribute_tensor(value, weight.device_mesh, weight.placements, src_data_rank=None)
 
 
 class EMA:
@@ -115,7 +128,7 @@ class EMA:
                     f"EMA shadow {name!r} has shape {tuple(value.shape)}, parameter has "
                     f"{tuple(self.shadow[name].shape)}"
                 )
-            self.shadow[name].copy_(value)
+            self.shadow[name].copy_(as_shard_of(value, self.shadow[name]))
         self.decay = float(state["decay"])
         self.update_every = int(state["update_every"])
         self.warmup = bool(state.get("warmup", False))  # absent in checkpoints before it existed

@@ -18,8 +18,9 @@ accelerate hides most of the difference; what it leaves to the loop is gathered 
 * states: under ZeRO-3 and FSDP2 parameters are sharded, so weights are gathered onto the main
   process for checkpoints, every rank takes part in evaluation (its forward gathers them) and
   options that need whole parameters on one rank are refused. DiffusionNFT's old policy is held,
-  soft-updated and swapped in shard by shard under FSDP2 (vsa2_rl.rl.nft.OldPolicy) and refused
-  under ZeRO-3. The optimizer state of every rank
+  soft-updated and swapped in shard by shard under FSDP2 (vsa2_rl.rl.nft.OldPolicy), as are its
+  EMA reference and its trust region's scaled step, and refused under ZeRO-3. The optimizer
+  state of every rank
   (and the weight shards) is saved and restored with the engine's own files (``accelerate``'s
   ``save_state`` / ``load_state``: DeepSpeed's checkpoint, torch.distributed.checkpoint for
   FSDP2) inside the atomic checkpoint directory;
@@ -101,33 +102,25 @@ def check_options(acc, config: RunConfig) -> None:
             f"train.ema_decay: an EMA of {engine}-sharded parameters is not supported; set "
             f"train.ema_decay=0 or use {whole}"
         )
-    if config.rl.kl_beta > 0 and not config.model.lora.enabled:
+    frozen_reference = config.rl.kl_reference == "base"  # nft's EMA reference is swapped in
+    if config.rl.kl_beta > 0 and not config.model.lora.enabled and frozen_reference:
         raise ConfigError(
             "rl.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
             f"which {engine} cannot make from sharded parameters; set rl.kl_beta=0, enable "
-            f"model.lora (the reference is then the model with adapters off) or use {whole}"
+            "model.lora (the reference is then the model with adapters off), with "
+            "rl.algorithm=nft under FSDP2 set rl.kl_reference=ema, or use " + whole
         )
 
 
 def _check_nft(engine: str, config: RunConfig, whole: str) -> None:
-    """DiffusionNFT under sharded parameters: FSDP2 swaps the old policy's shards into its
-    DTensor parameters (vsa2_rl.rl.nft.OldPolicy); ZeRO-3 and the options that keep or move
-    whole weights are refused."""
+    """DiffusionNFT under sharded parameters: FSDP2 holds the old policy, the EMA reference and
+    the trust region's start of a step shard by shard in its DTensor parameters
+    (vsa2_rl.rl.nft); ZeRO-3 is refused."""
     if engine != "FSDP2":
         raise ConfigError(
             "rl.algorithm: nft swaps its old-policy weights into the parameters, which ZeRO-3 "
             "partitions out of the module; launch with configs/accelerate/fsdp2.yaml (FSDP2 "
             f"shards the old policy too), {whole}"
-        )
-    if config.rl.kl_reference == "ema":
-        raise ConfigError(
-            f"rl.kl_reference: an EMA reference of {engine}-sharded parameters is not "
-            f"supported; set rl.kl_reference=base or use {whole}"
-        )
-    if config.nft.trust_region > 0:
-        raise ConfigError(
-            f"nft.trust_region: scaling a step back is not supported with {engine}-sharded "
-            f"parameters; set nft.trust_region=0 or use {whole}"
         )
 
 

@@ -24,7 +24,8 @@ Two anchors against drift beyond the paper, both off by default: ``nft.trust_reg
 back an optimizer step that moved the velocity more than a radius (:func:`limit_step`, the
 shrinking of a step to its bound that TRPO's line search does, Schulman et al. 2015), and
 ``rl.kl_reference=ema`` takes the KL term's reference from an EMA of the trained weights
-(:class:`EMAReference`) instead of the start of training.
+(:class:`EMAReference`) instead of the start of training. Under FSDP2 both hold and write
+their tensors shard by shard, as the old policy does.
 
 :class:`OldPolicy` holds theta_old (LoRA runs and FSDP2: float32 copies of the trained
 tensors, swapped in while it runs; full fine-tuning otherwise: a frozen copy of the model) and
@@ -43,14 +44,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from vsa2_rl.config import ConfigError, NFTConfig, RLConfig, RunConfig
 from vsa2_rl.models.experts import frozen_copy, trained_sigma_range
 from vsa2_rl.models.wan_bundle import with_transformer
 from vsa2_rl.rl import engines
-from vsa2_rl.rl.ema import EMA
+from vsa2_rl.rl.ema import EMA, as_shard_of
 from vsa2_rl.rl.policy import Policy
 from vsa2_rl.rl.rollout import Rollout, RolloutSampler, StepRollouts
 from vsa2_rl.rl.update import UpdateResult
@@ -133,7 +134,11 @@ def nft_loss(
 
 @torch.no_grad()
 def limit_step(
-    params: list[Tensor], before: list[Tensor], deviation: float, radius: float
+    params: list[Tensor],
+    before: list[Tensor],
+    deviation: float,
+    radius: float,
+    model: torch.nn.Module | None = None,
 ) -> float:
     """Scales back the optimizer step that took ``before`` to ``params`` (in place) when it moved
     the velocity by a mean square ``deviation`` beyond ``radius``; returns the scale applied.
@@ -141,13 +146,17 @@ def limit_step(
     A small step changes the velocity linearly in its size, so the mean squared change is
     quadratic in it: ``params <- before + s (params - before)`` with ``s = sqrt(radius /
     deviation)`` brings the change to ``radius`` (exactly for a velocity linear in the weights).
-    A step whose deviation is not finite is undone (s = 0).
+    A step whose deviation is not finite is undone (s = 0). Under FSDP2 ``params`` and
+    ``before`` are DTensors, scaled shard by shard; ``model``, the module that holds ``params``,
+    has its sharded parameters registered again before they are written (:func:`_reshard`).
     """
     if not radius > 0:
         raise ValueError(f"radius must be > 0, got {radius!r}")
     if deviation <= radius:
         return 1.0
     scale = math.sqrt(radius / deviation) if math.isfinite(deviation) else 0.0
+    if model is not None:
+        _reshard(model)  # the deviation's forward left the root's gathered weights registered
     for param, start in zip(params, before, strict=True):
         param.copy_(torch.lerp(start, param, scale))
     return scale
@@ -158,17 +167,21 @@ class EMAReference:
     (:class:`vsa2_rl.rl.ema.EMA`, float32, of the parameters that train), updated after each
     optimizer step; equal to the start of training until the first.
 
-    LoRA runs (``lora=True``) swap the EMA tensors into the model while the reference runs, as
-    :class:`OldPolicy` does; full fine-tuning keeps a frozen copy of the model in its dtype into
-    which the float32 EMA is written after each update, so that no weights move per call.
-    Same interface as :class:`vsa2_rl.rl.policy.ReferencePolicy` (``active``).
+    LoRA runs (``lora=True``) and FSDP2-sharded parameters swap the EMA tensors into the model
+    while the reference runs, as :class:`OldPolicy` does (under FSDP2 the EMA's tensors are
+    DTensors of the parameters' placement: each rank averages and swaps its shards only); full
+    fine-tuning otherwise keeps a frozen copy of the model in its dtype into which the float32
+    EMA is written after each update, so that no weights move per call. Same interface as
+    :class:`vsa2_rl.rl.policy.ReferencePolicy` (``active``).
     """
 
     def __init__(self, bundle, model: torch.nn.Module, *, decay: float, lora: bool):
-        self.bundle = bundle
+        self.bundle, self.model = bundle, model
+        _reshard(model)  # the EMA averages the sharded parameters, not a gathered copy
         self.ema = EMA(model, decay=decay)
         self.frozen, self.copies = None, {}
-        if not lora:
+        sharded = any(isinstance(p, DTensor) for p in self.ema.params.values())
+        if not lora and not sharded:
             self.frozen = with_transformer(bundle, frozen_copy(model))
             frozen = dict(self.frozen.transformer.named_parameters())
             self.copies = {name: frozen[name] for name in self.ema.params}
@@ -189,13 +202,18 @@ class EMAReference:
         if self.frozen is not None:
             yield self.frozen
             return
-        with self.ema.swapped():
+        with _swapped(self.model, self.ema.params, self.ema.shadow):
             yield self.bundle
 
-    def state_dict(self) -> dict:
-        return self.ema.state_dict()
+    def state_dict(self, keep: bool = True) -> dict:
+        """The EMA's state with whole tensors (FSDP2's shards gathered as
+        :meth:`OldPolicy.state_dict` does); ``keep=False`` returns ``{}``."""
+        state = self.ema.state_dict()
+        shadow = _whole_tensors(state["shadow"], keep)
+        return {**state, "shadow": shadow} if keep else {}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict` (whole tensors; under FSDP2 each rank takes its shards)."""
         self.ema.load_state_dict(state)
         self._write_copy()
 
@@ -219,13 +237,36 @@ def _reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def _as_shard_of(value: Tensor, weight: Tensor) -> Tensor:
-    """The whole tensor ``value`` in ``weight``'s dtype and device, as its shard where
-    ``weight`` is an FSDP2 DTensor (each rank slices its own part: no communication)."""
-    value = value.to(weight.device, weight.dtype)
-    if not isinstance(weight, DTensor):
-        return value
-    return distribute_tensor(value, weight.device_mesh, weight.placements, src_data_rank=None)
+@contextlib.contextmanager
+def _swapped(model: torch.nn.Module, params: dict[str, Tensor], weights: dict[str, Tensor]):
+    """Runs the block with ``weights`` copied into ``model``'s parameters ``params`` (same
+    names; under FSDP2 DTensors of one placement, copied shard by shard) and the trained values
+    copied back after it."""
+    trained = {name: param.detach().clone() for name, param in params.items()}
+    _copy_into(model, params, weights)
+    try:
+        yield
+    finally:
+        _copy_into(model, params, trained)
+
+
+@torch.no_grad()
+def _copy_into(model: torch.nn.Module, params: dict[str, Tensor], values: dict[str, Tensor]):
+    _reshard(model)  # else a gathered copy from the last forward would hide what is written
+    for name, param in params.items():
+        param.copy_(values[name])
+
+
+def _whole_tensors(tensors: dict[str, Tensor], keep: bool) -> dict[str, Tensor]:
+    """``tensors`` whole: FSDP2's shards are gathered one tensor at a time onto the CPU (a
+    collective every rank joins); ``keep=False`` (ranks that do not write the checkpoint)
+    returns ``{}``."""
+    whole = {}
+    for name, tensor in tensors.items():
+        value = tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor.detach()
+        if keep:
+            whole[name] = value
+    return whole
 
 
 class OldPolicy:
@@ -268,29 +309,14 @@ class OldPolicy:
         if self.frozen is not None:
             yield self.frozen
             return
-        trained = {name: param.detach().clone() for name, param in self.live.items()}
-        self._copy_into_live(self.weights)
-        try:
+        with _swapped(self.model, self.live, self.weights):
             yield self.bundle
-        finally:
-            self._copy_into_live(trained)
-
-    @torch.no_grad()
-    def _copy_into_live(self, tensors: dict[str, Tensor]) -> None:
-        _reshard(self.model)
-        for name, param in self.live.items():
-            param.copy_(tensors[name])
 
     def state_dict(self, keep: bool = True) -> dict[str, Tensor]:
         """theta_old by parameter name, whole tensors: FSDP2's shards are gathered one tensor
         at a time onto the CPU (a collective every rank joins); ``keep=False`` (ranks that do
         not write the checkpoint) returns ``{}``."""
-        state = {}
-        for name, weight in self.weights.items():
-            whole = weight.full_tensor().cpu() if isinstance(weight, DTensor) else weight.detach()
-            if keep:
-                state[name] = whole
-        return state
+        return _whole_tensors(self.weights, keep)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -309,7 +335,7 @@ class OldPolicy:
                     f"old-policy tensor {name!r} has shape {tuple(state[name].shape)}, the "
                     f"parameter {tuple(weight.shape)}"
                 )
-            weight.copy_(_as_shard_of(state[name], weight))
+            weight.copy_(as_shard_of(state[name], weight))
 
 
 def _draw_seed(seed: int, step: int, epoch: int, index: int) -> int:
@@ -414,9 +440,10 @@ class NFTUpdate:
         return self.old.active()
 
     def state_entries(self) -> dict:
-        entries = {"old_policy": self.old.state_dict(keep=self.policy.acc.is_main_process)}
+        keep = self.policy.acc.is_main_process  # FSDP2: every rank gathers, the main one keeps
+        entries = {"old_policy": self.old.state_dict(keep=keep)}
         if self.ema_reference is not None:
-            entries["kl_reference"] = self.ema_reference.state_dict()
+            entries["kl_reference"] = self.ema_reference.state_dict(keep=keep)
         return entries
 
     def load_state(self, restored: dict) -> None:
@@ -487,7 +514,8 @@ class NFTUpdate:
         stepped, grad_norm = policy.optimizer_step(sums["loss/policy"])
         if stepped and radius:
             deviation = self._step_deviation(probe)
-            limits.append((deviation, limit_step(policy.params, before, deviation, radius)))
+            scale = limit_step(policy.params, before, deviation, radius, policy.unwrapped)
+            limits.append((deviation, scale))
         if stepped and self.ema_reference is not None:
             self.ema_reference.update()
         return stepped, grad_norm
@@ -532,6 +560,12 @@ class NFTUpdate:
         x = (1.0 - column) * x0 + column * noise
         with torch.no_grad(), self.old.active() as old:
             v_old = self._old_velocity(old, x, sigma, chunk.condition)
+        # the reference runs before v_theta: its swap (FSDP2: a reshard) must not fall between
+        # v_theta's forward and backward
+        v_reference = None
+        if self.reference is not None:
+            with torch.no_grad(), self.reference.active() as reference:
+                v_reference = reference.velocity(x, sigma, chunk.condition).float()
         v_theta = policy.bundle.velocity(x, sigma, chunk.condition).float()
         r = optimality_probability(chunk.advantages, settings.advantage_scale)
         loss = nft_loss(
@@ -540,9 +574,7 @@ class NFTUpdate:
         )  # fmt: skip
         dims = tuple(range(1, x0.ndim))
         kl = torch.zeros_like(loss)
-        if self.reference is not None:
-            with torch.no_grad(), self.reference.active() as reference:
-                v_reference = reference.velocity(x, sigma, chunk.condition).float()
+        if v_reference is not None:
             kl = (v_theta - v_reference).square().mean(dims)
         losses = loss, kl, (v_theta.detach() - v_old).square().mean(dims), r
         return losses, _Probe(x, sigma, chunk.condition, v_theta.detach())

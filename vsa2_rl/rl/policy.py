@@ -51,7 +51,7 @@ class ReferencePolicy:
 class Policy:
     """The trained transformer under the run's engine, with its optimizer, learning-rate
     schedule (linear warm-up over ``train.warmup_steps``), EMA (``train.ema_decay``) and, with
-    ``rl.kl_beta > 0``, its :class:`ReferencePolicy`.
+    ``rl.kl_beta > 0`` and ``rl.kl_reference=base``, its :class:`ReferencePolicy`.
 
     ``bundle`` runs the engine's wrapper (rollouts and training forwards); ``unwrapped`` is the
     bare model (shapes, evaluation, checkpoints).
@@ -83,9 +83,9 @@ class Policy:
         self.bundle = with_transformer(bundle, self.model)
         self.unwrapped = acc.unwrap_model(self.model)
         self.evaluation_bundle = with_transformer(bundle, self.unwrapped)
-        self.reference = (
+        self.reference = (  # nft's rl.kl_reference=ema builds its own (vsa2_rl.rl.nft)
             ReferencePolicy(self.bundle, self.unwrapped, lora=config.model.lora.enabled)
-            if config.rl.kl_beta > 0
+            if config.rl.kl_beta > 0 and config.rl.kl_reference == "base"
             else None
         )
         self.ema = EMA(self.unwrapped, decay=train.ema_decay) if train.ema_decay > 0 else None
