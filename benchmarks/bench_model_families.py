@@ -8,9 +8,10 @@ For each family it times, median of ``--reps`` after one warm-up:
 - ``train``: one forward+backward with gradient checkpointing, LoRA rank 32 on the attention
   projections (VSA2's router and gates train too);
 
-and composes the 1.3B Wan recipe's RL iteration from them as ``bench_rl_scale.py`` does (32
-videos x 16 steps with guidance, 4 trained steps a video with the KL reference pass; VAE, text
-encoders and rewards left out, the same for dense and VSA2). The shapes (``Family.latents``):
+and composes the DiffusionNFT recipes' RL iteration from them (32 videos x 16 guidance-free ODE
+steps; 4 trained noise levels a video, each a training pass and two no-grad forwards, the old
+policy's and the KL reference's; VAE, text encoders and rewards left out, the same for dense and
+VSA2). The shapes (``Family.latents``):
 720p, about 5 s, each model's VAE compression and patch: HunyuanVideo-1.5 121 frames -> 31 x 45 x
 80 latents (111,600 tokens), MiniMax-H3 124 frames -> 37 x 45 x 80 latents, 2 x 2 patches (32,560
 video rows beside 512 text and 128 audio rows), LTX-2 121 frames at 704 x 1280 -> 16 x 22 x 40
@@ -263,9 +264,9 @@ def pass_seconds(model, inputs: dict, reps: int, device, label: str) -> dict[str
 
 
 def iteration_seconds(forward: float, train: float) -> float:
-    """The 1.3B Wan recipe's RL iteration from its parts (module docstring)."""
-    videos, steps, trained, cfg = 32, 16, 4, 2
-    return videos * (steps * cfg * forward + trained * cfg * (train + forward))
+    """The DiffusionNFT recipes' RL iteration from its parts (module docstring)."""
+    videos, steps, trained, no_grad_forwards = 32, 16, 4, 2
+    return videos * (steps * forward + trained * (train + no_grad_forwards * forward))
 
 
 def measure(name: str, args, device, dtype) -> str:

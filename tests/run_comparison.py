@@ -103,6 +103,24 @@ def check_lora_export_round_trip(run, video, prompts, tmp_path) -> dict:
     return vsa2
 
 
+def recipe_on_tiny_folder(recipe: str, folder: str, video: tuple[int, int, int], out_dir):
+    """configs/``recipe`` with only its sizes shrunk to a tiny model ``folder`` (its training
+    prompts in ``prompts.txt`` beside it, videos of ``video`` = (frames, height, width)): one
+    step of 2 groups of 2, no evaluation, its rewards swapped for a weight-free one. Call it from
+    the repository root (a recipe names its evaluation prompt file from there)."""
+    from vsa2_rl.config import load_config
+
+    return load_config(os.path.join("configs", recipe), [
+        f"model.path={folder}", f"out_dir={out_dir}", "attention.backend=torch",
+        f"model.num_frames={video[0]}", f"model.height={video[1]}", f"model.width={video[2]}",
+        f"prompts.file={os.path.join(os.path.dirname(folder), 'prompts.txt')}",
+        "rl.group_size=2", "rl.prompts_per_step=2", "rl.train_batch_size=2",
+        "train.num_steps=1", "train.sample_every=0", "logging.report_to=[]",
+        "logging.progress=false", "eval.every=0",
+        "rewards.functions=[{name: 'test_trainer:brightness'}]",
+    ])  # fmt: skip
+
+
 def check_one_step_trains(config) -> None:
     """Trains ``config`` for its one step; asserts one metrics row, at the configured rollout
     sparsity, with finite losses."""

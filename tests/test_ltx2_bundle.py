@@ -14,7 +14,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from run_comparison import check_lora_export_round_trip, check_resume_is_bit_identical
+from run_comparison import (
+    check_lora_export_round_trip,
+    check_one_step_trains,
+    check_resume_is_bit_identical,
+    recipe_on_tiny_folder,
+)
 
 from vsa2_rl.config import ConfigError, load_config
 from vsa2_rl.models.family import LTX2, family_of
@@ -454,3 +459,66 @@ def test_a_run_stopped_after_step_1_and_resumed_goes_on_bit_for_bit(
     folder = request.getfixturevalue(name)
     run = [*RUN, f"rl.algorithm={algorithm}"]
     check_resume_is_bit_identical(lambda *extra: _config(folder, *extra), run, tmp_path, capsys)
+
+
+def _pipeline_sigmas(num_steps: int, tokens: int) -> list[float]:
+    """LTX2Pipeline's schedule for videos of ``tokens`` tokens: diffusers' scheduler with the
+    released LTX-2 scheduler's settings, its timesteps set as the pipeline sets them."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1,
+    )  # fmt: skip
+    mu = calculate_shift(tokens, 1024, 4096, 0.95, 2.05)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    return scheduler.sigmas.tolist()
+
+
+def test_the_recipe_runs_one_step_on_a_tiny_folder_with_the_pipelines_schedule(
+    folder, tmp_path, monkeypatch
+):
+    """configs/ltx2_704p_vsa2_nft.yaml's settings (DiffusionNFT, guidance-free rollouts, LoRA,
+    the router, rewards swapped for a weight-free one) on the tiny folder: only sizes shrink.
+    Its rollouts and evaluations step through LTX2Pipeline's schedule at the video's 128
+    tokens."""
+    from vsa2_rl.rl import rollout
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(repo)  # the recipe names its evaluation prompt file from there
+    schedules = []
+    real_schedule = rollout.sigma_schedule
+    monkeypatch.setattr(
+        rollout, "sigma_schedule", lambda *a: schedules.append(real_schedule(*a)) or schedules[-1]
+    )
+    config = recipe_on_tiny_folder("ltx2_704p_vsa2_nft.yaml", folder, VIDEO, tmp_path / "run")
+    assert config.rl.algorithm == "nft" and config.model.lora.enabled
+    assert config.sampler.guidance_scale == 1.0 and config.eval_guidance_scale == 4.0
+    check_one_step_trains(config)
+    (rollout_sigmas,) = schedules
+    expected = _pipeline_sigmas(config.sampler.num_steps, tokens=128)
+    assert rollout_sigmas.tolist() == pytest.approx(expected, abs=1e-6)
+    assert rollout_sigmas[-2].item() == pytest.approx(0.1)
+
+
+def test_evaluations_step_through_the_pipelines_schedule(folder, tmp_path, monkeypatch):
+    """``vsa2-rl eval`` with the recipe's sampler settings samples on LTX2Pipeline's schedule
+    at 40 steps."""
+    from vsa2_rl.eval import sweep
+
+    schedules = []
+    real_schedule = sweep.sigma_schedule
+    monkeypatch.setattr(
+        sweep, "sigma_schedule", lambda *a: schedules.append(real_schedule(*a)) or schedules[-1]
+    )
+    config = _config(
+        folder, "sampler.token_shift=[1024,0.95,4096,2.05]", "sampler.shift_terminal=0.1",
+        "sampler.eval_num_steps=40", "eval.num_prompts=1", "eval.sparsities=[0.0]",
+        "eval.guard_rewards=[]",
+        "logging.progress=false", f"out_dir={tmp_path / 'eval'}",
+        "rewards.functions=[{name: 'test_trainer:brightness'}]",
+    )  # fmt: skip
+    sweep.evaluate(config)
+    (sigmas,) = schedules
+    assert sigmas.tolist() == pytest.approx(_pipeline_sigmas(40, tokens=128), abs=1e-6)

@@ -14,6 +14,7 @@ from run_comparison import (
     check_lora_export_round_trip,
     check_one_step_trains,
     check_resume_is_bit_identical,
+    recipe_on_tiny_folder,
 )
 
 from vsa2_rl.config import ConfigError, load_config
@@ -348,15 +349,7 @@ def test_the_recipe_runs_one_step_on_a_tiny_folder(folder, tmp_path, monkeypatch
     the router, rewards swapped for a weight-free one) on the tiny folder: only sizes shrink."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.chdir(repo)  # the recipe names its evaluation prompt file from there
-    config = load_config(os.path.join(repo, "configs", "minimax_h3_704p_vsa2_nft.yaml"), [
-        f"model.path={folder}", f"out_dir={tmp_path / 'run'}", "attention.backend=torch",
-        f"model.num_frames={VIDEO[0]}", f"model.height={VIDEO[1]}", f"model.width={VIDEO[2]}",
-        f"prompts.file={os.path.join(os.path.dirname(folder), 'prompts.txt')}",
-        "rl.group_size=2", "rl.prompts_per_step=2", "rl.train_batch_size=2",
-        "train.num_steps=1", "train.sample_every=0", "logging.report_to=[]",
-        "logging.progress=false", "eval.every=0",
-        "rewards.functions=[{name: 'test_trainer:brightness'}]",
-    ])  # fmt: skip
+    config = recipe_on_tiny_folder("minimax_h3_704p_vsa2_nft.yaml", folder, VIDEO, tmp_path / "run")
     assert config.rl.algorithm == "nft" and config.model.lora.enabled
     assert config.sampler.guidance_scale == config.eval_guidance_scale == 1.0
     assert config.sparsity.train == 0.875

@@ -1,6 +1,6 @@
 """The shipped prompt sets (configs/prompts/, written by scripts/make_prompt_sets.py): the script
 writes the committed files again, the evaluation prompts pair subjects and motions never paired
-in training from parts that all occur in it, and every Wan recipe loads with its prompt files."""
+in training from parts that all occur in it, and every model recipe loads with its prompt files."""
 
 import glob
 import importlib.util
@@ -21,6 +21,8 @@ PROMPTS = os.path.join(REPO, "configs", "prompts")
 RECIPES = sorted(
     glob.glob(os.path.join(REPO, "configs", "wan2_*.yaml"))
     + glob.glob(os.path.join(REPO, "configs", "hunyuan_*.yaml"))
+    + glob.glob(os.path.join(REPO, "configs", "minimax_*.yaml"))
+    + glob.glob(os.path.join(REPO, "configs", "ltx2_*.yaml"))
 )
 
 
@@ -109,7 +111,9 @@ def test_each_recipe_loads_with_its_prompt_files(recipe, tmp_path, monkeypatch):
     (tmp_path / "model_index.json").write_text("{}")  # a model folder is not empty
     monkeypatch.chdir(REPO)  # the recipes name their prompt files from the repository root
     config = load_config(recipe, [f"model.path={tmp_path}"])
-    expected_kind = "hunyuan_video15" if "hunyuan_" in os.path.basename(recipe) else "wan"
+    name = os.path.basename(recipe)
+    kinds = {"hunyuan_": "hunyuan_video15", "minimax_": "minimax_h3", "ltx2_": "ltx2"}
+    expected_kind = next((kind for prefix, kind in kinds.items() if name.startswith(prefix)), "wan")
     assert config.model.kind == expected_kind and config.model.lora.enabled
     assert config.sparsity.eval < config.sparsity.train
     train, held_out = load_prompt_records(config, "train"), load_prompt_records(config, "eval")

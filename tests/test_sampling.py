@@ -205,6 +205,46 @@ def test_sigma_schedule():
         sigma_schedule(4, shift=0.0)
 
 
+@pytest.mark.parametrize("shift", [1.0, 3.0, 277.27])
+def test_a_terminal_stretch_equals_diffusers_shift_terminal(shift):
+    """diffusers' FlowMatchEulerDiscreteScheduler (shift, shift_terminal 0.1), timesteps set as
+    its pipelines set them, is the independent reference."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, shift_terminal=0.1)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 8, 8))
+    ours = sigma_schedule(8, shift=shift, terminal=0.1)
+    assert ours.tolist() == pytest.approx(scheduler.sigmas.tolist(), abs=1e-6)
+    assert ours[0] == 1.0 and ours[-1] == 0.0 and ours[-2] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="terminal"):
+        sigma_schedule(8, terminal=1.0)
+
+
+def test_token_shift_is_diffusers_dynamic_shift_and_excludes_a_fixed_one():
+    """sampler.token_shift's shift at a token count equals diffusers' exponential time shift by
+    calculate_shift's mu (both read at sigma 0.5: shift * s / (1 + (shift - 1) s))."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    from vsa2_rl.config import ConfigError
+    from vsa2_rl.config.algorithm import SamplerConfig
+
+    rule = [1024, 0.95, 4096, 2.05]
+    sampler = SamplerConfig(token_shift=rule)
+    for tokens in (128, 2048, 14_080):
+        mu = calculate_shift(tokens, 1024, 4096, 0.95, 2.05)
+        diffusers_sigma = math.exp(mu) / (math.exp(mu) + (1 / 0.5 - 1))
+        shift = sampler.schedule_shift(tokens)
+        assert shift * 0.5 / (1 + (shift - 1) * 0.5) == pytest.approx(diffusers_sigma, rel=1e-12)
+    assert SamplerConfig(shift=5.0).schedule_shift(14_080) == 5.0
+    with pytest.raises(ConfigError, match=r"^sampler\.shift: sampler\.token_shift sets"):
+        SamplerConfig(shift=5.0, token_shift=rule)
+    with pytest.raises(ConfigError, match=r"^sampler\.token_shift: must be"):
+        SamplerConfig(token_shift=[4096, 0.95, 1024, 2.05])
+    with pytest.raises(ConfigError, match=r"^sampler\.shift_terminal: must be in \(0, 1\)"):
+        SamplerConfig(shift_terminal=0.0)
+
+
 def test_cfg_velocity_combines_cond_and_uncond():
     def model_fn(x, sigma, cond):
         return x * sigma.view(-1, 1) + cond.sum(dim=(1, 2)).view(-1, 1)

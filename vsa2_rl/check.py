@@ -343,15 +343,6 @@ def _ltx2_shapes(config: RunConfig):
     return transformer, shapes.latent_shape, what
 
 
-def _patch_size(transformer_config) -> tuple[int, int, int]:
-    """(t, h, w) of a transformer's patch embedding: Wan's tuple, or HunyuanVideo-1.5's and
-    LTX-2's ``patch_size_t`` and square ``patch_size``."""
-    if hasattr(transformer_config, "patch_size_t"):
-        size = transformer_config.patch_size
-        return transformer_config.patch_size_t, size, size
-    return tuple(transformer_config.patch_size)
-
-
 def _is_dir(path: str, name: str) -> bool:
     return os.path.isdir(os.path.join(path, name))
 
@@ -425,15 +416,14 @@ def _trained(transformer: torch.nn.Module, config: RunConfig) -> tuple[str, int]
 
 def _plan_tokens(config: RunConfig, latent_shape, transformer, report: Report) -> None:
     from vsa2_rl.attention import TileLayout
-    from vsa2_rl.models.experts import experts_of
+    from vsa2_rl.models.experts import token_grid
 
     model = config.model
     try:
         channels, frames, height, width = latent_shape(model.num_frames, model.height, model.width)
     except ValueError as error:
         raise ConfigError(f"model.num_frames / model.height / model.width: {error}") from None
-    p_t, p_h, p_w = _patch_size(experts_of(transformer)[0].config)
-    grid = (frames // p_t, height // p_h, width // p_w)
+    grid = token_grid(transformer, (frames, height, width))
     if math.prod(grid) > MAX_TOKENS:  # counted before the layout's index tensors are made
         raise ConfigError(
             f"model.num_frames / model.height / model.width: {math.prod(grid):,} tokens a video "

@@ -89,18 +89,26 @@ def seeded_noise(shape: tuple[int, ...], seeds: list[int]) -> Tensor:
     )
 
 
-def sigma_schedule(num_steps: int, shift: float = 1.0) -> Tensor:
+def sigma_schedule(num_steps: int, shift: float = 1.0, terminal: float | None = None) -> Tensor:
     """Shifted flow-matching sigmas, ``[num_steps + 1]`` float32 from 1 down to 0.
 
     Uniform sigmas ``s`` are warped as ``shift * s / (1 + (shift - 1) * s)`` (SD3 / Wan "shift";
-    shift > 1 spends more steps at high noise). Endpoints stay exactly 1 and 0.
+    shift > 1 spends more steps at high noise). Endpoints stay exactly 1 and 0. With
+    ``terminal`` the sigmas before the final 0 are then stretched affinely in ``1 - sigma`` so
+    that the last of them is ``terminal`` (LTX-2's schedule ends its steps at 0.1, then jumps
+    to 0).
     """
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
     if not shift > 0:
         raise ValueError(f"shift must be > 0, got {shift!r} (1.0 = no shift)")
+    if terminal is not None and not 0 < terminal < 1:
+        raise ValueError(f"terminal must be in (0, 1), got {terminal!r}")
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     s = shift * s / (1.0 + (shift - 1.0) * s)
+    if terminal is not None and num_steps > 1:
+        steps = 1.0 - s[:-1]  # 0 at sigma 1
+        s[:-1] = 1.0 - steps * (1.0 - terminal) / steps[-1]
     return s.to(torch.float32)
 
 

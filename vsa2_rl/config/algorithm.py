@@ -33,6 +33,17 @@ class SamplerConfig:
     shift: float = _doc(
         "Timestep shift of the sigma schedule (Wan uses 3-5 at 480p/720p).", default=1.0
     )
+    token_shift: list[float] | None = _doc(
+        "[base_tokens, base_mu, max_tokens, max_mu]: a shift that grows with the video's tokens, "
+        "exp(mu) with mu linear in them through the two points, as diffusers' dynamic shifting "
+        "(LTX-2: [1024, 0.95, 4096, 2.05]); replaces sampler.shift; empty = sampler.shift.",
+        default=None,
+    )
+    shift_terminal: float | None = _doc(
+        "Stretch the shifted schedule so that its last sigma before 0 is this, as diffusers' "
+        "shift_terminal (LTX-2: 0.1); empty = no stretch.",
+        default=None,
+    )
     noise_level: float = _doc(
         "SDE noise level a (> 0 for Flow-GRPO; 0 = ODE steps, for rl.algorithm=nft).",
         default=0.7,
@@ -83,6 +94,12 @@ class SamplerConfig:
             f"must be >= 1, got {self.eval_num_steps}",
         )
         _check(self.shift > 0, "sampler.shift", f"must be > 0, got {self.shift}")
+        self._check_token_shift()
+        _check(
+            self.shift_terminal is None or 0 < self.shift_terminal < 1,
+            "sampler.shift_terminal",
+            f"must be in (0, 1) (empty = no stretch), got {self.shift_terminal}",
+        )
         _check(
             self.noise_level >= 0, "sampler.noise_level", f"must be >= 0, got {self.noise_level}"
         )
@@ -152,6 +169,34 @@ class SamplerConfig:
         low, high = self.sde_window_range or [0, self.num_steps]
         start = random.Random(seed * 1_000_033 + step).randint(low, high - self.sde_window_size)
         return start, start + self.sde_window_size
+
+    def _check_token_shift(self) -> None:
+        if self.token_shift is None:
+            return
+        rule = list(self.token_shift)
+        _check(
+            len(rule) == 4 and rule[0] >= 1 and rule[2] > rule[0],
+            "sampler.token_shift",
+            f"must be [base_tokens, base_mu, max_tokens, max_mu] with 1 <= base_tokens < "
+            f"max_tokens, got {rule}",
+        )
+        _check(
+            self.shift == 1.0,
+            "sampler.shift",
+            f"sampler.token_shift sets the shift from the video's tokens; leave sampler.shift at "
+            f"1, got {self.shift}",
+        )
+
+    def schedule_shift(self, video_tokens: int) -> float:
+        """The schedule's shift for videos of ``video_tokens`` tokens: ``sampler.shift``, or
+        with ``sampler.token_shift`` exp(mu), mu linear in the tokens through its two points
+        (extrapolated beyond them), as diffusers' dynamic shifting (its exponential time shift
+        of sigma by mu is the plain shift by exp(mu))."""
+        if self.token_shift is None:
+            return self.shift
+        base_tokens, base_mu, max_tokens, max_mu = self.token_shift
+        slope = (max_mu - base_mu) / (max_tokens - base_tokens)
+        return math.exp(base_mu + (video_tokens - base_tokens) * slope)
 
 
 # rl.algorithm -> "module:class" of its update rule (vsa2_rl.rl.update.UpdateRule), imported

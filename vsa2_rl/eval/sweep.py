@@ -54,7 +54,7 @@ from vsa2_rl.device import resolve_device, resolve_dtype, resolve_reward_device
 from vsa2_rl.eval.agreement import VelocityAgreement
 from vsa2_rl.eval.media import condition_images_of, save_video_grid
 from vsa2_rl.models.conditioning import encode_condition, final_latents
-from vsa2_rl.models.experts import low_noise_guidance
+from vsa2_rl.models.experts import low_noise_guidance, video_tokens
 from vsa2_rl.preflight import check_target
 from vsa2_rl.runtime import (
     check_condition_images,
@@ -295,6 +295,7 @@ def sweep_model(
     *,
     num_steps: int,
     shift: float,
+    shift_terminal: float | None = None,
     guidance_scale: float,
     low_noise: tuple[float, float] | None = None,
     seed: int,
@@ -323,7 +324,7 @@ def sweep_model(
     state = bundle.sparsity_state
     latent_shape = bundle.latent_shape(*shape)
     noise = seeded_noise(latent_shape, [seed + i for i in range(len(prompts))])
-    sigmas = sigma_schedule(num_steps, shift)
+    sigmas = sigma_schedule(num_steps, shift, shift_terminal)
     device = next(bundle.transformer.parameters()).device
     guided = max(guidance_scale, low_noise[1] if low_noise else 1.0) > 1
     uncond = bundle.encode_prompts([negative_prompt]) if guided else None
@@ -443,7 +444,8 @@ def evaluate(config: RunConfig, targets: EvalTargets | None = None) -> list[dict
             rewards,
             on_error=config.rewards.on_error,
             num_steps=config.sampler.eval_num_steps,
-            shift=trained.sampler.shift,
+            shift=trained.sampler.schedule_shift(video_tokens(bundle, *shape)),
+            shift_terminal=trained.sampler.shift_terminal,
             # the evaluation's own guidance settings where it gives them, else the run's
             guidance_scale=(
                 trained.eval_guidance_scale

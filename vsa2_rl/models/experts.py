@@ -17,6 +17,7 @@ saved in checkpoints (``vsa2_rl.runtime.trained_state``).
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -108,6 +109,23 @@ def experts_of(model: nn.Module) -> list[nn.Module]:
     ``.module`` of DDP / DeepSpeed."""
     model = getattr(model, "module", model)
     return [model.high_noise, model.low_noise] if isinstance(model, WanExperts) else [model]
+
+
+def token_grid(model: nn.Module, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(t, h, w) tokens of a video whose latents are ``latent_shape`` ([C,] T, H, W) after the
+    transformer's patch embedding: Wan's ``patch_size`` tuple, or HunyuanVideo-1.5's and
+    LTX-2's ``patch_size_t`` and square ``patch_size``."""
+    config = experts_of(model)[0].config
+    if hasattr(config, "patch_size_t"):
+        patch = (config.patch_size_t, config.patch_size, config.patch_size)
+    else:
+        patch = tuple(config.patch_size)
+    return tuple(size // p for size, p in zip(latent_shape[-3:], patch, strict=True))
+
+
+def video_tokens(bundle, num_frames: int, height: int, width: int) -> int:
+    """Tokens of one video of the bundle's transformer at that size."""
+    return math.prod(token_grid(bundle.transformer, bundle.latent_shape(num_frames, height, width)))
 
 
 def trained_modules(model: nn.Module) -> list[nn.Module]:

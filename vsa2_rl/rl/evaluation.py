@@ -8,7 +8,7 @@ import os
 
 from vsa2_rl.eval.agreement import agreement_metrics
 from vsa2_rl.eval.sweep import GUARD_PREFIX, sweep_model
-from vsa2_rl.models.experts import low_noise_guidance
+from vsa2_rl.models.experts import low_noise_guidance, video_tokens
 from vsa2_rl.rl.policy import Policy
 from vsa2_rl.rl.setup import RunSetup
 
@@ -23,12 +23,14 @@ def evaluate_policy(
     them to the trackers, each with its prompt and rewards as caption."""
     config = setup.config
     prompts, images, measured = setup.eval_prompts, setup.eval_images, config.eval.agreement_videos
+    shape = (config.model.num_frames, config.model.height, config.model.width)
     with policy.evaluation() as bundle:
         sweep = functools.partial(
             sweep_model,
             bundle,
             num_steps=config.sampler.eval_num_steps,
-            shift=config.sampler.shift,
+            shift=config.sampler.schedule_shift(video_tokens(bundle, *shape)),
+            shift_terminal=config.sampler.shift_terminal,
             guidance_scale=config.eval_guidance_scale,
             low_noise=low_noise_guidance(
                 bundle.transformer, config.eval_guidance_scale_2, "eval.guidance_scale_2"
@@ -36,7 +38,7 @@ def evaluate_policy(
             negative_prompt=config.sampler.negative_prompt,
             seed=config.eval.seed,
             batch_size=config.rl.train_batch_size,
-            shape=(config.model.num_frames, config.model.height, config.model.width),
+            shape=shape,
             progress=False,
             reward_device=setup.reward_device,
             agreement_videos=measured,

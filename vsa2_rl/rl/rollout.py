@@ -145,17 +145,18 @@ class RolloutSampler:
     """The ``sampler`` section's rollouts for a bundle: sigma schedule, guidance and noise.
 
     ``batch_size`` is ``rl.train_batch_size``, ``group_size`` ``rl.group_size``, ``seed``
-    the run's seed, ``device`` where the latents live; ``bundle`` encodes the negative prompt
-    once when guidance is on.
+    the run's seed, ``device`` where the latents live, ``video_tokens`` a video's tokens (for
+    ``sampler.token_shift``); ``bundle`` encodes the negative prompt once when guidance is on.
     """
 
     def __init__(
         self, settings: SamplerConfig, bundle, *, batch_size: int, group_size: int, seed: int,
-        device: torch.device,
+        device: torch.device, video_tokens: int,
     ):  # fmt: skip
         self.settings, self.batch_size, self.device = settings, batch_size, device
         self.group_size, self.seed = group_size, seed
-        self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
+        shift = settings.schedule_shift(video_tokens)
+        self.sigmas = sigma_schedule(settings.num_steps, shift, settings.shift_terminal)
         self.low_noise = low_noise_guidance(
             bundle.transformer, settings.guidance_scale_2, "sampler.guidance_scale_2"
         )

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from vsa2_rl.config import RunConfig, check_paths, check_resume, config_tree
 from vsa2_rl.eval.agreement import rollout_warning
 from vsa2_rl.models.conditioning import encode_condition
+from vsa2_rl.models.experts import video_tokens
 from vsa2_rl.preflight import ModelFacts
 from vsa2_rl.rewards import RewardMixer, RewardSkip
 from vsa2_rl.rewards.mixing import RewardOutput
@@ -111,6 +112,7 @@ class RLTrainer:
         self.sampler = RolloutSampler(
             config.sampler, setup.bundle, batch_size=rl.train_batch_size,
             group_size=rl.group_size, seed=config.seed, device=self.device,
+            video_tokens=video_tokens(setup.bundle, *self.video_size),
         )  # fmt: skip
         self.update_rule = build_update_rule(self.policy, self.sampler, config)
         self.checkpoints = os.path.join(config.out_dir, "checkpoints")
