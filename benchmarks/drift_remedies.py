@@ -28,7 +28,9 @@ Commands, each reading and writing ``--out``:
 - ``report``: ``report.md``, per variant the reward runs' held-out ``prompt_motion`` gain and
   ``shape_fidelity`` change, the controls' changes of both, every seed listed, and the issue's
   criteria (:data:`CRITERIA`), each judged on the largest deviation from step 0 over all the
-  run's evaluations (a run that drifts and comes back has drifted).
+  run's evaluations (a run that drifts and comes back has drifted); it reads the run folders or
+  their packed files (``python benchmarks/sparse_rollouts.py pack --out DIR``, the layout in that
+  module's docstring) alike.
 
 The evaluation is every 10 steps on the default's 24 held-out prompts x 4 samples without the
 rollout-agreement pass (``eval.agreement_prompts=0``): about 5% of a run's forwards (5
@@ -63,9 +65,10 @@ from sparse_rollouts import (
     is_finished,
     mean_sd,
     planned_num_steps,
-    read_metrics,
     run_config,
     run_jobs,
+    run_metrics,
+    run_names,
     train_command,
 )
 
@@ -167,15 +170,16 @@ def changes(metrics: dict[int, dict], name: str) -> Change | None:
 
 
 def read_runs(out: Path) -> dict[tuple[str, str, int], dict[str, Change]]:
-    """Finished runs under ``out/runs`` by (variant, kind, seed): their reward's and
-    fidelity's changes (a run counts once its config's last step is evaluated)."""
+    """Finished runs of ``out`` (run folders or packed, ``sparse_rollouts.run_names``) by
+    (variant, kind, seed): their reward's and fidelity's changes (a run counts once its config's
+    last step is evaluated)."""
     runs = {}
-    for path in sorted((out / "runs").glob("*")):
-        match = RUN_NAME.match(path.name)
-        config = run_config(path) if match and path.is_dir() else None
+    for name in run_names(out):
+        match, path = RUN_NAME.match(name), out / "runs" / name
+        config = run_config(path) if match else None
         if not (config and is_finished(path, config["train"]["num_steps"])):
             continue
-        metrics = read_metrics(path / "metrics.jsonl")
+        metrics = run_metrics(path)
         found = {name: changes(metrics, name) for name in (REWARD, FIDELITY)}
         if all(found.values()):
             scales = [row["train/trust_region_scale"] for row in metrics.values()

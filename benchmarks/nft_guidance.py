@@ -28,7 +28,9 @@ Commands, each reading and writing ``--out``:
 - ``report``: ``report.md``: the base's held-out figures at every guidance scale, then per
   variant the held-out ``prompt_motion`` gains of the reward runs and the controls' changes,
   unguided and guided, each reward run's margin (its gain less the mean change of the
-  variant's controls) and the reward runs' change of ``shape_fidelity``, every seed listed.
+  variant's controls) and the reward runs' change of ``shape_fidelity``, every seed listed; it
+  reads the run and sweep folders or their packed files (``python benchmarks/sparse_rollouts.py
+  pack --out DIR``, the layout in that module's docstring) alike.
 
 ::
 
@@ -53,10 +55,13 @@ from sparse_rollouts import (
     is_finished,
     mean_sd,
     planned_num_steps,
-    read_metrics,
     run_config,
     run_jobs,
+    run_metrics,
+    run_names,
     sweep_figures,
+    sweep_names,
+    sweep_rows,
     train_command,
 )
 
@@ -101,7 +106,7 @@ def base_sweep_jobs(args) -> list[Job]:
     """The base's sweeps not yet written, at :data:`BASE_SCALES` and --scale."""
     names = {base_sweep_name(scale): scale for scale in sorted({*BASE_SCALES, args.scale})}
     return [sweep_job(args, name, scale, []) for name, scale in names.items()
-            if not (args.out / "sweeps" / name / "eval.json").is_file()]  # fmt: skip
+            if sweep_rows(args.out, name) is None]  # fmt: skip
 
 
 def planned_runs(args) -> list[tuple[str, Path, list[str], Path]]:
@@ -136,7 +141,7 @@ def command_run(args) -> int:
     sweeps = [sweep_job(args, name, args.scale, [f"run_dir={folder}"])
               for name, folder, overrides, config in runs
               if is_finished(folder, planned_num_steps(config, overrides))
-              and not (args.out / "sweeps" / name / "eval.json").is_file()]  # fmt: skip
+              and sweep_rows(args.out, name) is None]  # fmt: skip
     failed += run_jobs(sweeps, args.parallel)
     if failed:
         print(f"{len(failed)} failed: {', '.join(failed)}", flush=True)
@@ -148,8 +153,8 @@ def command_run(args) -> int:
 
 def guided_score(out: Path, name: str, figure: str = "motion") -> float | None:
     """A sweep's dense held-out ``figure`` (None until the sweep is written)."""
-    path = out / "sweeps" / name / "eval.json"
-    return sweep_figures(path)[0.0][figure] if path.is_file() else None
+    rows = sweep_rows(out, name)
+    return None if rows is None else sweep_figures(rows)[0.0][figure]
 
 
 def read_runs(out: Path, scale: float) -> dict[tuple[str, str, int], dict[str, float]]:
@@ -157,16 +162,16 @@ def read_runs(out: Path, scale: float) -> dict[tuple[str, str, int], dict[str, f
     fidelity, and their guided gain against the base's sweep at ``scale`` (when swept)."""
     base = guided_score(out, base_sweep_name(scale))
     runs = {}
-    for path in sorted((out / "runs").glob("*")):
-        match = RUN_NAME.match(path.name)
-        config = run_config(path) if match and path.is_dir() else None
+    for name in run_names(out):
+        match, path = RUN_NAME.match(name), out / "runs" / name
+        config = run_config(path) if match else None
         if not (config and is_finished(path, config["train"]["num_steps"])):
             continue
-        metrics = read_metrics(path / "metrics.jsonl")
+        metrics = run_metrics(path)
         motion, fidelity = changes(metrics, REWARD), changes(metrics, FIDELITY)
         if motion is None or fidelity is None:
             continue
-        guided = guided_score(out, path.name)
+        guided = guided_score(out, name)
         runs[match["variant"], match["kind"], int(match["seed"])] = {
             "unguided": motion.last,
             "guided": None if guided is None or base is None else guided - base,
@@ -195,9 +200,11 @@ def variant_cells(runs: dict, variant: str) -> list[str]:
 def base_rows(out: Path) -> list[str]:
     """The base's held-out figures at every guidance scale swept."""
     rows = []
-    for path in sorted((out / "sweeps").glob("base_w*/eval.json")):
-        figures = sweep_figures(path)[0.0]
-        scale = path.parent.name.removeprefix("base_w")
+    for name in sweep_names(out):
+        if not name.startswith("base_w"):
+            continue
+        figures = sweep_figures(sweep_rows(out, name))[0.0]
+        scale = name.removeprefix("base_w")
         rows.append(f"| {scale} | {figures['motion']:.3f} | {figures['direction']:.3f} | "
                     f"{figures['fidelity']:.3f} |")  # fmt: skip
     return sorted(rows, key=lambda row: float(row.split(" | ")[0].strip("| ")))

@@ -26,8 +26,16 @@ Commands, each reading and writing ``--out``:
   iteration speed-up each sparsity has against the one it needs to match dense rollouts'
   reward per GPU-hour, and the rollout sparsity the recipes should use) and
   ``report.png`` (held-out reward against RL step and GPU-seconds).
-- ``pack``: the runs' ``config.yaml`` files as one ``configs.jsonl`` beside ``runs/`` (a line
-  per run), for results kept in the repository; every report here reads either.
+- ``pack``: a study's results in three files beside ``runs/`` and ``sweeps/``, for results kept
+  in the repository: ``configs.jsonl`` (a line per run: ``{"run": NAME, "config": {...}}``, its
+  ``config.yaml``), ``runs.jsonl`` (a line per metrics row: ``{"run": NAME, "step": ...}``, its
+  ``metrics.jsonl`` with a resumed run's repeated steps merged as :func:`read_metrics` reads
+  them) and ``sweeps.jsonl`` (a line per sweep: ``{"sweep": NAME, "rows": [...]}``, its
+  ``eval.json``). Each file packed is deleted, and so are the packed runs' and sweeps' ``.log``
+  files and ``eval.md``, which no report reads, then the folders left empty (sample grids stay);
+  names packed before keep their lines. Every report here (and those of ``drift_remedies.py`` and
+  ``nft_guidance.py``) reads a packed study as it reads the unpacked one (a run's or sweep's own
+  file, where present, before its packed line).
 
 ::
 
@@ -69,7 +77,7 @@ AGREEMENT_KEY = "velocity_rel_error"
 BASE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)
 BASE = "base"
 RUN_NAME = re.compile(r"^(nft|control|warmup)_s([0-9.]+)_seed(\d+)$")
-PACKED_CONFIGS = "configs.jsonl"
+PACKED_CONFIGS, PACKED_METRICS, PACKED_SWEEPS = "configs.jsonl", "runs.jsonl", "sweeps.jsonl"
 POLL_S = 0.5
 LOG_TAIL = 10
 VERDICT_RULE = (
@@ -154,47 +162,141 @@ def read_metrics(path: Path) -> dict[int, dict]:
     return rows
 
 
+def packed_records(path: Path, key: str) -> dict[str, list[dict]]:
+    """A packed file's records by their ``key`` field (a run's or a sweep's name), in file
+    order; {} if the file is absent."""
+    records: dict[str, list[dict]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            records.setdefault(record[key], []).append(record)
+    return records
+
+
 def run_config(run_dir: Path) -> dict | None:
     """The config a run recorded: its ``config.yaml``, or its line of the study's packed
-    ``configs.jsonl`` (:func:`pack_configs`) beside ``runs/``; None if it has neither."""
+    ``configs.jsonl`` beside ``runs/``; None if it has neither."""
     saved = run_dir / "config.yaml"
     if saved.is_file():
         return yaml.safe_load(saved.read_text())
-    packed = run_dir.parent.parent / PACKED_CONFIGS
-    if packed.is_file():
-        for line in packed.read_text().splitlines():
-            record = json.loads(line)
-            if record["run"] == run_dir.name:
-                return record["config"]
-    return None
+    packed = packed_records(run_dir.parent.parent / PACKED_CONFIGS, "run").get(run_dir.name)
+    return packed[0]["config"] if packed else None
+
+
+def run_metrics(run_dir: Path) -> dict[int, dict]:
+    """A run's metrics rows by step: its ``metrics.jsonl`` (:func:`read_metrics`), or its lines
+    of the study's packed ``runs.jsonl`` beside ``runs/``; {} if it has neither."""
+    saved = run_dir / "metrics.jsonl"
+    if saved.is_file():
+        return read_metrics(saved)
+    packed = packed_records(run_dir.parent.parent / PACKED_METRICS, "run").get(run_dir.name, [])
+    return {record["step"]: {k: v for k, v in record.items() if k != "run"} for record in packed}
+
+
+def sweep_rows(out: Path, name: str) -> list[dict] | None:
+    """A sweep's evaluation rows: its ``sweeps/<name>/eval.json``, or its line of the study's
+    packed ``sweeps.jsonl``; None if it has neither."""
+    saved = out / "sweeps" / name / "eval.json"
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    packed = packed_records(out / PACKED_SWEEPS, "sweep").get(name)
+    return packed[0]["rows"] if packed else None
+
+
+def packed_run_names(out: Path) -> set[str]:
+    """The runs with a line in the study's packed ``configs.jsonl`` or ``runs.jsonl``."""
+    return {*packed_records(out / PACKED_CONFIGS, "run"),
+            *packed_records(out / PACKED_METRICS, "run")}  # fmt: skip
+
+
+def run_names(out: Path) -> list[str]:
+    """The runs of a study: the folders under ``out/runs`` and the runs of its packed files."""
+    folders = {path.name for path in (out / "runs").glob("*") if path.is_dir()}
+    return sorted(folders | packed_run_names(out))
+
+
+def sweep_names(out: Path) -> list[str]:
+    """The sweeps of a study: the folders with an ``eval.json`` under ``out/sweeps`` and the
+    sweeps of its packed ``sweeps.jsonl``."""
+    folders = {path.parent.name for path in (out / "sweeps").glob("*/eval.json")}
+    return sorted(folders | set(packed_records(out / PACKED_SWEEPS, "sweep")))
+
+
+def pack_files(out: Path, packed: str, key: str, pattern: str, records_of) -> list[Path]:
+    """Moves the files ``out.glob(pattern)`` into ``out/packed``, each as the records
+    ``records_of(name, path)`` of its folder's name (names packed before keep their lines);
+    returns the files, deleted only once every one is in the packed file."""
+    saved = sorted(out.glob(pattern))
+    records = packed_records(out / packed, key)
+    for path in saved:
+        records[path.parent.name] = records_of(path.parent.name, path)
+    if records:
+        lines = (json.dumps(record) + "\n" for name in sorted(records) for record in records[name])
+        (out / packed).write_text("".join(lines))
+    for path in saved:
+        path.unlink()
+    return saved
 
 
 def pack_configs(out: Path) -> int:
-    """Moves every ``out/runs/<name>/config.yaml`` into ``out/configs.jsonl`` (runs packed
-    before keep their lines); returns the number of runs packed now."""
-    packed = out / PACKED_CONFIGS
-    records = {}
-    if packed.is_file():
-        records = {r["run"]: r for r in map(json.loads, packed.read_text().splitlines())}
-    saved = sorted((out / "runs").glob("*/config.yaml"))
-    for path in saved:
-        records[path.parent.name] = {"run": path.parent.name,
-                                     "config": yaml.safe_load(path.read_text())}  # fmt: skip
-    packed.write_text("".join(json.dumps(records[name]) + "\n" for name in sorted(records)))
-    for path in saved:  # only once every config is in the packed file
+    """Moves every ``out/runs/<name>/config.yaml`` into ``out/configs.jsonl``; returns the
+    number of runs packed now."""
+
+    def records(name: str, path: Path) -> list[dict]:
+        return [{"run": name, "config": yaml.safe_load(path.read_text())}]
+
+    return len(pack_files(out, PACKED_CONFIGS, "run", "runs/*/config.yaml", records))
+
+
+def pack_metrics(out: Path) -> int:
+    """Moves every ``out/runs/<name>/metrics.jsonl`` into ``out/runs.jsonl`` (its rows as
+    :func:`read_metrics` reads them, in its order); returns the number of runs packed now."""
+
+    def records(name: str, path: Path) -> list[dict]:
+        return [{"run": name, **row} for row in read_metrics(path).values()]
+
+    return len(pack_files(out, PACKED_METRICS, "run", "runs/*/metrics.jsonl", records))
+
+
+def pack_sweeps(out: Path) -> int:
+    """Moves every ``out/sweeps/<name>/eval.json`` into ``out/sweeps.jsonl``; returns the
+    number of sweeps packed now."""
+
+    def records(name: str, path: Path) -> list[dict]:
+        return [{"sweep": name, "rows": json.loads(path.read_text())}]
+
+    return len(pack_files(out, PACKED_SWEEPS, "sweep", "sweeps/*/eval.json", records))
+
+
+def remove_unread(out: Path) -> int:
+    """Deletes what no report reads of the packed runs and sweeps (their ``.log`` files and the
+    sweeps' ``eval.md``), then the run and sweep folders left empty; returns the number of files
+    deleted."""
+    sweeps = set(packed_records(out / PACKED_SWEEPS, "sweep"))
+    unread = [out / "runs" / f"{name}.log" for name in packed_run_names(out)]
+    unread += [out / "sweeps" / f"{name}.log" for name in sweeps]
+    unread += [out / "sweeps" / name / "eval.md" for name in sweeps]
+    unread = [path for path in unread if path.is_file()]
+    for path in unread:
         path.unlink()
-    return len(saved)
+    for path in sorted([*(out / "runs").glob("*"), *(out / "sweeps").glob("*")]):
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+    return len(unread)
 
 
 def command_pack(args) -> int:
-    count = pack_configs(args.out)
-    print(f"packed {count} configs into {args.out / PACKED_CONFIGS}", flush=True)
+    counts = {PACKED_CONFIGS: pack_configs(args.out), PACKED_METRICS: pack_metrics(args.out),
+              PACKED_SWEEPS: pack_sweeps(args.out)}  # fmt: skip
+    for packed, count in counts.items():
+        print(f"packed {count} into {args.out / packed}", flush=True)
+    print(f"deleted {remove_unread(args.out)} unread files (logs, eval.md)", flush=True)
     return 0
 
 
 def is_finished(run_dir: Path, num_steps: int) -> bool:
     """The run logged its last evaluation."""
-    return "eval/reward" in read_metrics(run_dir / "metrics.jsonl").get(num_steps, {})
+    return "eval/reward" in run_metrics(run_dir).get(num_steps, {})
 
 
 def train_command(config: Path, overrides: list[str]) -> list[str]:
@@ -278,7 +380,7 @@ def base_sweep_jobs(args) -> list[Job]:
     """The base's sweep (at 0, --eval-sparsity, every rollout sparsity and
     :data:`BASE_SPARSITIES`) unless written: it runs beside the RL runs, so its rollout
     agreement figures exist even when the runs are cut short."""
-    if (args.out / "sweeps" / BASE / "eval.json").is_file():
+    if sweep_rows(args.out, BASE) is not None:
         return []
     sparsities = sorted({0.0, args.eval_sparsity, *args.sparsities, *BASE_SPARSITIES})
     return [sweep_job(args, BASE, [], sparsities)]
@@ -290,7 +392,7 @@ def sweep_jobs(args) -> list[Job]:
     for run in find_runs(args.out):
         overrides = train_overrides(args, run.kind, run.sparsity, run.seed, run.path)
         finished = is_finished(run.path, planned_num_steps(config_path(args, run.kind), overrides))
-        if finished and not (args.out / "sweeps" / run.name / "eval.json").is_file():
+        if finished and sweep_rows(args.out, run.name) is None:
             jobs.append(sweep_job(args, run.name, [f"run_dir={run.path}"],
                                   [0.0, args.eval_sparsity]))  # fmt: skip
     return jobs
@@ -337,7 +439,7 @@ def command_time(args) -> int:
         if run_jobs([job], parallel=1):
             failed.append(name)
             continue
-        seconds[f"{sparsity:g}"] = median_step_seconds(read_metrics(run_dir / "metrics.jsonl"))
+        seconds[f"{sparsity:g}"] = median_step_seconds(run_metrics(run_dir))
     record = {**device_info(args.device), "steps": args.steps, "seconds_per_step": seconds}
     (args.out / "seconds_per_step.json").write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out / 'seconds_per_step.json'}: {seconds}", flush=True)
@@ -348,12 +450,12 @@ def command_time(args) -> int:
 
 
 def find_runs(out: Path) -> list[Run]:
-    """The RL run folders under ``out/runs``, by kind, sparsity and seed."""
+    """The RL runs of ``out`` (:func:`run_names`), by kind, sparsity and seed."""
     runs = []
-    for path in sorted((out / "runs").glob("*")):
-        match = RUN_NAME.match(path.name)
-        if match and path.is_dir():
-            runs.append(Run(match[1], float(match[2]), int(match[3]), path))
+    for name in run_names(out):
+        match = RUN_NAME.match(name)
+        if match:
+            runs.append(Run(match[1], float(match[2]), int(match[3]), out / "runs" / name))
     return sorted(runs, key=lambda run: (run.kind != "nft", run.sparsity, run.seed))
 
 
@@ -374,10 +476,10 @@ def rl_verdict(dense: Stat, sparse: Stat, sparse_control: float) -> str:
     return "inconclusive"
 
 
-def sweep_figures(path: Path) -> dict[float, dict]:
-    """An eval.json's held-out figures by evaluation sparsity: motion, direction, fidelity and
-    the velocity's relative error against dense attention (NaN where the sweep has none)."""
-    rows = json.loads(path.read_text())
+def sweep_figures(rows: list[dict]) -> dict[float, dict]:
+    """A sweep's held-out figures (:func:`sweep_rows`) by evaluation sparsity: motion,
+    direction, fidelity and the velocity's relative error against dense attention (NaN where
+    the sweep has none)."""
     return {row["sparsity"]: {"motion": row["reward/prompt_motion"],
                               "direction": row["reward/guard/prompt_direction"],
                               "fidelity": row["reward/guard/shape_fidelity"],
@@ -396,15 +498,16 @@ def run_changes(run_sweep: dict, base_sweep: dict, sparsities: list[float]) -> d
 
 def evaluated_changes(out: Path, runs: list[Run], sparsities: list[float]) -> dict[str, dict]:
     """Each run with a sweep: its :func:`run_changes`; the base's sweep must exist."""
-    base_path = out / "sweeps" / BASE / "eval.json"
-    if not base_path.is_file():
-        raise SystemExit(f"--out: {base_path} is missing (the base's sweep; `run` writes it)")
-    base = sweep_figures(base_path)
+    base_rows = sweep_rows(out, BASE)
+    if base_rows is None:
+        raise SystemExit(f"--out: {out / 'sweeps' / BASE / 'eval.json'} is missing (the base's "
+                         "sweep; `run` writes it)")  # fmt: skip
+    base = sweep_figures(base_rows)
     changes = {}
     for run in runs:
-        path = out / "sweeps" / run.name / "eval.json"
-        if path.is_file():
-            changes[run.name] = run_changes(sweep_figures(path), base, sparsities)
+        rows = sweep_rows(out, run.name)
+        if rows is not None:
+            changes[run.name] = run_changes(sweep_figures(rows), base, sparsities)
     return changes
 
 
@@ -576,7 +679,7 @@ def eval_curves(runs: list[Run], kind: str) -> dict[float, list[tuple[int, float
     for run in runs:
         if run.kind != kind:
             continue
-        for step, row in read_metrics(run.path / "metrics.jsonl").items():
+        for step, row in run_metrics(run.path).items():
             if key in row:
                 by_step.setdefault(run.sparsity, {}).setdefault(step, []).append(row[key])
     return {s: [(step, statistics.mean(v)) for step, v in sorted(steps.items())]
@@ -640,7 +743,8 @@ def recorded_num_steps(runs: list[Run]) -> int:
         config = run_config(run.path)
         if config:
             return config["train"]["num_steps"]
-    raise SystemExit("--out: no run folder holds a config.yaml (did `run` start them?)")
+    raise SystemExit("--out: no run recorded a config, in a config.yaml or configs.jsonl (did "
+                     "`run` start them?)")  # fmt: skip
 
 
 def verdict_lines(gains: dict[float, Stat], controls: dict[float, Stat]) -> list[str]:
@@ -757,7 +861,7 @@ def command_report(args) -> int:
         raise SystemExit(f"--out: no runs under {args.out / 'runs'} (run `run` first)")
     at, sparsities = args.eval_sparsity, [0.0, args.eval_sparsity]
     changes = evaluated_changes(args.out, runs, sparsities)
-    base = sweep_figures(args.out / "sweeps" / BASE / "eval.json")
+    base = sweep_figures(sweep_rows(args.out, BASE))
     gains = group_stats(runs, changes, "nft", "motion", at)
     controls = group_stats(runs, changes, "control", "motion", at)
     info, timing = (

@@ -3,7 +3,7 @@ references computed here: the trust region scales a step of a velocity linear in
 exactly the radius; the EMA reference is the start of training at step 0 and the closed-form EMA
 of the trained weights after k updates, in a run's checkpoints too; the defaults leave a run's
 losses bit-identical; bad values are one ConfigError naming the key. Also
-``benchmarks/drift_remedies.py``'s report on hand-made runs."""
+``benchmarks/drift_remedies.py``'s report on hand-made runs, packed or not."""
 
 import dataclasses
 import json
@@ -23,6 +23,7 @@ from vsa2_rl.runtime import build_bundle
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import drift_remedies
+import sparse_rollouts
 
 
 @dataclasses.dataclass
@@ -279,3 +280,20 @@ def test_a_failed_bound_is_final_and_kept_gain_compares_the_same_seeds(tmp_path)
     # 0.095 against seed 12's 0.10, not against the two seeds' mean of 0.15
     assert row[7] == "incomplete (95% of the baseline's)"
     assert row[-1].strip(" |") == "no"
+
+
+def test_a_packed_study_gives_the_unpacked_studys_report_rows(tmp_path):
+    rows = {}
+    for folder in ("unpacked", "packed"):
+        out = tmp_path / folder
+        for seed, gain in ((11, 0.10), (12, 0.06)):
+            _write_run(out, "baseline", "reward", seed, (0.6, 0.65, 0.6 + gain), (0.9, 0.9, 0.9))
+            _write_run(out, "baseline", "control", seed, (0.6, 0.6, 0.61), (0.9, 0.82, 0.89))
+        _write_run(out, "low_lr", "reward", 11, (0.6, 0.6, 0.7), (0.9, 0.9, 0.88))
+        if folder == "packed":
+            assert sparse_rollouts.main(["pack", "--out", str(out)]) == 0
+            assert not any((out / "runs").iterdir())  # every run folder packed away
+        assert drift_remedies.main(["report", "--out", str(out)]) == 0
+        rows[folder] = [line for line in (out / "report.md").read_text().splitlines()
+                        if line.startswith("| ")]  # fmt: skip
+    assert len(rows["packed"]) == 3 and rows["packed"] == rows["unpacked"]  # header, 2 variants

@@ -1,6 +1,7 @@
 """``benchmarks/nft_guidance.py``'s report on hand-made runs and sweeps: the base's figures by
 guidance scale, and per variant the unguided and guided held-out gains of the reward runs, the
-controls' changes and each seed's margin, computed here by hand."""
+controls' changes and each seed's margin, computed here by hand; a packed study's report is
+the unpacked one's."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import nft_guidance
+import sparse_rollouts
 
 
 def _write_run(out, variant, kind, seed, motion, fidelity):
@@ -85,3 +87,24 @@ def test_the_report_gives_unguided_and_guided_gains_with_each_seeds_margin(tmp_p
 def test_run_refuses_a_missing_base_naming_the_flag(tmp_path):
     with pytest.raises(SystemExit, match=r"^--base: .* is not a folder"):
         nft_guidance.main(["run", "--out", str(tmp_path), "--base", str(tmp_path / "nope")])
+
+
+def test_a_packed_study_gives_the_unpacked_studys_report_rows(tmp_path):
+    tables = {}
+    for folder in ("unpacked", "packed"):
+        out = tmp_path / folder
+        out.mkdir()
+        (out / "run_info.json").write_text(json.dumps({"device": "cpu", "scale": 3.0}))
+        for scale, motion in ((1, 0.40), (3, 0.50)):
+            _write_sweep(out, nft_guidance.base_sweep_name(scale), motion)
+        _write_run(out, "none", "reward", 11, (0.40, 0.45, 0.50), (0.90, 0.90, 0.88))
+        _write_run(out, "none", "control", 11, (0.40, 0.40, 0.42), (0.90, 0.90, 0.90))
+        _write_sweep(out, "none_reward_seed11", 0.55)
+        _write_run(out, "anchor", "reward", 11, (0.40, 0.45, 0.45), (0.90, 0.90, 0.90))
+        if folder == "packed":
+            assert sparse_rollouts.main(["pack", "--out", str(out)]) == 0
+            assert not any((out / "runs").iterdir()) and not any((out / "sweeps").iterdir())
+        assert nft_guidance.main(["report", "--out", str(out)]) == 0
+        tables[folder] = _table(out)
+    assert list(tables["packed"]) == ["1", "3", "none", "anchor"]
+    assert tables["packed"] == tables["unpacked"]

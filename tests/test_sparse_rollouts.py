@@ -342,3 +342,45 @@ def test_packed_configs_read_back_as_the_files_they_replace(tmp_path):
         "control_s0.5_seed0", "nft_s0.5_seed0", "nft_s0.9_seed0"
     ]  # fmt: skip
     assert sparse_rollouts.run_config(tmp_path / "runs" / "nft_s0.75_seed0") is None
+
+
+def test_a_packed_study_gives_the_unpacked_studys_report(tmp_path):
+    parts = tmp_path / "parts.md"
+    _write_parts(parts)
+    reports = {}
+    for folder in ("unpacked", "packed"):
+        out = tmp_path / folder
+        _synthetic_out(out)
+        with (out / "runs" / "nft_s0_seed0" / "metrics.jsonl").open("a") as metrics:
+            metrics.write('{"step": 4, "eval/reward": 0.6}\n{"step": 5, "eval/re')  # resumed, torn
+        (out / "runs" / "nft_s0_seed0.log").write_text("a run's log\n")
+        (out / "sweeps" / "base.log").write_text("a sweep's log\n")
+        (out / "sweeps" / "base" / "eval.md").write_text("| a sweep's table |\n")
+        (out / "runs" / "nft_s0_seed1" / "eval_step_4.png").write_bytes(b"\x89PNG")
+        if folder == "packed":
+            assert sparse_rollouts.main(["pack", "--out", str(out)]) == 0
+        args = argparse.Namespace(out=out, eval_sparsity=0.5, rl_scale=[parts])
+        assert sparse_rollouts.command_report(args) == 0
+        reports[folder] = (out / "report.md").read_text()
+    assert reports["packed"] == reports["unpacked"]
+    packed = tmp_path / "packed"
+    # what remains: the packed files, the sample grid and its run folder, the reports
+    assert sorted(str(p.relative_to(packed)) for p in packed.rglob("*") if p.is_file()) == [
+        "configs.jsonl", "report.md", "report.png", "runs.jsonl",
+        "runs/nft_s0_seed1/eval_step_4.png", "seconds_per_step.json", "sweeps.jsonl",
+    ]  # fmt: skip
+    unpacked = tmp_path / "unpacked" / "runs" / "nft_s0_seed0"
+    assert sparse_rollouts.run_metrics(packed / "runs" / "nft_s0_seed0") == (
+        sparse_rollouts.read_metrics(unpacked / "metrics.jsonl")
+    )
+    base = json.loads((tmp_path / "unpacked" / "sweeps" / "base" / "eval.json").read_text())
+    assert sparse_rollouts.sweep_rows(packed, "base") == base
+    # a run added later is packed beside the earlier ones, which keep their lines
+    _write_run(packed, "nft_s0.5_seed0", {0.0: (0.5, 0.5, 0.9), 0.5: (0.4, 0.25, 0.8)},
+               "eval/reward/prompt_motion", [0.5, 0.5, 0.5])  # fmt: skip
+    assert sparse_rollouts.pack_metrics(packed) == 1 and sparse_rollouts.pack_sweeps(packed) == 1
+    assert sparse_rollouts.run_names(packed)[:3] == [
+        "control_s0.9_seed0", "control_s0_seed0", "nft_s0.5_seed0"
+    ]  # fmt: skip
+    assert sparse_rollouts.sweep_names(packed) == ["base", *sparse_rollouts.run_names(packed)]
+    assert sparse_rollouts.run_metrics(packed / "runs" / "nft_s0_seed0")[4]["eval/reward"] == 0.6
