@@ -563,3 +563,81 @@ def test_zero3_refuses_two_trained_experts_before_writing_anything(tmp_path, mon
     assert result.returncode != 0  # the run's 2, which the launcher reports as its own 1
     assert "error: model.train_experts: ZeRO-3 trains one expert per run" in result.stderr
     assert not out_dir.exists()
+
+
+# ---- DiffusionNFT under ZeRO-3 (configs/accelerate/zero3.yaml): the old policy's partitions ----
+
+ZERO3_TRAIN = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               "configs/accelerate/zero3.yaml", "--mixed_precision", "no",
+               "tests/zero3_cpu_worker.py"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nft_zero3(tmp_path_factory):
+    """The NFT run of ``nft_one`` under DeepSpeed ZeRO-3 over 2 CPU processes (some of the toy's
+    parameters partitioned, the small ones kept whole: tests/zero3_cpu_worker.py)."""
+    out_dir = tmp_path_factory.mktemp("nft_zero3") / "zero3"
+    _run(ZERO3_TRAIN, out_dir, *NFT)
+    return out_dir
+
+
+def test_zero3_trains_nft_and_soft_updates_its_old_policy_as_one_process(nft_one, nft_zero3):
+    """Full fine-tuning, where the old policy's partitions of every parameter are swapped in:
+    what test_fsdp2_trains_nft_and_soft_updates_its_old_policy_as_one_process compares."""
+    one, zero3 = _rows(nft_one), _rows(nft_zero3)
+    assert [r["step"] for r in zero3] == [r["step"] for r in one] == [1, 2]
+    assert one[1]["train/old_deviation"] > 0  # the old policy ran with its own weights
+    _assert_same_nft_rows(zero3, one, rel=1e-4)
+    for step in (1, 2):
+        for entry in ("model", "old_policy"):
+            _assert_same_weights(nft_zero3, nft_one, rel=1e-3, entry=entry, step=step)
+    assert (nft_zero3 / "checkpoints" / "step_2" / "deepspeed").is_dir()
+
+
+def test_a_zero3_nft_run_resumes_its_old_policy_as_it_would_have_gone_on(nft_zero3, tmp_path):
+    step_1 = nft_zero3 / "checkpoints" / "step_1"
+    resumed = _run(ZERO3_TRAIN, tmp_path / "resumed", *NFT, f"train.resume={step_1}")
+    assert [r["step"] for r in resumed] == [2]
+    _assert_same_nft_rows(resumed, _rows(nft_zero3)[1:], rel=1e-6)
+    for entry in ("model", "old_policy"):
+        _assert_same_weights(tmp_path / "resumed", nft_zero3, rel=1e-6, entry=entry)
+
+
+@pytest.mark.parametrize("nft_anchor_runs", ["kl_reference_ema"], indirect=True)
+def test_zero3_trains_nft_with_an_ema_kl_reference_as_one_process(nft_anchor_runs, tmp_path):
+    """Full fine-tuning: the EMA reference's partitions are swapped in (nft.trust_region is
+    refused under DeepSpeed, whose master weights would undo its scaling)."""
+    anchor, root = nft_anchor_runs
+    _run(ZERO3_TRAIN, tmp_path / "zero3", *NFT, *NFT_ANCHORS[anchor][0])
+    assert _rows(root / "one")[1]["loss/kl"] > 0
+    _assert_same_anchored_nft(tmp_path / "zero3", root / "one", anchor, 1e-4, 1e-3, steps=(1, 2))
+
+
+def test_zero3_trains_lora_nft_with_its_kl_to_the_base_as_one_process(tmp_path):
+    """LoRA, the 14B NFT recipe's setting: the old policy's adapter partitions are swapped in,
+    and the KL's reference is the partitioned model with adapters off."""
+    lora = [*NFT, "model.lora.enabled=true", "rl.kl_beta=0.1"]
+    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", *lora)
+    zero3 = _run(ZERO3_TRAIN, tmp_path / "zero3", *lora)
+    assert one[1]["train/old_deviation"] > 0 and one[1]["loss/kl"] > 0
+    for a, b in zip(one, zero3, strict=True):
+        for key in (*NFT_COMPARED, "loss/kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-9), (a["step"], key)
+    for entry in ("model", "old_policy"):
+        _assert_same_weights(tmp_path / "zero3", tmp_path / "one", rel=1e-3, entry=entry)
+
+
+@pytest.mark.gpu
+def test_zero3_trains_nft_on_a_gpu_as_one_process(tmp_path):
+    """The CPU runs above on one GPU (NCCL, CUDA tensors), one process, float32."""
+    pytest.importorskip("deepspeed")
+    gpu = [*NFT, "device=cuda", "model.dtype=float32"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              "configs/accelerate/zero3.yaml", "--mixed_precision", "no",
+              "--num_processes", "1", "train_rl.py"]  # fmt: skip
+    one = _run([sys.executable, "train_rl.py"], tmp_path / "one", *gpu)
+    zero3 = _run(launch, tmp_path / "zero3", *gpu)
+    assert one[1]["train/old_deviation"] > 0
+    _assert_same_nft_rows(zero3, one, rel=1e-4)
+    for entry in ("model", "old_policy"):
+        _assert_same_weights(tmp_path / "zero3", tmp_path / "one", rel=1e-3, entry=entry)

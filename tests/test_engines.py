@@ -156,10 +156,11 @@ def test_the_14b_recipe_runs_under_zero3(tmp_path):
     engines.check_options(zero3, load_config(recipe, [model, *full, "rl.kl_beta=0"]))
 
 
-def test_the_14b_nft_recipe_runs_under_fsdp2_and_says_zero3_is_refused(tmp_path):
+def test_the_14b_nft_recipe_runs_under_fsdp2_and_zero3(tmp_path):
     """configs/wan2_1_14b_vsa2_nft.yaml says to launch it with configs/accelerate/fsdp2.yaml:
-    FSDP2's checks pass for it (LoRA, the KL on the base, no EMA), and ZeRO-3 refuses it with an
-    error naming the algorithm."""
+    FSDP2's checks pass for it (LoRA, the KL on the base, no EMA), and so do ZeRO-3's, with
+    configs/accelerate/zero3.yaml's DeepSpeed settings; ZeRO-3 variants that keep the weights
+    outside the partitions are refused with an error naming the algorithm and the setting."""
     import os
 
     import yaml
@@ -174,5 +175,27 @@ def test_the_14b_nft_recipe_runs_under_fsdp2_and_says_zero3_is_refused(tmp_path)
     with open(os.path.join(configs, "accelerate", "fsdp2.yaml"), encoding="utf-8") as handle:
         assert yaml.safe_load(handle)["fsdp_config"]["fsdp_version"] == 2
     engines.check_options(FSDP2, config)
-    with pytest.raises(ConfigError, match=r"nft"):
-        engines.check_options(_accelerator(3), config)
+    with open(os.path.join(configs, "accelerate", "zero3.yaml"), encoding="utf-8") as handle:
+        launcher = yaml.safe_load(handle)
+    offload = launcher["deepspeed_config"]["offload_param_device"]
+    zero = {"stage": 3, "offload_param": {"device": offload}}
+    engines.check_options(_accelerator(3, {"zero_optimization": zero}), config)
+    variants = {
+        "offload_param": {"offload_param": {"device": "nvme"}},
+        "zero_hpz_partition_size": {"zero_hpz_partition_size": 8},
+        "zero_quantized_weights": {"zero_quantized_weights": True},
+    }
+    for key, variant in variants.items():
+        zero3 = _accelerator(3, {"zero_optimization": {**zero, **variant}})
+        with pytest.raises(ConfigError, match=rf"^rl\.algorithm: nft .*{key}"):
+            engines.check_options(zero3, config)
+
+
+def test_zero3_takes_nft_with_an_ema_kl_reference_in_full_fine_tuning():
+    """As FSDP2 does: the EMA reference is swapped in partition by partition."""
+    nft = ["rl.algorithm=nft", "rl.kl_beta=0.1"]
+    full = load_config(FLOW_GRPO_TOY, [*nft, "rl.kl_reference=ema"])
+    assert not full.model.lora.enabled
+    engines.check_options(_accelerator(3), full)
+    with pytest.raises(ConfigError, match=r"^rl\.kl_beta: the KL reference of full fine-tuning"):
+        engines.check_options(_accelerator(3), load_config(FLOW_GRPO_TOY, nft))

@@ -60,9 +60,11 @@ def test_nft_old_policy_is_a_model_copy_in_full_fine_tuning_else_trained_tensors
     assert gib(lora=False)["old policy"] * plan.GIB == pytest.approx(2 * TOY.params)
     # LoRA: fp32 copies of what trains, and their bf16 clone while the old policy runs
     assert gib()["old policy"] * plan.GIB == pytest.approx(6 * TOY.trained_params)
-    # full fine-tuning under FSDP2: the same on each GPU's shard
+    # full fine-tuning under FSDP2 or ZeRO-3: the same on each GPU's shard
     fsdp2 = gib(lora=False, engine="fsdp2", gpus=4)
     assert fsdp2["old policy"] * plan.GIB == pytest.approx(6 * TOY.trained_params / 4)
+    zero3 = gib(lora=False, engine="zero3", gpus=4)
+    assert zero3["old policy"] == fsdp2["old policy"]
     held = fsdp2["weights"] + fsdp2["optimizer"] + fsdp2["old policy"]
     assert fsdp2["rollout"] == pytest.approx(held + fsdp2["rollout activations"])
 
@@ -82,10 +84,10 @@ def test_nft_update_counts_each_old_policy_forward_and_the_kl_reference():
         assert seconds[kl, old] - seconds[False, 0] == pytest.approx((kl + old) * per_video_step)
 
 
-def test_zero3_is_left_out_of_nfts_engine_peaks():
+def test_nfts_engine_peaks_hold_every_engine():
     nft = dataclasses.replace(STEP, old_policy_forwards=1)
-    assert "zero3" in plan.engine_peaks(TOY, STEP)
-    assert list(plan.engine_peaks(TOY, nft)) == ["ddp", "zero2", "fsdp2"]
+    assert list(plan.engine_peaks(TOY, STEP)) == list(plan.ENGINES)
+    assert list(plan.engine_peaks(TOY, nft)) == list(plan.ENGINES)
 
 
 def test_checkpointing_holds_fewer_activations():

@@ -185,13 +185,14 @@ def _states_gib(model: ModelShape, step: StepShape) -> dict[str, float]:
 
 def _old_policy_bytes(model: ModelShape, step: StepShape) -> float:
     """DiffusionNFT's old policy per GPU: full fine-tuning's frozen bf16 copy of the model, or
-    (LoRA, FSDP2's shards) an fp32 copy of the trained tensors and their bf16 clone kept while
-    the old policy's weights are swapped in."""
+    (LoRA, ZeRO-3's partitions and FSDP2's shards) an fp32 copy of the trained tensors and their
+    bf16 clone kept while the old policy's weights are swapped in."""
     if not step.old_policy_forwards:
         return 0.0
-    if not step.lora and step.engine != "fsdp2":
+    sharded = step.engine in ("zero3", "fsdp2")
+    if not step.lora and not sharded:
         return 2.0 * model.params
-    return 6.0 * model.trained_params / (step.gpus if step.engine == "fsdp2" else 1)
+    return 6.0 * model.trained_params / (step.gpus if sharded else 1)
 
 
 def block_bytes(model: ModelShape, tokens: float, batch: int) -> float:
@@ -382,15 +383,13 @@ def gpu_counts(step: StepShape, counts=(2, 4, 8)) -> tuple[int, ...]:
 
 
 def engine_peaks(model: ModelShape, step: StepShape, counts=(2, 4, 8)) -> dict:
-    """Peak GiB per GPU of ``step`` under each engine on each of :func:`gpu_counts`
-    (DiffusionNFT's without ZeRO-3, which it refuses)."""
-    engines = [e for e in ENGINES if not (e == "zero3" and step.old_policy_forwards)]
+    """Peak GiB per GPU of ``step`` under each engine on each of :func:`gpu_counts`."""
     return {
         engine: {
             n: memory_gib(model, dataclasses.replace(step, engine=engine, gpus=n))["peak"]
             for n in gpu_counts(step, counts)
         }
-        for engine in engines
+        for engine in ENGINES
     }
 
 

@@ -10,10 +10,12 @@ With updates every k steps the averaging horizon is about ``k / (1 - decay)`` op
 ``warmup=True`` uses the usual warm-up of the decay, ``min(decay, (1 + n) / (10 + n))`` at the
 n-th update (n from 0), so that a short run averages its own steps rather than its start (the toy
 model build, :func:`vsa2_rl.toy.build.build_toy_model`, ends each stage on such an EMA).
-Parameters sharded by DeepSpeed ZeRO-3 must be gathered by the caller before :meth:`EMA.update`.
-Parameters sharded by FSDP2 are DTensors, and so is their shadow (same placement): each rank
-averages its shards; :meth:`EMA.state_dict` holds those DTensors (vsa2_rl.rl.nft.EMAReference
-gathers them whole) and :meth:`EMA.load_state_dict` takes whole tensors (:func:`as_shard_of`).
+Sharded parameters are averaged shard by shard, each rank its own (:func:`local_tensor`): under
+FSDP2 the parameters are DTensors, and so is their shadow (same placement); under DeepSpeed
+ZeRO-3 the shadow is a copy of the rank's flat partition ``ds_tensor``. :meth:`EMA.state_dict`
+holds those shards (vsa2_rl.rl.nft.EMAReference gathers them whole, :func:`whole_tensor`) and
+:meth:`EMA.load_state_dict` takes whole tensors (:func:`as_shard_of`). :meth:`EMA.swapped` and
+:meth:`EMA.copy_to_params` write whole parameters, so not ZeRO-3's partitions.
 """
 
 from __future__ import annotations
@@ -24,16 +26,59 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch import distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
-def as_shard_of(value: Tensor, weight: Tensor) -> Tensor:
-    """The whole tensor ``value`` in ``weight``'s dtype and device, as its shard where
-    ``weight`` is an FSDP2 DTensor (each rank slices its own part: no communication)."""
+def is_zero3(param: Tensor) -> bool:
+    """Whether ``param`` is partitioned by DeepSpeed ZeRO-3 (it then carries ``ds_tensor``)."""
+    return getattr(param, "ds_tensor", None) is not None
+
+
+def local_tensor(param: Tensor) -> Tensor:
+    """The tensor that stores this rank's weights of ``param``: under ZeRO-3 its flat partition
+    ``ds_tensor`` (``param.data`` is empty there unless gathered), else the parameter itself
+    (under FSDP2 a DTensor, whose arithmetic stays on the rank's shard)."""
+    return param.ds_tensor if is_zero3(param) else param
+
+
+def whole_shape(param: Tensor) -> torch.Size:
+    """The shape of ``param``'s whole tensor, partitioned by ZeRO-3 or not."""
+    return param.ds_shape if is_zero3(param) else param.shape
+
+
+def as_shard_of(value: Tensor, weight: Tensor, param: Tensor) -> Tensor:
+    """The whole tensor ``value`` in ``weight``'s dtype and device, as the part that this rank
+    holds of ``param``: its ZeRO-3 partition, or where ``weight`` is an FSDP2 DTensor its shard
+    (each rank slices its own part: no communication)."""
     value = value.to(weight.device, weight.dtype)
+    if is_zero3(param):
+        return _zero3_partition(value, param)
     if not isinstance(weight, DTensor):
         return value
     return distribute_tensor(value, weight.device_mesh, weight.placements, src_data_rank=None)
+
+
+def _zero3_partition(value: Tensor, param: Tensor) -> Tensor:
+    """This rank's slice of the flattened ``value``, zero-padded to ZeRO-3's partition size."""
+    size = param.ds_tensor.numel()
+    start = dist.get_rank(param.ds_process_group) * size
+    flat = value.reshape(-1)[start : start + size]
+    return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+
+
+def whole_tensor(tensor: Tensor, param: Tensor) -> Tensor:
+    """``tensor``, this rank's part of ``param``'s weights (:func:`local_tensor`), whole on the
+    CPU: ZeRO-3 partitions and FSDP2 DTensors are gathered from every rank (a collective that
+    every rank joins); other tensors are returned as they are."""
+    if is_zero3(param):
+        group = param.ds_process_group
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)[: param.ds_numel].view(param.ds_shape).cpu()
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().cpu()
+    return tensor.detach()
 
 
 class EMA:
@@ -65,7 +110,7 @@ class EMA:
         self.params = {n: p for n, p in named if p.requires_grad}
         if not self.params:
             raise ValueError("parameters holds no trainable (requires_grad=True) parameter")
-        self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self.shadow = {n: local_tensor(p).detach().float().clone() for n, p in self.params.items()}
         self.num_calls = 0
 
     @torch.no_grad()
@@ -82,7 +127,7 @@ class EMA:
             updates = self.num_calls // self.update_every - 1  # the shadow updates before this one
             decay = min(decay, (1 + updates) / (10 + updates))
         for name, param in self.params.items():
-            self.shadow[name].lerp_(param.detach().float(), 1.0 - decay)
+            self.shadow[name].lerp_(local_tensor(param).detach().float(), 1.0 - decay)
         return True
 
     @torch.no_grad()
@@ -123,12 +168,13 @@ class EMA:
                 f"unexpected {extra[:5]}"
             )
         for name, value in shadow.items():
-            if value.shape != self.shadow[name].shape:
+            shape = whole_shape(self.params[name])
+            if value.shape != shape:
                 raise ValueError(
                     f"EMA shadow {name!r} has shape {tuple(value.shape)}, parameter has "
-                    f"{tuple(self.shadow[name].shape)}"
+                    f"{tuple(shape)}"
                 )
-            self.shadow[name].copy_(as_shard_of(value, self.shadow[name]))
+            self.shadow[name].copy_(as_shard_of(value, self.shadow[name], self.params[name]))
         self.decay = float(state["decay"])
         self.update_every = int(state["update_every"])
         self.warmup = bool(state.get("warmup", False))  # absent in checkpoints before it existed

@@ -17,10 +17,11 @@ accelerate hides most of the difference; what it leaves to the loop is gathered 
   clipping threshold, taken from ``train.max_grad_norm`` so that one key sets it;
 * states: under ZeRO-3 and FSDP2 parameters are sharded, so weights are gathered onto the main
   process for checkpoints, every rank takes part in evaluation (its forward gathers them) and
-  options that need whole parameters on one rank are refused. DiffusionNFT's old policy is held,
-  soft-updated and swapped in shard by shard under FSDP2 (vsa2_rl.rl.nft.OldPolicy), as are its
-  EMA reference and its trust region's scaled step, and refused under ZeRO-3. The optimizer
-  state of every rank
+  options that need whole parameters on one rank are refused. DiffusionNFT's old policy and its
+  EMA reference are held, soft-updated and swapped in shard by shard under both (FSDP2's
+  DTensors, ZeRO-3's partitions; vsa2_rl.rl.nft.OldPolicy), and so is its trust region's scaled
+  step under FSDP2 (DeepSpeed refuses ``nft.trust_region``: its master copy would undo it). The
+  optimizer state of every rank
   (and the weight shards) is saved and restored with the engine's own files (``accelerate``'s
   ``save_state`` / ``load_state``: DeepSpeed's checkpoint, torch.distributed.checkpoint for
   FSDP2) inside the atomic checkpoint directory;
@@ -95,8 +96,8 @@ def check_options(acc, config: RunConfig) -> None:
         return
     engine = "FSDP2" if uses_fsdp2(acc) else "ZeRO-3"
     whole = "configs/accelerate/ddp_2gpu.yaml or zero2.yaml"
-    if config.rl.algorithm == "nft":
-        _check_nft(engine, config, whole)
+    if config.rl.algorithm == "nft" and engine == "ZeRO-3":
+        _check_nft_zero3(acc.state.deepspeed_plugin.deepspeed_config)
     if config.train.ema_decay > 0:
         raise ConfigError(
             f"train.ema_decay: an EMA of {engine}-sharded parameters is not supported; set "
@@ -108,20 +109,30 @@ def check_options(acc, config: RunConfig) -> None:
             "rl.kl_beta: the KL reference of full fine-tuning is a frozen copy of the model, "
             f"which {engine} cannot make from sharded parameters; set rl.kl_beta=0, enable "
             "model.lora (the reference is then the model with adapters off), with "
-            "rl.algorithm=nft under FSDP2 set rl.kl_reference=ema, or use " + whole
+            "rl.algorithm=nft set rl.kl_reference=ema, or use " + whole
         )
 
 
-def _check_nft(engine: str, config: RunConfig, whole: str) -> None:
-    """DiffusionNFT under sharded parameters: FSDP2 holds the old policy, the EMA reference and
-    the trust region's start of a step shard by shard in its DTensor parameters
-    (vsa2_rl.rl.nft); ZeRO-3 is refused."""
-    if engine != "FSDP2":
-        raise ConfigError(
-            "rl.algorithm: nft swaps its old-policy weights into the parameters, which ZeRO-3 "
-            "partitions out of the module; launch with configs/accelerate/fsdp2.yaml (FSDP2 "
-            f"shards the old policy too), {whole}"
-        )
+def _check_nft_zero3(ds_config: dict) -> None:
+    """DiffusionNFT under ZeRO-3 holds and swaps the old policy (and the EMA reference) in each
+    rank's partitions ``ds_tensor`` (vsa2_rl.rl.nft); ZeRO-3 variants that keep the weights
+    elsewhere too are refused: parameters offloaded to NVMe, ZeRO++'s secondary partitions
+    (hpZ) and quantized weights."""
+    zero = ds_config.get("zero_optimization", {})
+    offload = zero.get("offload_param") or {}
+    hpz = int(zero.get("zero_hpz_partition_size") or 1)
+    where = {
+        "zero_optimization.offload_param.device=nvme": offload.get("device") == "nvme",
+        "zero_optimization.zero_hpz_partition_size > 1": hpz > 1,
+        "zero_optimization.zero_quantized_weights": bool(zero.get("zero_quantized_weights")),
+    }
+    for key, found in where.items():
+        if found:
+            raise ConfigError(
+                f"rl.algorithm: nft swaps its old-policy weights into ZeRO-3's partitions, which "
+                f"the DeepSpeed config's {key} keeps elsewhere too; drop it from the config, or "
+                "launch with configs/accelerate/zero3.yaml or fsdp2.yaml"
+            )
 
 
 def check_trained_experts(acc, model, config: RunConfig) -> None:

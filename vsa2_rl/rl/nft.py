@@ -24,11 +24,13 @@ Two anchors against drift beyond the paper, both off by default: ``nft.trust_reg
 back an optimizer step that moved the velocity more than a radius (:func:`limit_step`, the
 shrinking of a step to its bound that TRPO's line search does, Schulman et al. 2015), and
 ``rl.kl_reference=ema`` takes the KL term's reference from an EMA of the trained weights
-(:class:`EMAReference`) instead of the start of training. Under FSDP2 both hold and write
-their tensors shard by shard, as the old policy does.
+(:class:`EMAReference`) instead of the start of training. Under FSDP2 and DeepSpeed ZeRO-3 the
+EMA is held and written shard by shard, as the old policy is (:func:`_copy_into`);
+``nft.trust_region`` is refused under DeepSpeed (its float32 master copy would undo the scaling).
 
-:class:`OldPolicy` holds theta_old (LoRA runs and FSDP2: float32 copies of the trained
-tensors, swapped in while it runs; full fine-tuning otherwise: a frozen copy of the model) and
+:class:`OldPolicy` holds theta_old (LoRA runs and sharded parameters: float32 copies of the
+trained tensors, of each rank's shards only, swapped in while it runs; full fine-tuning
+otherwise: a frozen copy of the model) and
 :class:`NFTUpdate` is this rule behind the trainer's :class:`vsa2_rl.rl.update.UpdateRule`;
 rollout, rewards, advantages, guards, the sparsity schedule, engines and checkpoints are the
 trainer's own (vsa2_rl.rl.trainer).
@@ -51,7 +53,7 @@ from vsa2_rl.config import ConfigError, NFTConfig, RLConfig, RunConfig
 from vsa2_rl.models.experts import frozen_copy, trained_sigma_range
 from vsa2_rl.models.wan_bundle import with_transformer
 from vsa2_rl.rl import engines
-from vsa2_rl.rl.ema import EMA, as_shard_of
+from vsa2_rl.rl.ema import EMA, as_shard_of, is_zero3, local_tensor, whole_shape, whole_tensor
 from vsa2_rl.rl.policy import Policy
 from vsa2_rl.rl.rollout import Rollout, RolloutSampler, StepRollouts
 from vsa2_rl.rl.update import UpdateResult
@@ -167,9 +169,10 @@ class EMAReference:
     (:class:`vsa2_rl.rl.ema.EMA`, float32, of the parameters that train), updated after each
     optimizer step; equal to the start of training until the first.
 
-    LoRA runs (``lora=True``) and FSDP2-sharded parameters swap the EMA tensors into the model
-    while the reference runs, as :class:`OldPolicy` does (under FSDP2 the EMA's tensors are
-    DTensors of the parameters' placement: each rank averages and swaps its shards only); full
+    LoRA runs (``lora=True``) and sharded parameters swap the EMA tensors into the model while
+    the reference runs, as :class:`OldPolicy` does (the EMA's tensors are FSDP2 DTensors of the
+    parameters' placement, or copies of ZeRO-3's partitions: each rank averages and swaps its
+    shards only); full
     fine-tuning otherwise keeps a frozen copy of the model in its dtype into which the float32
     EMA is written after each update, so that no weights move per call. Same interface as
     :class:`vsa2_rl.rl.policy.ReferencePolicy` (``active``).
@@ -180,8 +183,7 @@ class EMAReference:
         _reshard(model)  # the EMA averages the sharded parameters, not a gathered copy
         self.ema = EMA(model, decay=decay)
         self.frozen, self.copies = None, {}
-        sharded = any(isinstance(p, DTensor) for p in self.ema.params.values())
-        if not lora and not sharded:
+        if not lora and not _sharded(self.ema.params):
             self.frozen = with_transformer(bundle, frozen_copy(model))
             frozen = dict(self.frozen.transformer.named_parameters())
             self.copies = {name: frozen[name] for name in self.ema.params}
@@ -206,14 +208,14 @@ class EMAReference:
             yield self.bundle
 
     def state_dict(self, keep: bool = True) -> dict:
-        """The EMA's state with whole tensors (FSDP2's shards gathered as
-        :meth:`OldPolicy.state_dict` does); ``keep=False`` returns ``{}``."""
+        """The EMA's state with whole tensors (shards gathered as :meth:`OldPolicy.state_dict`
+        does); ``keep=False`` returns ``{}``."""
         state = self.ema.state_dict()
-        shadow = _whole_tensors(state["shadow"], keep)
+        shadow = _whole_tensors(self.ema.params, state["shadow"], keep)
         return {**state, "shadow": shadow} if keep else {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores :meth:`state_dict` (whole tensors; under FSDP2 each rank takes its shards)."""
+        """Restores :meth:`state_dict` (whole tensors; sharded, each rank takes its shards)."""
         self.ema.load_state_dict(state)
         self._write_copy()
 
@@ -237,12 +239,17 @@ def _reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+def _sharded(params: dict[str, Tensor]) -> bool:
+    """Whether ``params`` are sharded over the ranks (FSDP2 DTensors, ZeRO-3 partitions)."""
+    return any(isinstance(p, DTensor) or is_zero3(p) for p in params.values())
+
+
 @contextlib.contextmanager
 def _swapped(model: torch.nn.Module, params: dict[str, Tensor], weights: dict[str, Tensor]):
     """Runs the block with ``weights`` copied into ``model``'s parameters ``params`` (same
-    names; under FSDP2 DTensors of one placement, copied shard by shard) and the trained values
-    copied back after it."""
-    trained = {name: param.detach().clone() for name, param in params.items()}
+    names; of sharded parameters each rank's shards, :func:`vsa2_rl.rl.ema.local_tensor`) and
+    the trained values copied back after it."""
+    trained = {name: local_tensor(param).detach().clone() for name, param in params.items()}
     _copy_into(model, params, weights)
     try:
         yield
@@ -252,18 +259,40 @@ def _swapped(model: torch.nn.Module, params: dict[str, Tensor], weights: dict[st
 
 @torch.no_grad()
 def _copy_into(model: torch.nn.Module, params: dict[str, Tensor], values: dict[str, Tensor]):
+    """Writes ``values`` (each rank's shards of sharded parameters) into ``params``, so that the
+    next forward of ``model`` runs them."""
     _reshard(model)  # else a gathered copy from the last forward would hide what is written
     for name, param in params.items():
-        param.copy_(values[name])
+        local_tensor(param).copy_(values[name])
+    _release_stale(list(params.values()))
 
 
-def _whole_tensors(tensors: dict[str, Tensor], keep: bool) -> dict[str, Tensor]:
-    """``tensors`` whole: FSDP2's shards are gathered one tensor at a time onto the CPU (a
-    collective every rank joins); ``keep=False`` (ranks that do not write the checkpoint)
-    returns ``{}``."""
+def _release_stale(params: list[Tensor]) -> None:
+    """Under ZeRO-3, makes the next forward read the partitions just written into ``params``
+    (no-op otherwise): the parameters that DeepSpeed holds gathered, those it left so after the
+    last forward and those below ``stage3_param_persistence_threshold``, which it keeps gathered
+    whole on every rank, are released, so that the next forward gathers them from their
+    partitions (and keeps the persistent ones gathered again)."""
+    partitioned = [p for p in params if is_zero3(p)]
+    if not partitioned:  # DeepSpeed need not be installed
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    gathered = [p for p in partitioned if p.ds_status == ZeroParamStatus.AVAILABLE]
+    if gathered:
+        gathered[0].partition(gathered)  # frees the stale whole tensors, writes nothing back
+
+
+def _whole_tensors(
+    params: dict[str, Tensor], tensors: dict[str, Tensor], keep: bool
+) -> dict[str, Tensor]:
+    """``tensors``, each rank's part of the parameters ``params`` of the same names, whole:
+    shards are gathered one tensor at a time onto the CPU (a collective every rank joins,
+    :func:`vsa2_rl.rl.ema.whole_tensor`); ``keep=False`` (ranks that do not write the
+    checkpoint) returns ``{}``."""
     whole = {}
     for name, tensor in tensors.items():
-        value = tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor.detach()
+        value = whole_tensor(tensor, params[name])
         if keep:
             whole[name] = value
     return whole
@@ -275,14 +304,15 @@ class OldPolicy:
 
     ``model`` is the unwrapped transformer that trains (``bundle.transformer`` may be its
     DDP / DeepSpeed / FSDP2 wrapper). With ``copy_model=False`` (LoRA runs, and full
-    fine-tuning under FSDP2) it keeps float32 copies of the trainable tensors (for LoRA the
-    adapters and VSA2 router/gates, a few MB) and swaps them into the parameters while the old
-    policy runs, so the base weights are not held twice; under FSDP2 the parameters and these
-    copies are DTensors of the same placement, so each rank holds, soft-updates and swaps its
-    shards only, and the old policy runs through the same sharded module. With
-    ``copy_model=True`` (full fine-tuning without sharded parameters) it keeps a frozen copy of
-    the whole model in its dtype, run through a view of ``bundle`` (no weights move per call).
-    ZeRO-3 is refused before this is built (vsa2_rl.rl.engines.check_options).
+    fine-tuning under FSDP2 or ZeRO-3) it keeps float32 copies of the trainable tensors (for
+    LoRA the adapters and VSA2 router/gates, a few MB) and swaps them into the parameters while
+    the old policy runs, so the base weights are not held twice. Of sharded parameters it copies
+    each rank's shards only (:func:`vsa2_rl.rl.ema.local_tensor`: FSDP2's DTensors, of the
+    parameters' placement, or ZeRO-3's flat partitions ``ds_tensor``), so each rank holds,
+    soft-updates and swaps its shards, and the old policy runs through the same sharded module.
+    With ``copy_model=True`` (full fine-tuning without sharded parameters) it keeps a frozen
+    copy of the whole model in its dtype, run through a view of ``bundle`` (no weights move per
+    call).
     """
 
     def __init__(self, bundle, model: torch.nn.Module, *, copy_model: bool):
@@ -295,13 +325,15 @@ class OldPolicy:
             frozen = dict(self.frozen.transformer.named_parameters())
             self.weights = {name: frozen[name] for name in self.live}
         else:
-            self.weights = {n: p.detach().float().clone() for n, p in self.live.items()}
+            self.weights = {
+                n: local_tensor(p).detach().float().clone() for n, p in self.live.items()
+            }
 
     @torch.no_grad()
     def soft_update(self, eta: float) -> None:
-        """``theta_old <- eta * theta_old + (1 - eta) * theta`` (shard by shard under FSDP2)."""
+        """``theta_old <- eta * theta_old + (1 - eta) * theta`` (shard by shard if sharded)."""
         for name, weight in self.weights.items():
-            weight.lerp_(self.live[name].detach().to(weight.dtype), 1.0 - eta)
+            weight.lerp_(local_tensor(self.live[name]).detach().to(weight.dtype), 1.0 - eta)
 
     @contextlib.contextmanager
     def active(self) -> Iterator:
@@ -313,14 +345,14 @@ class OldPolicy:
             yield self.bundle
 
     def state_dict(self, keep: bool = True) -> dict[str, Tensor]:
-        """theta_old by parameter name, whole tensors: FSDP2's shards are gathered one tensor
-        at a time onto the CPU (a collective every rank joins); ``keep=False`` (ranks that do
-        not write the checkpoint) returns ``{}``."""
-        return _whole_tensors(self.weights, keep)
+        """theta_old by parameter name, whole tensors: shards are gathered one tensor at a time
+        onto the CPU (a collective every rank joins); ``keep=False`` (ranks that do not write
+        the checkpoint) returns ``{}``."""
+        return _whole_tensors(self.live, self.weights, keep)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Restores :meth:`state_dict` (whole tensors; under FSDP2 each rank takes its shards);
+        """Restores :meth:`state_dict` (whole tensors; sharded, each rank takes its shards);
         names and shapes must be this model's."""
         if set(state) != set(self.weights):
             missing = sorted(set(self.weights) - set(state))
@@ -330,12 +362,13 @@ class OldPolicy:
                 f"{missing[:3]}, unexpected {extra[:3]}"
             )
         for name, weight in self.weights.items():
-            if state[name].shape != weight.shape:
+            param = self.live[name]
+            if state[name].shape != whole_shape(param):
                 raise ValueError(
                     f"old-policy tensor {name!r} has shape {tuple(state[name].shape)}, the "
-                    f"parameter {tuple(weight.shape)}"
+                    f"parameter {tuple(whole_shape(param))}"
                 )
-            weight.copy_(as_shard_of(state[name], weight))
+            weight.copy_(as_shard_of(state[name], weight, param))
 
 
 def _draw_seed(seed: int, step: int, epoch: int, index: int) -> int:
