@@ -321,16 +321,17 @@ for part in "${parts[@]}"; do
       python3 benchmarks/make_wan_shaped.py /tmp/wan1.3b > /dev/null 2>&1 || echo "model folder failed" ;;
     plan_memory)  # (after "wan") the 1.3B recipes' plan (vsa2-rl check) against one step's
       # measured peak: each *_vsa2_$alg.yaml, 2 rollouts, rewards swapped for image_quality
+      # (PLAN_EXTRA: overrides for both, e.g. model.compile_blocks=false)
       du -sb /tmp/wan1.3b/* > "$OUT/plan_memory_folder_bytes.txt"
-      one_step="model.path=/tmp/wan1.3b rl.group_size=2 rl.prompts_per_step=1 train.num_steps=1
-        rewards.functions=[{name:image_quality}] eval.every=0 train.sample_every=0
-        logging.report_to=[] logging.progress=false"
+      one_step=(model.path=/tmp/wan1.3b rl.group_size=2 rl.prompts_per_step=1 train.num_steps=1
+        "rewards.functions=[{name: image_quality}]" eval.every=0 train.sample_every=0
+        "logging.report_to=[]" logging.progress=false ${PLAN_EXTRA:-})
       for alg in ${PLAN_ALGORITHMS:-nft grpo}; do
         recipe=configs/wan2_1_1.3b_vsa2_$alg.yaml
-        PYTHONSAFEPATH=1 python3 -m vsa2_rl.cli check --config $recipe $one_step \
+        PYTHONSAFEPATH=1 python3 -m vsa2_rl.cli check --config $recipe "${one_step[@]}" \
           > "$OUT/plan_memory_check_$alg.txt" 2>&1
-        PYTHONSAFEPATH=1 timeout ${PLAN_RUN_S:-330} python3 train_rl.py --config $recipe $one_step \
-          out_dir=/tmp/plan_$alg > "$OUT/plan_memory_run_$alg.log" 2>&1
+        PYTHONSAFEPATH=1 timeout ${PLAN_RUN_S:-330} python3 train_rl.py --config $recipe \
+          "${one_step[@]}" out_dir=/tmp/plan_$alg > "$OUT/plan_memory_run_$alg.log" 2>&1
         echo "$alg rc=$?"; cp /tmp/plan_$alg/metrics.jsonl "$OUT/plan_memory_$alg.jsonl"
         grep "memory" "$OUT/plan_memory_check_$alg.txt"
         grep -o '"perf/[a-z_]*": [0-9.e+-]*' "$OUT/plan_memory_$alg.jsonl"
