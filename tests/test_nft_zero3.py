@@ -118,6 +118,7 @@ def _check_on_each_rank() -> None:
         _check_partitioning(engine.module)
     _check_old_state(olds, engine)
     _check_ema_reference(bundles, models, optimizers, x)
+    dist.barrier()  # no rank tears gloo down while the other still runs work on it
     dist.destroy_process_group()
 
 
